@@ -1,0 +1,175 @@
+"""Settings: a YAML file from configs/ plus VOICEBOT_* environment overrides, validated at start-up.
+
+The file is named by `--config` or `VOICEBOT_CONFIG` (default configs/default.yaml). Environment
+variables override it in pydantic-settings' nested form: `VOICEBOT_TTS__VOICE=yue` sets tts.voice.
+Every section forbids unknown keys, so a typo in a YAML file stops start-up with a message naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_sessions: int = Field(20, ge=1)
+    # On SIGTERM: stop accepting sessions, let replies in progress finish for at most this long.
+    shutdown_timeout_s: float = Field(10.0, ge=0)
+    static_dir: Path = REPO_ROOT / "static"
+
+
+class LimitsConfig(Section):
+    """Flood protection: past these rates the session is closed (close code 4008)."""
+
+    max_messages_per_s: float = Field(200.0, gt=0)
+    # Audio bytes per second allowed, as a multiple of the session's real-time byte rate.
+    max_audio_realtime_factor: float = Field(4.0, gt=1)
+    # Rates are averaged over this window, so a burst after a network stall is not abuse.
+    window_s: float = Field(2.0, gt=0)
+
+
+class GateConfig(Section):
+    enabled: bool = True
+    block_ms: float = Field(5.0, gt=0)
+    # A block this many background standard deviations above the background mean is a candidate burst.
+    threshold_std: float = Field(3.0, gt=0)
+    # ... and must also be this many dB above the background mean energy (keeps quiet rooms sane).
+    min_rise_db: float = Field(12.0, ge=0)
+    # A burst longer than this is not an impulse (it is speech or sustained sound): it passes.
+    max_burst_ms: float = Field(45.0, gt=0)
+    mute_ms: float = Field(50.0, gt=0)
+    # Lookahead used to decide whether a rise is short (≤ 50 ms, so added latency stays small).
+    lookahead_ms: float = Field(50.0, ge=0, le=50)
+    # Time constant of the background statistics (exponential moving average).
+    background_tau_s: float = Field(2.0, gt=0)
+    warmup_ms: float = Field(200.0, ge=0)
+
+
+class EndpointConfig(Section):
+    # Silero speech probability above which a 32 ms window counts as speech.
+    threshold: float = Field(0.5, gt=0, lt=1)
+    # End of utterance after this much silence. 500 ms: below ~400 ms normal pauses between phrases
+    # split sentences (measured on espeak speech, and the usual figure for conversational
+    # endpointing); every extra 100 ms adds directly to the reply latency.
+    endpoint_silence_ms: int = Field(500, ge=100, le=5000)
+    # Speech shorter than this is not an utterance (a click the gate let through, a cough).
+    min_speech_ms: int = Field(150, ge=0)
+    # Audio kept before the detected start so the first phoneme reaches the recognizer.
+    pre_speech_ms: int = Field(300, ge=0, le=1000)
+    # An utterance is cut (ended) after this long, so no stream grows without bound.
+    max_utterance_s: float = Field(30.0, gt=1)
+
+
+class PacingConfig(Section):
+    # Reply frames may be sent at most this far ahead of the client's playback clock.
+    lead_ms: int = Field(400, ge=0, le=5000)
+    # When synthesis is slower than real time, wait for this much audio before the first frame.
+    prebuffer_ms: int = Field(0, ge=0, le=10000)
+    # User speech at least this long while the bot speaks interrupts it (a cough does not).
+    barge_in_min_ms: int = Field(300, ge=0)
+
+
+class ResetConfig(Section):
+    interval_s: float = Field(1800.0, gt=0)
+
+
+class PocketsphinxConfig(Section):
+    # Phrases for a closed grammar (deterministic, for tests and demos); empty = general English LM.
+    phrases: list[str] = []
+
+
+class AsrConfig(Section):
+    engine: Literal["pocketsphinx"] = "pocketsphinx"
+    pocketsphinx: PocketsphinxConfig = PocketsphinxConfig()
+
+
+class EspeakConfig(Section):
+    # voice name (as clients see it) -> espeak-ng voice.
+    voices: dict[str, str] = {"en": "en-us", "zh": "cmn", "yue": "yue"}
+    rate_wpm: int = Field(175, ge=80, le=450)
+
+
+class TtsConfig(Section):
+    engine: Literal["espeak"] = "espeak"
+    voice: str = "en"
+    espeak: EspeakConfig = EspeakConfig()
+
+
+class ReplyConfig(Section):
+    engine: Literal["echo"] = "echo"
+    # Conversation history kept per session, in turns (a user message plus the reply).
+    max_history_turns: int = Field(20, ge=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VOICEBOT_", env_nested_delimiter="__", extra="forbid")
+
+    server: ServerConfig = ServerConfig()
+    limits: LimitsConfig = LimitsConfig()
+    gate: GateConfig = GateConfig()
+    endpoint: EndpointConfig = EndpointConfig()
+    pacing: PacingConfig = PacingConfig()
+    reset: ResetConfig = ResetConfig()
+    asr: AsrConfig = AsrConfig()
+    tts: TtsConfig = TtsConfig()
+    reply: ReplyConfig = ReplyConfig()
+    log_level: str = "info"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment first: it overrides the file's values, which arrive as init arguments.
+        return env_settings, init_settings
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; the message names the file and the offending keys."""
+
+
+def load_settings(path: str | Path | None = None, **overrides: Any) -> Settings:
+    """Read the YAML file (or VOICEBOT_CONFIG, or configs/default.yaml) and apply env overrides."""
+    path = Path(path or os.environ.get("VOICEBOT_CONFIG") or DEFAULT_CONFIG)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(data).__name__}")
+    _deep_update(data, overrides)
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid config {path}: {problems}") from exc
+
+
+def _deep_update(base: dict, extra: dict) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value

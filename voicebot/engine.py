@@ -1,0 +1,29 @@
+"""What every engine (recognizer, responder, synthesizer) has in common."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ResetReport:
+    """What a periodic reset did to one engine's per-session state.
+
+    `generation` increases by one at every reset, so a test (or an operator) can see that state was
+    really dropped and rebuilt, not skipped; `bytes_freed` is the size of the state that was dropped.
+    """
+
+    engine: str
+    generation: int
+    bytes_freed: int
+
+
+@dataclass
+class EngineInfo:
+    """What /readyz reports about one loaded engine."""
+
+    kind: str  # "asr" | "tts" | "reply" | "vad"
+    name: str
+    device: str = "cpu"
+    loaded: bool = False
+    details: dict = field(default_factory=dict)

@@ -1,0 +1,81 @@
+"""The synthesizer interface.
+
+A `Synthesizer` is loaded once at start-up and shared; `open(voice)` gives one session a
+`SynthesisContext` holding that session's synthesis state (KV cache slot, token history, ...).
+`stream()` takes the reply's text as it arrives (deltas, possibly one character at a time) and
+yields `SpeechChunk`s of 24 kHz mono float32 audio as soon as each is ready. Cancelling the
+consumer (barge-in) must stop the work promptly: engines check for cancellation between steps.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import numpy as np
+
+from voicebot.engine import EngineInfo, ResetReport
+
+SAMPLE_RATE = 24000
+
+
+@dataclass(frozen=True)
+class SpeechChunk:
+    """Audio for part of a reply.
+
+    `text` is the sentence (or text span) this audio voices, and `segment` its index within the
+    reply; consecutive chunks of one segment share both. The pacer uses them to know which words
+    the listener has heard when a reply is interrupted.
+    """
+
+    audio: np.ndarray  # float32, mono, SAMPLE_RATE
+    text: str
+    segment: int
+
+
+@dataclass(frozen=True)
+class VoiceInfo:
+    name: str
+    language: str | None = None
+    description: str = ""
+
+
+class SynthesisContext(ABC):
+    voice: str
+
+    @abstractmethod
+    def stream(self, text: AsyncIterator[str]) -> AsyncIterator[SpeechChunk]:
+        """Synthesize text deltas as they arrive; an async generator."""
+
+    @abstractmethod
+    def set_voice(self, voice: str) -> None:
+        """Switch voice for the next reply (raises KeyError for an unknown voice)."""
+
+    @abstractmethod
+    async def reset(self) -> ResetReport:
+        """Drop and rebuild this session's synthesis state (never called during a reply)."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+class Synthesizer(ABC):
+    name: str
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load models and voices (blocking; called once at start-up, off the event loop)."""
+
+    @abstractmethod
+    def voices(self) -> list[VoiceInfo]: ...
+
+    @abstractmethod
+    def open(self, voice: str | None = None) -> SynthesisContext:
+        """Per-session state; `voice` None means the configured default. KeyError if unknown."""
+
+    @abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    def close(self) -> None:
+        """Release shared resources at shutdown."""
