@@ -1,0 +1,284 @@
+"""CosyVoice 2 language model: a Qwen2 decoder over a static KV cache, plus the speech-token heads.
+
+The Qwen2 part is written out here (gpt-fast style) instead of using transformers: the KV cache is
+preallocated and written at explicit positions, so a decode step always has the same shapes (one
+token against the whole cache, masked) and can later be batched or captured in a CUDA graph. The
+Qwen text lm_head is never built: CosyVoice reads hidden states through its own `llm_decoder`.
+
+Module names follow the official Qwen2LM so llm.pt loads strictly (`llm.model.model.layers.N...`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from voicebot.tts.cosyvoice2.sampling import Sampler
+
+# Official Qwen2LM.inference defaults; the yaml does not set them.
+MIN_TOKEN_TEXT_RATIO = 2.0
+MAX_TOKEN_TEXT_RATIO = 20.0
+_TEXT_HEAD_KEY = "llm.model.lm_head.weight"
+_EMBED_TOKENS_KEY = "llm.model.model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class Qwen2Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Qwen2Config:
+        """Read a HF Qwen2 config.json (CosyVoice-BlankEN/config.json)."""
+        d = json.loads(Path(path).read_text())
+        if d.get("hidden_act", "silu") != "silu" or d.get("rope_scaling") or d.get("use_sliding_window"):
+            raise ValueError(f"{path}: only plain Qwen2 (silu, unscaled RoPE, no sliding window) is supported")
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+class KVCache:
+    """One session's keys and values: [layers, B, kv_heads, max_seq_len, head_dim], written by position."""
+
+    def __init__(self, cfg: Qwen2Config, max_seq_len: int, batch: int = 1,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
+        if max_seq_len > cfg.max_position_embeddings:
+            raise ValueError(f"KV cache length {max_seq_len} > max_position_embeddings {cfg.max_position_embeddings}")
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k.shape[3]
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # fp32 statistics even when the model runs in fp16, as HF Qwen2 does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(input_pos: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(T,) positions -> cos, sin (T, head_dim), rotate-half layout. Computed per call: it is tiny
+    and keeps the model free of buffers that would have to be rebuilt after a meta-device load."""
+    exponent = torch.arange(0, head_dim, 2, device=input_pos.device, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / theta**exponent
+    freqs = input_pos.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: (B, H, T, hd); cos/sin: (T, hd)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
+                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        # x: (B, T, D); mask: (T, S) bool; k_cache/v_cache: (B, n_kv, S, hd), updated in place
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache.index_copy_(2, input_pos, k)
+        v_cache.index_copy_(2, input_pos, v)
+        y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
+                k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2(nn.Module):
+    """Qwen2 decoder without its text head: embeddings in, final-norm hidden states out."""
+
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, input_pos: Tensor, cache: KVCache) -> Tensor:
+        # x: (B, T, D) at positions input_pos (T,) -> (B, T, D) after the final norm
+        cos, sin = rope_cos_sin(input_pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        # Attend over the whole cache; unwritten and future slots are masked out.
+        mask = torch.arange(cache.max_seq_len, device=x.device)[None, :] <= input_pos[:, None]  # (T, S)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, input_pos, cache.k[i], cache.v[i])
+        return self.norm(x)
+
+
+class CosyVoice2LM(nn.Module):
+    """Official Qwen2LM at inference: [sos | text | task_id | speech] -> speech-token logits."""
+
+    def __init__(self, cfg: Qwen2Config, speech_token_size: int, mix_ratio: Sequence[int] = (5, 15)) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.speech_token_size = speech_token_size
+        self.eos = speech_token_size
+        self.fill_token = speech_token_size + 2
+        self.stop_tokens = frozenset({speech_token_size, speech_token_size + 1, speech_token_size + 2})
+        self.mix_ratio = tuple(mix_ratio)
+        self.llm_embedding = nn.Embedding(2, d)  # row 0 = sos, row 1 = task_id
+        # `llm.model.model` mirrors Qwen2Encoder -> Qwen2ForCausalLM -> Qwen2Model for the key names.
+        self.llm = nn.Module()
+        self.llm.model = nn.Module()
+        self.llm.model.model = Qwen2(cfg)
+        self.llm_decoder = nn.Linear(d, speech_token_size + 3)
+        self.speech_embedding = nn.Embedding(speech_token_size + 3, d)
+        self._register_load_state_dict_pre_hook(self._drop_text_head)
+        self._register_state_dict_hook(self._tie_text_head)
+
+    @property
+    def qwen(self) -> Qwen2:
+        return self.llm.model.model
+
+    @property
+    def cfg(self) -> Qwen2Config:
+        return self.qwen.cfg
+
+    # The checkpoint carries the tied Qwen text head; it is never computed, so it is not a module here.
+    @staticmethod
+    def _drop_text_head(state_dict: dict, prefix: str, *args: Any) -> None:
+        state_dict.pop(prefix + _TEXT_HEAD_KEY, None)
+
+    @staticmethod
+    def _tie_text_head(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        state_dict[prefix + _TEXT_HEAD_KEY] = state_dict[prefix + _EMBED_TOKENS_KEY]
+
+    def new_cache(self, max_seq_len: int, batch: int = 1) -> KVCache:
+        p = self.llm_decoder.weight
+        return KVCache(self.cfg, max_seq_len, batch, p.device, p.dtype)
+
+    def embed_text(self, ids: Tensor) -> Tensor:
+        return self.qwen.embed_tokens(ids.reshape(1, -1).long())  # (1, N, D)
+
+    def embed_speech(self, ids: Tensor) -> Tensor:
+        return self.speech_embedding(ids.reshape(1, -1).long())  # (1, N, D)
+
+    def sos_task(self) -> tuple[Tensor, Tensor]:
+        w = self.llm_embedding.weight
+        return w[0].reshape(1, 1, -1), w[1].reshape(1, 1, -1)
+
+    def forward(self, x: Tensor, input_pos: Tensor, cache: KVCache) -> Tensor:
+        """(1, T, D) inputs at positions input_pos (T,) -> log-probs of the next speech token (V,)."""
+        h = self.qwen(x, input_pos, cache)
+        return self.llm_decoder(h[:, -1]).float().log_softmax(-1)[0]
+
+
+def _ids(ids: Tensor | Sequence[int] | None, device: torch.device) -> Tensor:
+    return torch.as_tensor([] if ids is None else ids, dtype=torch.long, device=device).reshape(-1)
+
+
+def build_lm_input(lm: CosyVoice2LM, text: Tensor, prompt_text: Tensor, prompt_speech: Tensor) -> Tensor:
+    """Spec §6.1: [sos | embed_tokens(prompt_text ++ text) | task_id | speech_embedding(prompt_speech)].
+    Cross-lingual and SFT pass empty prompts; instruct2 passes the instruction as prompt_text."""
+    sos, task_id = lm.sos_task()
+    text_emb = lm.embed_text(torch.cat([prompt_text, text]))
+    return torch.cat([sos, text_emb, task_id, lm.embed_speech(prompt_speech)], dim=1)  # (1, L, D)
+
+
+@torch.inference_mode()
+def generate(lm: CosyVoice2LM, cache: KVCache, sample: Sampler, text: Tensor | Sequence[int],
+             prompt_text: Tensor | Sequence[int] | None = None,
+             prompt_speech: Tensor | Sequence[int] | None = None,
+             min_token_text_ratio: float = MIN_TOKEN_TEXT_RATIO,
+             max_token_text_ratio: float = MAX_TOKEN_TEXT_RATIO) -> Iterator[int]:
+    """Decode speech tokens one at a time (official Qwen2LM.inference, unistream).
+
+    Limits count only the tts text: at least int(n·min_ratio) tokens (eos alone is masked until
+    then), at most int(n·max_ratio), and never past the end of `cache`.
+    """
+    device = lm.llm_decoder.weight.device
+    text, prompt_text, prompt_speech = (_ids(t, device) for t in (text, prompt_text, prompt_speech))
+    x = build_lm_input(lm, text, prompt_text, prompt_speech)
+    min_len = int(len(text) * min_token_text_ratio)
+    max_len = min(int(len(text) * max_token_text_ratio), cache.max_seq_len - x.shape[1] + 1)
+    if max_len < min_len:
+        raise ValueError(f"KV cache of {cache.max_seq_len} cannot hold a {x.shape[1]}-token prefix "
+                         f"plus {min_len} speech tokens; split the text")
+    pos = torch.arange(x.shape[1], device=device)
+    out: list[int] = []
+    for i in range(max_len):
+        logp = lm(x, pos, cache)
+        if i < min_len:
+            logp[lm.eos] = -float("inf")
+        token = sample(logp, out)
+        if token in lm.stop_tokens:
+            return
+        yield token
+        out.append(token)
+        x = lm.speech_embedding.weight[token].reshape(1, 1, -1)
+        pos = pos[-1:] + 1
+
+
+def build_lm(hparams: dict[str, Any]) -> CosyVoice2LM:
+    """From load_hparams(): Qwen2 geometry from <qwen_pretrain_path>/config.json, the rest from `llm:`."""
+    h = hparams["llm"]
+    cfg = Qwen2Config.from_json(Path(h["llm"]["pretrain_path"]) / "config.json")
+    if not h["llm_input_size"] == h["llm_output_size"] == cfg.hidden_size:
+        raise ValueError(f"llm_input_size/llm_output_size {h['llm_input_size']}/{h['llm_output_size']} "
+                         f"!= Qwen2 hidden_size {cfg.hidden_size}")
+    return CosyVoice2LM(cfg, h["speech_token_size"], h["mix_ratio"])
