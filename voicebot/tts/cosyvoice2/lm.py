@@ -228,7 +228,8 @@ class CosyVoice2LM(nn.Module):
         return self.llm_decoder(h[:, -1]).float().log_softmax(-1)[0]
 
 
-def _ids(ids: Tensor | Sequence[int] | None, device: torch.device) -> Tensor:
+def token_ids(ids: Tensor | Sequence[int] | None, device: torch.device) -> Tensor:
+    """Any id container ((1, N) or (N,) tensor, list, None) -> (N,) long tensor."""
     return torch.as_tensor([] if ids is None else ids, dtype=torch.long, device=device).reshape(-1)
 
 
@@ -252,7 +253,7 @@ def generate(lm: CosyVoice2LM, cache: KVCache, sample: Sampler, text: Tensor | S
     then), at most int(n·max_ratio), and never past the end of `cache`.
     """
     device = lm.llm_decoder.weight.device
-    text, prompt_text, prompt_speech = (_ids(t, device) for t in (text, prompt_text, prompt_speech))
+    text, prompt_text, prompt_speech = (token_ids(t, device) for t in (text, prompt_text, prompt_speech))
     x = build_lm_input(lm, text, prompt_text, prompt_speech)
     min_len = int(len(text) * min_token_text_ratio)
     max_len = min(int(len(text) * max_token_text_ratio), cache.max_seq_len - x.shape[1] + 1)
