@@ -92,9 +92,51 @@ class PocketsphinxConfig(Section):
     phrases: list[str] = []
 
 
+class DialectFallbackConfig(Section):
+    """Re-decode an utterance with a second model when the primary result is unsure."""
+
+    # A local model directory or a ModelScope id of a FunASR Paraformer (streaming or offline
+    # class); None disables the fallback.
+    model: str | None = None
+    # Below this utterance confidence (geometric mean of token posteriors) the fallback runs.
+    # 0.7 is a starting point: fit it on your own labelled audio with scripts/calibrate_threshold.py.
+    fallback_threshold: float = Field(0.7, gt=0, lt=1)
+    # Which result wins when the fallback ran: the more confident one, or always the dialect's.
+    prefer: Literal["higher_confidence", "dialect"] = "higher_confidence"
+
+
+class ParaformerConfig(Section):
+    """FunASR streaming Paraformer, an optional offline second pass and the dialect fallback.
+
+    Every model is a local directory or a ModelScope id looked up in `model_cache`; nothing is
+    downloaded at start-up: `python -m voicebot.models fetch --config FILE` does that ahead of time.
+    """
+
+    model: str = "iic/speech_paraformer-large_asr_nat-zh-cn-16k-common-vocab8404-online"
+    # Offline Paraformer re-decoding each utterance at its endpoint (more accurate, and its
+    # confidence decides the fallback); None keeps the streaming result.
+    offline_model: str | None = None
+    dialect: DialectFallbackConfig = DialectFallbackConfig()
+    # fsmn-vad, used as the endpointer of the /funasr endpoint; None: utterances end only when
+    # the client says so (or at endpoint.max_utterance_s).
+    vad_model: str | None = None
+    model_cache: Path = REPO_ROOT / "models"
+    # In 60 ms frames: [0, 10, 5] decodes every 600 ms with 300 ms look-ahead; [0, 8, 4] every
+    # 480 ms with 240 ms (lower latency, slightly more compute per second of audio).
+    chunk_size: tuple[int, int, int] = (0, 10, 5)
+    # Chunks of attention history kept per stream. Bounded on purpose: -1 (unbounded) grows
+    # a stream's cache by ~200 MB per minute, so it is not accepted.
+    encoder_look_back: int = Field(4, ge=0, le=16)
+    decoder_look_back: int = Field(1, ge=0, le=16)
+    device: str = "cpu"
+    # torch intra-op threads; process-wide, so every FunASR model shares the setting.
+    threads: int = Field(1, ge=1)
+
+
 class AsrConfig(Section):
-    engine: Literal["pocketsphinx"] = "pocketsphinx"
+    engine: Literal["pocketsphinx", "paraformer"] = "pocketsphinx"
     pocketsphinx: PocketsphinxConfig = PocketsphinxConfig()
+    paraformer: ParaformerConfig = ParaformerConfig()
 
 
 class EspeakConfig(Section):

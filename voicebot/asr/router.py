@@ -1,0 +1,87 @@
+"""What happens at an endpoint after the streaming pass: second pass and dialect fallback.
+
+1. Second pass (optional): an offline Paraformer re-decodes the utterance's audio. Its result
+   replaces the streamed one: it is more accurate and its posteriors are better calibrated.
+2. Fallback (optional): when the deciding confidence (the offline pass's when there is one, else
+   the streaming pass's) is below the threshold, the dialect model decodes the same audio and a
+   rule picks the result. The event carries the chosen result plus the dialect's in `fallback`.
+
+An utterance with no tokens has no confidence and never falls back: nothing was recognised
+with which to be unsure, and a dialect decode of every cough would cost time for nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Literal
+
+import numpy as np
+
+from voicebot.asr import metrics
+from voicebot.asr.base import Hypothesis
+from voicebot.asr.funasr_model import Decoded, FunasrModel, utterance_confidence
+
+log = logging.getLogger(__name__)
+
+Prefer = Literal["higher_confidence", "dialect"]
+
+
+def to_hypothesis(decoded: Decoded, model: str) -> Hypothesis:
+    geo_mean, minimum = utterance_confidence(decoded.token_confidences)
+    return Hypothesis(
+        text=decoded.text,
+        confidence=geo_mean,
+        model=model,
+        min_token_confidence=minimum,
+        token_count=len(decoded.token_confidences),
+    )
+
+
+class Router:
+    def __init__(
+        self,
+        offline: FunasrModel | None = None,
+        dialect: FunasrModel | None = None,
+        threshold: float = 0.7,
+        prefer: Prefer = "higher_confidence",
+    ) -> None:
+        self.offline = offline
+        self.dialect = dialect
+        self.threshold = threshold
+        self.prefer = prefer
+
+    @property
+    def needs_audio(self) -> bool:
+        return self.offline is not None or self.dialect is not None
+
+    async def finalize(self, streamed: Hypothesis, audio: np.ndarray) -> Hypothesis:
+        primary = streamed
+        if self.offline is not None:
+            started = time.perf_counter()
+            primary = to_hypothesis(await self.offline.decode(audio), self.offline.name)
+            metrics.SECOND_PASS_SECONDS.labels("offline").observe(time.perf_counter() - started)
+            _observe(primary, "offline")
+        if self.dialect is None or primary.confidence is None or primary.confidence >= self.threshold:
+            return primary
+
+        started = time.perf_counter()
+        alternative = to_hypothesis(await self.dialect.decode(audio), self.dialect.name)
+        metrics.SECOND_PASS_SECONDS.labels("fallback").observe(time.perf_counter() - started)
+        _observe(alternative, "fallback")
+        use_dialect = self.prefer == "dialect" or (alternative.confidence or 0.0) > primary.confidence
+        metrics.FALLBACKS.labels("dialect" if use_dialect else "primary").inc()
+        log.info(
+            "asr fallback: primary %s %.3f %r | dialect %s %s %r -> %s",
+            primary.model, primary.confidence, primary.text, alternative.model,
+            "none" if alternative.confidence is None else f"{alternative.confidence:.3f}",
+            alternative.text, "dialect" if use_dialect else "primary",
+        )
+        chosen = alternative if use_dialect else primary
+        return replace(chosen, fallback=alternative)
+
+
+def _observe(hypothesis: Hypothesis, stage: str) -> None:
+    if hypothesis.confidence is not None:
+        metrics.CONFIDENCE.labels(hypothesis.model, stage).observe(hypothesis.confidence)
