@@ -1,0 +1,127 @@
+"""Load a CosyVoice 2 model directory laid out like the official release.
+
+    cosyvoice2.yaml  llm.pt  flow.pt  hift.pt  spk2info.pt  CosyVoice-BlankEN/{config.json, tokenizer}
+    campplus.onnx  speech_tokenizer_v2.onnx   (used by the frontend)
+
+Hyper-parameters come from cosyvoice2.yaml (hparams.py), the Qwen2 geometry from
+CosyVoice-BlankEN/config.json; the checkpoints load strictly with weights_only=True.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from voicebot.tts.cosyvoice2.hparams import load_hparams
+from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, build_lm
+
+_MODEL_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt")
+_MODELSCOPE_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# HiFT checkpoints spell weight norm either way; torch's old and new weight_norm APIs.
+_WEIGHT_NORM_SPELLINGS = ((".weight_g", ".parametrizations.weight.original0"),
+                          (".weight_v", ".parametrizations.weight.original1"))
+
+
+class ModelUnavailable(RuntimeError):
+    """The configured model is neither a local directory nor downloadable."""
+
+
+def resolve_model_dir(model: str, cache_dir: str | Path, config_key: str) -> Path:
+    """`model` is a local model directory or a ModelScope id (e.g. iic/CosyVoice2-0.5B).
+
+    An id is looked up in <cache_dir>/<id> and downloaded there (with progress bars) when that copy
+    is incomplete; a failed download raises one ModelUnavailable naming `config_key` and the id.
+    """
+    local = Path(model).expanduser()
+    if local.is_dir():
+        if not (local / "cosyvoice2.yaml").is_file():
+            raise ModelUnavailable(f"{config_key} = {model!r} is a directory without cosyvoice2.yaml")
+        return local
+    if not _MODELSCOPE_ID.fullmatch(model):
+        raise ModelUnavailable(f"{config_key} = {model!r}: no such directory, and not a ModelScope id")
+    target = Path(cache_dir).expanduser() / model
+    if all((target / name).is_file() for name in _MODEL_FILES):
+        return target
+    try:
+        from modelscope import snapshot_download  # heavy; only needed to download
+
+        snapshot_download(model, local_dir=str(target))  # resumes a partial download
+    except Exception as exc:  # no network, unknown id, disk full: one message, not a retry storm
+        raise ModelUnavailable(
+            f"{config_key} = {model!r}: not a local directory, and downloading ModelScope model "
+            f"{model!r} into {target} failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+            f"Download it on a machine with network, or set {config_key} to a local model directory."
+        ) from None
+    missing = [name for name in _MODEL_FILES if not (target / name).is_file()]
+    if missing:
+        raise ModelUnavailable(f"{config_key} = {model!r}: download finished without {', '.join(missing)}")
+    return target
+
+
+def _align_weight_norm_keys(state: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:
+    """Rename weight-norm keys to the spelling the module uses, whichever the checkpoint has."""
+    out = {}
+    for key, value in state.items():
+        if key not in expected:
+            for a, b in _WEIGHT_NORM_SPELLINGS:
+                for src, dst in ((a, b), (b, a)):
+                    if key.endswith(src) and key[: -len(src)] + dst in expected:
+                        key = key[: -len(src)] + dst
+        out[key] = value
+    return out
+
+
+def load_checkpoint(module: nn.Module, path: str | Path, strip: str = "") -> None:
+    """Load a torch.save'd state dict into `module`, strictly.
+
+    `strip` is removed from every key (hift.pt: "generator.", so a HiFiGan training checkpoint loads
+    too). Weight-norm keys are accepted in both spellings. A module built on the meta device gets
+    the loaded tensors themselves (memory-mapped from the file, so no second copy is made).
+    """
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if strip:
+        state = {key.replace(strip, ""): value for key, value in state.items()}
+    state = _align_weight_norm_keys(state, set(module.state_dict()))
+    is_meta = any(p.is_meta for p in module.parameters())
+    module.load_state_dict(state, strict=True, assign=is_meta)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def load_lm(model_dir: str | Path, hparams: dict[str, Any] | None = None,
+            device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> CosyVoice2LM:
+    """Build the LM from the yaml and load llm.pt. Built on the meta device, so the 2 GB of
+    weights are never randomly initialised first."""
+    device = torch.device(device)
+    hparams = hparams or load_hparams(model_dir)
+    with torch.device("meta"):
+        lm = build_lm(hparams)
+    load_checkpoint(lm, Path(model_dir) / "llm.pt")
+    return lm.to(device=device, dtype=dtype or default_dtype(device)).eval()
+
+
+@dataclass
+class CosyVoice2Modules:
+    model_dir: Path
+    hparams: dict[str, Any]
+    lm: CosyVoice2LM
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_cosyvoice2(model_dir: str | Path, device: torch.device | str = "cpu",
+                    dtype: torch.dtype | None = None) -> CosyVoice2Modules:
+    """Everything a model directory holds for synthesis, on `device` (fp32 on CPU, fp16 on CUDA
+    unless `dtype` says otherwise)."""
+    model_dir, device = Path(model_dir), torch.device(device)
+    dtype = dtype or default_dtype(device)
+    hparams = load_hparams(model_dir)
+    lm = load_lm(model_dir, hparams, device, dtype)
+    return CosyVoice2Modules(model_dir, hparams, lm, device, dtype)
