@@ -4,6 +4,7 @@ tiny ONNX graphs with the input/output signatures of campplus.onnx and speech_to
 from __future__ import annotations
 
 import json
+import string
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +24,10 @@ def make_tokenizer(directory: Path, vocab_size: int) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - n_specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator(["Hello world. This is a tiny test of the tokenizer, one two three!"] * 4, trainer)
+    # The alphabet is printable ASCII only, so even a 256-row embedding table holds every id.
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - n_specials, show_progress=False)
+    corpus = ["Hello world. This is a tiny test of the tokenizer, one two three!", string.printable]
+    tok.train_from_iterator(corpus * 4, trainer)
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
@@ -98,3 +99,20 @@ def make_speech_tokenizer(path: Path) -> Path:
 def speech_tokens_reference(log_mel: np.ndarray) -> np.ndarray:
     """What make_speech_tokenizer's graph computes, in numpy, for the tests' expectations."""
     return (np.abs(log_mel[:, :, ::4].mean(axis=1)) * np.float32(1000.0)).astype(np.int64) % SPEECH_CODES
+
+
+def make_model_dir(directory: Path, fixtures: Path) -> Path:
+    """The fixture model directory completed with a tokenizer and the two ONNX stand-ins (links, no copies)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", "spk2info.pt", "flow_rand_noise.safetensors"):
+        if (fixtures / name).exists():
+            (directory / name).symlink_to(fixtures / name)
+    qwen = directory / "CosyVoice-BlankEN"
+    qwen.mkdir()
+    for src in (fixtures / "CosyVoice-BlankEN").iterdir():
+        (qwen / src.name).symlink_to(src)
+    vocab = json.loads((qwen / "config.json").read_text())["vocab_size"]
+    make_tokenizer(qwen, vocab_size=vocab)
+    make_campplus(directory / "campplus.onnx")
+    make_speech_tokenizer(directory / "speech_tokenizer_v2.onnx")
+    return directory

@@ -7,7 +7,9 @@ normaliser with the official sentence splitting.
 
 from __future__ import annotations
 
+import hashlib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -18,6 +20,11 @@ import torch
 
 from voicebot.tts.cosyvoice2 import features
 
+CAMPPLUS_FILE = "campplus.onnx"
+SPEECH_TOKENIZER_FILE = "speech_tokenizer_v2.onnx"
+QWEN_DIR = "CosyVoice-BlankEN"
+# Bump when feature extraction changes: it is part of every cached voice's key.
+FEATURES_VERSION = "1"
 MAX_PROMPT_SECONDS = 30  # the speech tokenizer was trained on ≤ 30 s; the official code refuses more
 
 # spec §3: appended after <|endoftext|>/<|im_start|>/<|im_end|>, in this order, so ids stay 151646+.
@@ -212,3 +219,35 @@ def number_to_words(digits: str) -> str:
 
 def _spell_out_numbers(text: str) -> str:
     return re.sub(r"\d+", lambda m: number_to_words(m.group()), text)
+
+
+# --- everything together
+
+
+@dataclass
+class Frontend:
+    """The frontend of one model directory. The ONNX networks are optional: without them only
+    spk2info voices (whose features were computed elsewhere) can be used."""
+
+    text: TextFrontend
+    speaker: SpeakerEncoder | None
+    speech_tokenizer: SpeechTokenizer | None
+    fingerprint: str  # identifies the files whose outputs a cached voice depends on
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, cuda: bool = False) -> Frontend:
+        model_dir = Path(model_dir)
+        campplus, tokenizer = model_dir / CAMPPLUS_FILE, model_dir / SPEECH_TOKENIZER_FILE
+        qwen = model_dir / QWEN_DIR
+        digest = hashlib.sha256(FEATURES_VERSION.encode())
+        # Size and mtime, not contents: hashing a 500 MB tokenizer at every start-up is not worth it.
+        for path in sorted([campplus, tokenizer, *qwen.glob("*token*"), *qwen.glob("vocab*"), *qwen.glob("merges*")]):
+            if path.is_file():
+                stat = path.stat()
+                digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+        return cls(
+            text=TextFrontend(load_text_tokenizer(qwen)),
+            speaker=SpeakerEncoder(campplus) if campplus.is_file() else None,
+            speech_tokenizer=SpeechTokenizer(tokenizer, cuda) if tokenizer.is_file() else None,
+            fingerprint=digest.hexdigest(),
+        )
