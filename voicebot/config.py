@@ -145,10 +145,30 @@ class EspeakConfig(Section):
     rate_wpm: int = Field(175, ge=80, le=450)
 
 
+class Cosyvoice2Config(Section):
+    # A local model directory (official layout), or a ModelScope id looked up in model_cache.
+    model: str = "iic/CosyVoice2-0.5B"
+    model_cache: Path = REPO_ROOT / "models"
+    # Voices: <name>.wav plus its transcript <name>.txt; the model's spk2info.pt speakers are added.
+    voices_dir: Path | None = REPO_ROOT / "voices" / "cosyvoice2"
+    # Prompt features of each voice, keyed by a hash of wav, transcript and frontend model files.
+    voice_cache_dir: Path = REPO_ROOT / ".cache" / "cosyvoice2-voices"
+    device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda", "cuda:1", ...
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: float16 on CUDA, float32 on CPU
+    # LM KV cache per session, in positions (prompt + text + speech tokens of one utterance).
+    # Real model, fp32: 24 KiB per position, so 2048 positions = 48 MiB per session.
+    kv_cache_tokens: int = Field(2048, ge=64, le=32768)
+    # LM tokens decoded per worker call: small, so concurrent sessions interleave (one token = 40 ms of audio).
+    lm_tokens_per_step: int = Field(5, ge=1, le=100)
+    # torch intra-op threads (process-wide, like asr.paraformer.threads); 0 leaves torch's default.
+    threads: int = Field(0, ge=0)
+
+
 class TtsConfig(Section):
-    engine: Literal["espeak"] = "espeak"
+    engine: Literal["espeak", "cosyvoice2"] = "espeak"
     voice: str = "en"
     espeak: EspeakConfig = EspeakConfig()
+    cosyvoice2: Cosyvoice2Config = Cosyvoice2Config()
 
 
 class ReplyConfig(Section):
