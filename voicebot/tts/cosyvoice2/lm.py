@@ -46,12 +46,16 @@ class Qwen2Config:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_json(cls, path: str | Path) -> Qwen2Config:
-        """Read a HF Qwen2 config.json (CosyVoice-BlankEN/config.json)."""
-        d = json.loads(Path(path).read_text())
+    def from_hf(cls, d: dict[str, Any]) -> Qwen2Config:
+        """From the fields of a HF Qwen2 config.json."""
         if d.get("hidden_act", "silu") != "silu" or d.get("rope_scaling") or d.get("use_sliding_window"):
-            raise ValueError(f"{path}: only plain Qwen2 (silu, unscaled RoPE, no sliding window) is supported")
+            raise ValueError("only plain Qwen2 (silu, unscaled RoPE, no sliding window) is supported")
         return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Qwen2Config:
+        """Read CosyVoice-BlankEN/config.json."""
+        return cls.from_hf(json.loads(Path(path).read_text()))
 
 
 class KVCache:

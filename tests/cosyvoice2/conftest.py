@@ -1,0 +1,42 @@
+"""Fixtures for the CosyVoice 2 tests.
+
+The golden fixture directory is $VOICEBOT_CV2_FIXTURES, by default ../shared/fixtures/cosyvoice2
+relative to the repository root. Golden tests read every expected value, shape and
+hyper-parameter from it, so another fixture set of the same format can be swapped in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = Path(os.environ.get("VOICEBOT_CV2_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures" / "cosyvoice2"))
+
+
+@pytest.fixture(scope="session")
+def cv2_dir() -> Path:
+    if not (FIXTURES / "golden.safetensors").is_file():
+        pytest.skip(f"no CosyVoice 2 fixtures at {FIXTURES} (set VOICEBOT_CV2_FIXTURES)")
+    torch.set_num_threads(1)  # the machine is shared; the fixtures hold at 1 thread too
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def cv2_golden(cv2_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(cv2_dir / "golden.safetensors")
+
+
+@pytest.fixture(scope="session")
+def cv2_meta(cv2_dir: Path) -> dict:
+    return json.loads((cv2_dir / "golden_meta.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def cv2_manifest(cv2_dir: Path) -> dict:
+    return json.loads((cv2_dir / "manifest_full.json").read_text())

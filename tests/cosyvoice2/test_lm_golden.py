@@ -1,0 +1,160 @@
+"""The LM against the official outputs (golden.safetensors "lm.*", golden_meta.json), loaded from the
+fixture directory by the same loader as a real model, plus unit tests of the cache and samplers.
+
+Max abs logit differences reached (fp32, 1 thread; tolerance 1e-4): zero-shot 5.5e-6,
+cross-lingual 5.0e-6, bistream 1.1e-5; teacher-forced hidden/logits well under 1e-4; all tokens
+and call schedules exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from voicebot.tts.cosyvoice2.bistream import Bistream
+from voicebot.tts.cosyvoice2.hparams import load_hparams
+from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Qwen2Config, build_lm_input, generate
+from voicebot.tts.cosyvoice2.loader import load_lm
+from voicebot.tts.cosyvoice2.sampling import RasSampler, greedy
+
+CACHE_LEN = 256  # ample for every fixture sequence; a smaller one is tested below
+LOGITS_ATOL = 1e-4  # README "Suggested fp32 acceptance thresholds"
+
+
+@pytest.fixture(scope="module")
+def lm(cv2_dir: Path) -> CosyVoice2LM:
+    return load_lm(cv2_dir)
+
+
+@contextmanager
+def recording(lm: CosyVoice2LM) -> Iterator[tuple[list[Tensor], list[list[int]]]]:
+    """Capture llm_decoder outputs (raw step logits) and [new_len, past_len, mask_len] per forward."""
+    logits: list[Tensor] = []
+    calls: list[list[int]] = []
+    hooks = [
+        lm.llm_decoder.register_forward_hook(lambda m, args, out: logits.append(out.detach().clone())),
+        lm.register_forward_hook(
+            lambda m, args, out: calls.append([args[0].shape[1], int(args[1][0]), int(args[1][0]) + args[0].shape[1]])
+        ),
+    ]
+    try:
+        yield logits, calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _check_logits(logits: list[Tensor], expected: Tensor) -> None:
+    got = torch.cat(logits)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("case", ["zero_shot", "cross_lingual"])
+def test_greedy_decode_with_kv_cache(lm: CosyVoice2LM, cv2_golden: dict, cv2_meta: dict, case: str) -> None:
+    g, meta = cv2_golden, cv2_meta[f"lm.{case}"]
+    prompts = (g["lm.prompt_text"], g["lm.prompt_speech_token"]) if case == "zero_shot" else (None, None)
+    with recording(lm) as (logits, calls):
+        tokens = list(generate(lm, lm.new_cache(CACHE_LEN), greedy, g["lm.text"], *prompts,
+                               meta["min_token_text_ratio"], meta["max_token_text_ratio"]))
+    assert tokens == g[f"lm.{case}.greedy_tokens"].tolist()
+    assert len(tokens) == meta["n_tokens"]
+    _check_logits(logits, g[f"lm.{case}.step_logits"])
+    assert [c[:2] for c in calls] == meta["forward_one_step_calls"]
+
+
+@pytest.mark.golden
+def test_teacher_forced(lm: CosyVoice2LM, cv2_golden: dict, cv2_meta: dict) -> None:
+    g = cv2_golden
+    embeds = g["lm.teacher_forced.lm_input_embeds"]
+    seq_len = cv2_meta["lm.teacher_forced"]["seq_len"]
+    assert embeds.shape[1] == seq_len
+    with torch.inference_mode():
+        built = build_lm_input(lm, g["lm.text"].long().flatten(), g["lm.prompt_text"].long().flatten(),
+                               g["lm.teacher_forced.input_speech_tokens"].long().flatten())
+        torch.testing.assert_close(built, embeds, atol=0, rtol=0)
+        hidden = lm.qwen(embeds, torch.arange(seq_len), lm.new_cache(seq_len))
+        logits = lm.llm_decoder(hidden)
+    torch.testing.assert_close(hidden, g["lm.teacher_forced.hidden"], atol=LOGITS_ATOL, rtol=0)
+    torch.testing.assert_close(logits, g["lm.teacher_forced.logits"], atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.golden
+def test_ras_seeded(lm: CosyVoice2LM, cv2_dir: Path, cv2_golden: dict, cv2_meta: dict) -> None:
+    g, meta, ras = cv2_golden, cv2_meta["lm.zero_shot"], cv2_meta["lm.zero_shot.ras"]
+    sampler = RasSampler.from_hparams(load_hparams(cv2_dir)["llm"]["sampling"],
+                                      torch.Generator().manual_seed(ras["seed"]))
+    assert (sampler.top_p, sampler.top_k, sampler.win_size, sampler.tau_r) == tuple(ras["ras"].values())
+    tokens = list(generate(lm, lm.new_cache(CACHE_LEN), sampler, g["lm.text"], g["lm.prompt_text"],
+                           g["lm.prompt_speech_token"], meta["min_token_text_ratio"], meta["max_token_text_ratio"]))
+    assert tokens == g["lm.zero_shot.ras_seed4242_tokens"].tolist()
+
+
+@pytest.mark.golden
+def test_bistream(lm: CosyVoice2LM, cv2_golden: dict, cv2_meta: dict) -> None:
+    g, meta = cv2_golden, cv2_meta["lm.bistream"]
+
+    def sample(logp: Tensor, history: list[int]) -> int:
+        # The fixture's sampler: greedy, but eos once `cap` outputs exist and eos is allowed.
+        if len(history) >= meta["cap_forcing_eos_after_out_tokens"] and logp[lm.eos] != -float("inf"):
+            return lm.eos
+        return int(logp.argmax())
+
+    stream = Bistream(lm, lm.new_cache(CACHE_LEN), sample, g["lm.prompt_text"], g["lm.prompt_speech_token"])
+    tokens: list[int] = []
+    with recording(lm) as (logits, calls):
+        for token in g["lm.bistream.text"].flatten():  # one text token at a time, as the frontend feeds
+            tokens += stream.push(token.reshape(1, 1))
+        tokens += stream.finish()
+    assert tokens == g["lm.bistream.yielded_tokens"].tolist()
+    assert len(tokens) == meta["n_yielded"]
+    assert calls == meta["forward_one_step_calls"]
+    _check_logits(logits, g["lm.bistream.step_logits"])
+
+
+def _tiny_lm(vocab: int = 32, speech: int = 16) -> CosyVoice2LM:
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, rope_theta=1e4, rms_norm_eps=1e-6,
+                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    return CosyVoice2LM(cfg, speech).eval()
+
+
+def test_generation_stops_at_cache_end_and_rejects_a_too_small_cache() -> None:
+    lm = _tiny_lm()
+    text = list(range(4))
+    never_stop = lambda logp, history: 0  # noqa: E731
+    # prefix = sos + 4 text + task_id = 6 positions; a 10-slot cache holds 5 decode steps.
+    assert len(list(generate(lm, lm.new_cache(10), never_stop, text, min_token_text_ratio=0))) == 5
+    with pytest.raises(ValueError, match="split the text"):
+        list(generate(lm, lm.new_cache(10), never_stop, text))
+
+
+def test_static_cache_decode_equals_full_forward() -> None:
+    lm = _tiny_lm()
+    x = torch.randn(1, 7, 16)
+    with torch.inference_mode():
+        full = lm.qwen(x, torch.arange(7), lm.new_cache(7))
+        cache = lm.new_cache(32)
+        steps = [lm.qwen(x[:, :4], torch.arange(4), cache)]
+        steps += [lm.qwen(x[:, i : i + 1], torch.tensor([i]), cache) for i in range(4, 7)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-6, rtol=0)
+
+
+def test_ras_nucleus_keeps_the_candidate_that_crosses_top_p() -> None:
+    probs = torch.tensor([0.5, 0.29, 0.2, 0.01])
+    seen = {RasSampler(top_p=0.8, generator=torch.Generator().manual_seed(s))(probs.log(), []) for s in range(200)}
+    assert seen == {0, 1, 2}  # 0.5 + 0.29 < 0.8, so id 2 is kept; id 3 never is
+
+
+def test_ras_repeat_falls_back_to_the_full_distribution_without_the_repeated_id() -> None:
+    logp = torch.tensor([0.97, 0.01, 0.01, 0.01]).log()
+    sampler = RasSampler(top_k=1, generator=torch.Generator().manual_seed(0))
+    assert sampler(logp, [3]) == 0
+    assert {sampler(logp, [0]) for _ in range(50)} == {1, 2, 3}
