@@ -1,0 +1,233 @@
+"""The flow-matching vector-field estimator: CausalConditionalDecoder (spec §7.4).
+
+A 1-D U-Net over mel frames with one resolution level (down, N mid, up), each stage a causal
+ResNet block plus transformer blocks. Module and attribute names follow the checkpoint's keys
+(`decoder.estimator.*` in flow.pt), which is why some containers keep parameter-less slots.
+
+Every convolution pads on the left only, and streaming attention is block-causal, so the output
+for a frame depends only on its own and earlier chunks: that is what lets a later version cache
+per-step left context instead of recomputing the prefix (issue 7).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def chunk_mask(size: int, chunk_size: int, device: torch.device) -> Tensor | None:
+    """Block-causal attention mask, (size, size) bool, True where a query may attend.
+
+    Position i sees every key j < (i // chunk_size + 1) * chunk_size: its own chunk and all
+    earlier ones. chunk_size 0 means full attention, returned as None (no mask at all).
+    """
+    if chunk_size <= 0:
+        return None
+    pos = torch.arange(size, device=device)
+    limit = (pos // chunk_size + 1) * chunk_size  # (size,)
+    return pos[None, :] < limit[:, None]
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
+    """softmax(q kᵀ / √d + bias) v for (B, H, T, d) inputs; bias is additive or a bool mask."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+class CausalConv1d(nn.Conv1d):
+    """Conv1d that pads only on the left, so output frame t sees inputs ≤ t."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int) -> None:
+        super().__init__(in_channels, out_channels, kernel_size)
+        self.left_pad = kernel_size - 1
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, C, T) -> (B, C', T)
+        return super().forward(F.pad(x, (self.left_pad, 0)))
+
+
+class _Transpose12(nn.Module):
+    """Lets LayerNorm over channels sit inside the Sequential whose indices are checkpoint keys."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.transpose(1, 2)
+
+
+class CausalBlock1D(nn.Module):
+    """mask → CausalConv1d(k=3) → LayerNorm over channels → Mish → mask."""
+
+    def __init__(self, dim: int, dim_out: int) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            CausalConv1d(dim, dim_out, 3), _Transpose12(), nn.LayerNorm(dim_out), _Transpose12(), nn.Mish()
+        )
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:  # (B, C, T), mask (B, 1, T)
+        return self.block(x * mask) * mask
+
+
+class CausalResnetBlock1D(nn.Module):
+    def __init__(self, dim: int, dim_out: int, time_emb_dim: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_emb_dim, dim_out))
+        self.block1 = CausalBlock1D(dim, dim_out)
+        self.block2 = CausalBlock1D(dim_out, dim_out)
+        self.res_conv = nn.Conv1d(dim, dim_out, 1)
+
+    def forward(self, x: Tensor, mask: Tensor, temb: Tensor) -> Tensor:  # x (B, C, T), temb (B, E)
+        h = self.block1(x, mask) + self.mlp(temb)[:, :, None]
+        h = self.block2(h, mask)
+        return h + self.res_conv(x * mask)
+
+
+class Attention(nn.Module):
+    """Self-attention without biases on q/k/v (diffusers `Attention` key layout)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # slot 1 was dropout
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:  # (B, T, C) -> (B, T, C)
+        b, t, _ = x.shape
+        q, k, v = (proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2) for proj in (self.to_q, self.to_k, self.to_v))
+        out = attend(q, k, v, mask)  # (B, H, T, d)
+        return self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
+
+
+class GELUProjection(nn.Module):
+    def __init__(self, dim_in: int, dim_out: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.proj(x))  # exact (erf) GELU, as the checkpoint was trained
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int = 4) -> None:
+        super().__init__()
+        # indices are checkpoint keys: net.0.proj and net.2; slot 1 was dropout
+        self.net = nn.Sequential(GELUProjection(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm self-attention + GELU feed-forward (diffusers BasicTransformerBlock, self-attn only)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn1 = Attention(dim, heads, head_dim)
+        self.norm3 = nn.LayerNorm(dim)
+        self.ff = FeedForward(dim)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:  # (B, T, C)
+        x = x + self.attn1(self.norm1(x), mask)
+        return x + self.ff(self.norm3(x))
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, in_dim: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+def sinusoidal_time_embedding(t: Tensor, dim: int, scale: float = 1000.0) -> Tensor:
+    """(B,) flow time in [0, 1] -> (B, dim) [sin | cos] features; t is scaled by 1000 first."""
+    half = dim // 2
+    freqs = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
+    angles = scale * t[:, None] * freqs[None, :]
+    return torch.cat((angles.sin(), angles.cos()), dim=-1)
+
+
+def _stage(dim_in: int, dim: int, time_dim: int, n_blocks: int, heads: int, head_dim: int, conv: bool) -> nn.ModuleList:
+    """[resnet, transformer blocks(, causal conv)]: list indices are checkpoint keys."""
+    parts: list[nn.Module] = [
+        CausalResnetBlock1D(dim_in, dim, time_dim),
+        nn.ModuleList(TransformerBlock(dim, heads, head_dim) for _ in range(n_blocks)),
+    ]
+    if conv:
+        parts.append(CausalConv1d(dim, dim, 3))
+    return nn.ModuleList(parts)
+
+
+class CausalConditionalDecoder(nn.Module):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        channels: list[int],
+        attention_head_dim: int,
+        n_blocks: int,
+        num_mid_blocks: int,
+        num_heads: int,
+        static_chunk_size: int,
+    ) -> None:
+        super().__init__()
+        if len(channels) != 1:
+            # more levels would need the official strided down/upsamplers; no CosyVoice 2 config has them
+            raise ValueError(f"estimator channels {channels}: only a single U-Net level is supported")
+        ch = channels[0]
+        time_dim = ch * 4
+        self.in_channels = in_channels
+        self.static_chunk_size = static_chunk_size
+        self.time_mlp = TimestepEmbedding(in_channels, time_dim)
+        block = dict(time_dim=time_dim, n_blocks=n_blocks, heads=num_heads, head_dim=attention_head_dim)
+        self.down_blocks = nn.ModuleList([_stage(in_channels, ch, conv=True, **block)])
+        self.mid_blocks = nn.ModuleList(_stage(ch, ch, conv=False, **block) for _ in range(num_mid_blocks))
+        self.up_blocks = nn.ModuleList([_stage(2 * ch, ch, conv=True, **block)])
+        self.final_block = CausalBlock1D(ch, ch)
+        self.final_proj = nn.Conv1d(ch, out_channels, 1)
+
+    def forward(
+        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, streaming: bool
+    ) -> Tensor:
+        """x, mu, cond: (B, 80, T); mask (B, 1, T); t (B,); spks (B, 80). Returns the velocity (B, 80, T)."""
+        temb = self.time_mlp(sinusoidal_time_embedding(t, self.in_channels))  # (B, 4·ch)
+        x = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)  # (B, 320, T)
+        # at batch 1 per CFG row there is no padding, so only the chunk structure constrains attention
+        attn_mask = chunk_mask(x.shape[-1], self.static_chunk_size if streaming else 0, x.device)
+
+        def transformers(h: Tensor, blocks: nn.ModuleList) -> Tensor:  # (B, C, T) -> (B, C, T)
+            h = h.transpose(1, 2)
+            for blk in blocks:
+                h = blk(h, attn_mask)
+            return h.transpose(1, 2)
+
+        resnet, blocks, conv = self.down_blocks[0]
+        x = transformers(resnet(x, mask, temb), blocks)
+        skip = x
+        x = conv(x * mask)
+        for resnet, blocks in self.mid_blocks:
+            x = transformers(resnet(x, mask, temb), blocks)
+        resnet, blocks, conv = self.up_blocks[0]
+        x = transformers(resnet(torch.cat([x, skip], dim=1), mask, temb), blocks)
+        x = conv(x * mask)
+        x = self.final_block(x, mask)
+        return self.final_proj(x * mask) * mask
+
+
+def build_estimator(hp: dict[str, Any]) -> CausalConditionalDecoder:
+    return CausalConditionalDecoder(
+        in_channels=hp["in_channels"],
+        out_channels=hp["out_channels"],
+        channels=list(hp["channels"]),
+        attention_head_dim=hp["attention_head_dim"],
+        n_blocks=hp["n_blocks"],
+        num_mid_blocks=hp["num_mid_blocks"],
+        num_heads=hp["num_heads"],
+        static_chunk_size=hp["static_chunk_size"],
+    )

@@ -1,0 +1,287 @@
+"""Speech tokens → mel: CausalMaskedDiffWithXvec (spec §7).
+
+    tokens ─ input_embedding ─ UpsampleConformerEncoder (×2 in time) ─ encoder_proj ─ mu
+    mu, speaker, prompt mel ─ CausalConditionalCFM (10 Euler steps, CFG) ─ mel
+
+Module and attribute names follow the keys of the official flow.pt so it loads with strict=True.
+Everything except the 3-token lookahead conv is causal within 25-token (50-frame) chunks when
+`streaming`, so frames of complete chunks do not change when later tokens arrive; the official
+algorithm reproduced here still recomputes the whole prefix on every call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from voicebot.tts.cosyvoice2.estimator import CausalConditionalDecoder, attend, build_estimator, chunk_mask
+
+# The official CFM draws its starting noise once, on CPU, right after seeding with 0; every call
+# uses a prefix of it, which caps one flow call at this many mel frames (300 s).
+RAND_NOISE_SEED = 0
+RAND_NOISE_FRAMES = 15000
+
+
+def rel_pos_table(size: int, dim: int, device: torch.device) -> Tensor:
+    """ESPnet relative positional table (1, 2·size−1, dim) for offsets size−1 … 0 … −(size−1).
+
+    Row r encodes offset size−1−r: sin on even dims, cos on odd dims, frequency 10000^(−2i/dim).
+    """
+    pos = torch.arange(size - 1, -size, -1, device=device, dtype=torch.float32)[:, None]  # (2T-1, 1)
+    freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * -(math.log(10000.0) / dim))
+    table = torch.zeros(2 * size - 1, dim, device=device)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)
+    return table[None]
+
+
+def rel_shift(x: Tensor) -> Tensor:
+    """(B, H, T, 2T−1) scores against the rel-pos table → (B, H, T, T) with entry (i, j) at offset i−j.
+
+    The Transformer-XL trick: pad one zero column, reinterpret the rows, drop the first one.
+    """
+    b, h, t, n = x.shape
+    x = F.pad(x, (1, 0)).view(b, h, n + 1, t)[:, :, 1:].reshape(b, h, t, n)
+    return x[..., : n // 2 + 1]
+
+
+class RelPositionAttention(nn.Module):
+    """Multi-head self-attention with Transformer-XL relative positions (ESPnet "rel_selfattn")."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.d_k = heads, dim // heads
+        self.linear_q = nn.Linear(dim, dim)
+        self.linear_k = nn.Linear(dim, dim)
+        self.linear_v = nn.Linear(dim, dim)
+        self.linear_out = nn.Linear(dim, dim)
+        self.linear_pos = nn.Linear(dim, dim, bias=False)
+        self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.d_k))  # content bias
+        self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.d_k))  # position bias
+
+    def forward(self, x: Tensor, pos_emb: Tensor, mask: Tensor | None) -> Tensor:
+        """x (B, T, D), pos_emb (1, 2T−1, D), mask (T, T) bool or None -> (B, T, D)."""
+        b, t, _ = x.shape
+        q, k, v = (lin(x).view(b, t, self.heads, self.d_k).transpose(1, 2) for lin in (self.linear_q, self.linear_k, self.linear_v))
+        p = self.linear_pos(pos_emb).view(1, -1, self.heads, self.d_k).transpose(1, 2)  # (1, H, 2T-1, d)
+        # scores = ((q+u)·kᵀ + (q+v)·pᵀ) / √d; the position term enters attention as an additive bias
+        bd = rel_shift((q + self.pos_bias_v[:, None]) @ p.transpose(-2, -1)) / math.sqrt(self.d_k)  # (B, H, T, T)
+        if mask is not None:
+            bd = bd.masked_fill(~mask, float("-inf"))
+        out = attend(q + self.pos_bias_u[:, None], k, v, bd)  # (B, H, T, d)
+        return self.linear_out(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w_1 = nn.Linear(dim, hidden)
+        self.w_2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_2(F.silu(self.w_1(x)))
+
+
+class ConformerLayer(nn.Module):
+    """Pre-norm attention + feed-forward; no macaron half-step and no convolution module."""
+
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.self_attn = RelPositionAttention(dim, heads)
+        self.feed_forward = FeedForward(dim, hidden)
+        self.norm_mha = nn.LayerNorm(dim, eps=1e-12)
+        self.norm_ff = nn.LayerNorm(dim, eps=1e-12)
+
+    def forward(self, x: Tensor, pos_emb: Tensor, mask: Tensor | None) -> Tensor:  # (B, T, D)
+        x = x + self.self_attn(self.norm_mha(x), pos_emb, mask)
+        return x + self.feed_forward(self.norm_ff(x))
+
+
+class LinearEmbed(nn.Module):
+    """Linear → LayerNorm, then the ESPnet √D scaling; returns the rel-pos table for the length."""
+
+    def __init__(self, dim_in: int, dim: int) -> None:
+        super().__init__()
+        self.out = nn.Sequential(nn.Linear(dim_in, dim), nn.LayerNorm(dim, eps=1e-5))
+        self.xscale = math.sqrt(dim)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:  # (B, T, Din) -> (B, T, D), (1, 2T-1, D)
+        x = self.out(x) * self.xscale
+        return x, rel_pos_table(x.shape[1], x.shape[2], x.device)
+
+
+class PreLookaheadLayer(nn.Module):
+    """Residual conv block where frame t sees tokens t … t+lookahead (the only non-causal part)."""
+
+    def __init__(self, channels: int, lookahead: int) -> None:
+        super().__init__()
+        self.lookahead = lookahead
+        self.conv1 = nn.Conv1d(channels, channels, lookahead + 1)
+        self.conv2 = nn.Conv1d(channels, channels, 3)
+
+    def forward(self, x: Tensor, context: Tensor) -> Tensor:
+        """x (B, T, D); context (B, ≤lookahead, D): the embedded tokens after x (zeros if absent)."""
+        h = torch.cat([x, context], dim=1).transpose(1, 2)  # (B, D, T+c)
+        h = F.pad(h, (0, self.lookahead - context.shape[1]))
+        h = F.leaky_relu(self.conv1(h), 0.01)  # (B, D, T)
+        h = self.conv2(F.pad(h, (2, 0)))
+        return h.transpose(1, 2) + x
+
+
+class Upsample1D(nn.Module):
+    """Nearest ×stride in time, then a causal conv (left pad 2·stride, kernel 2·stride+1)."""
+
+    def __init__(self, channels: int, stride: int = 2) -> None:
+        super().__init__()
+        self.stride = stride
+        self.conv = nn.Conv1d(channels, channels, stride * 2 + 1)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, D, T) -> (B, D, stride·T)
+        x = x.repeat_interleave(self.stride, dim=2)
+        return self.conv(F.pad(x, (self.stride * 2, 0)))
+
+
+class UpsampleConformerEncoder(nn.Module):
+    def __init__(
+        self, input_size: int, dim: int, heads: int, hidden: int, num_blocks: int, chunk_size: int,
+        lookahead: int, num_up_blocks: int = 4, stride: int = 2,
+    ) -> None:
+        super().__init__()
+        self.chunk_size = chunk_size  # tokens; ×stride after upsampling
+        self.embed = LinearEmbed(input_size, dim)
+        # the official class hard-codes 512 here; the released model has dim 512 so this is identical
+        self.pre_lookahead_layer = PreLookaheadLayer(dim, lookahead)
+        self.encoders = nn.ModuleList(ConformerLayer(dim, heads, hidden) for _ in range(num_blocks))
+        self.up_layer = Upsample1D(dim, stride)
+        self.up_embed = LinearEmbed(dim, dim)
+        self.up_encoders = nn.ModuleList(ConformerLayer(dim, heads, hidden) for _ in range(num_up_blocks))
+        self.after_norm = nn.LayerNorm(dim, eps=1e-5)
+
+    def forward(self, x: Tensor, context: Tensor, streaming: bool) -> Tensor:
+        """x (B, T, Din) token embeddings; context (B, c, Din) lookahead tokens after x, c may be 0.
+
+        Returns (B, stride·T, D).
+        """
+        x, pos_emb = self.embed(x)
+        context = self.embed.out(context) * self.embed.xscale
+        mask = chunk_mask(x.shape[1], self.chunk_size if streaming else 0, x.device)
+        x = self.pre_lookahead_layer(x, context)
+        for layer in self.encoders:
+            x = layer(x, pos_emb, mask)
+        x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)
+        x, pos_emb = self.up_embed(x)
+        mask = chunk_mask(x.shape[1], self.chunk_size * self.up_layer.stride if streaming else 0, x.device)
+        for layer in self.up_encoders:
+            x = layer(x, pos_emb, mask)
+        return self.after_norm(x)
+
+
+def rand_noise(channels: int = 80) -> Tensor:
+    """The fixed starting noise (1, channels, 15000) of the official CFM, without touching the global RNG."""
+    gen = torch.Generator(device="cpu").manual_seed(RAND_NOISE_SEED)
+    return torch.randn([1, channels, RAND_NOISE_FRAMES], generator=gen, device="cpu")
+
+
+class CausalConditionalCFM(nn.Module):
+    """Conditional flow matching solved with Euler steps on a cosine time grid and CFG."""
+
+    def __init__(self, estimator: CausalConditionalDecoder, cfg_rate: float, n_mels: int) -> None:
+        super().__init__()
+        self.estimator = estimator
+        self.cfg_rate = cfg_rate
+        # a plain attribute, as in the official class: not part of the state dict
+        self.rand_noise = rand_noise(n_mels)
+
+    def forward(self, mu: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int, streaming: bool) -> Tensor:
+        """mu, cond (1, 80, T); spks (1, 80) -> mel (1, 80, T)."""
+        n_frames = mu.shape[2]
+        if n_frames > self.rand_noise.shape[2]:
+            raise ValueError(f"flow call of {n_frames} mel frames exceeds the fixed noise ({self.rand_noise.shape[2]})")
+        x = self.rand_noise[:, :, :n_frames].to(mu)
+        t_span = 1 - torch.cos(torch.linspace(0, 1, n_timesteps + 1, device=mu.device, dtype=mu.dtype) * 0.5 * torch.pi)
+        # CFG as one batch of 2: row 0 conditioned, row 1 with mu, spks and cond zeroed
+        mask = torch.ones(2, 1, n_frames, device=mu.device, dtype=mu.dtype)
+        mu2 = torch.cat([mu, torch.zeros_like(mu)])
+        spks2 = torch.cat([spks, torch.zeros_like(spks)])
+        cond2 = torch.cat([cond, torch.zeros_like(cond)])
+        # t accumulates dt exactly as the official solver does, not read back from t_span
+        t, dt = t_span[0], t_span[1] - t_span[0]
+        for step in range(1, n_timesteps + 1):
+            v = self.estimator(x.expand(2, -1, -1), mask, mu2, t.expand(2), spks2, cond2, streaming)
+            v_cond, v_uncond = v.chunk(2)
+            x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
+            t = t + dt
+            if step < n_timesteps:
+                dt = t_span[step + 1] - t
+        return x.float()
+
+
+class Flow(nn.Module):
+    """CausalMaskedDiffWithXvec at inference."""
+
+    def __init__(
+        self, vocab_size: int, input_size: int, n_mels: int, spk_embed_dim: int, token_mel_ratio: int,
+        lookahead: int, encoder: UpsampleConformerEncoder, decoder: CausalConditionalCFM, dim: int,
+        n_timesteps: int = 10,
+    ) -> None:
+        super().__init__()
+        self.token_mel_ratio = token_mel_ratio
+        self.pre_lookahead_len = lookahead
+        self.n_mels = n_mels
+        self.n_timesteps = n_timesteps
+        self.input_embedding = nn.Embedding(vocab_size, input_size)
+        self.spk_embed_affine_layer = nn.Linear(spk_embed_dim, n_mels)
+        self.encoder = encoder
+        self.encoder_proj = nn.Linear(dim, n_mels)
+        self.decoder = decoder
+
+    def encode(self, tokens: Tensor, finalize: bool, streaming: bool) -> Tensor:
+        """(1, N) prompt+target tokens -> mu (1, ratio·N', 80); N' = N, or N−lookahead if not final.
+
+        A non-final call holds back the last `lookahead` tokens: they only feed the lookahead conv.
+        """
+        x = self.input_embedding(tokens.long().clamp(min=0))  # (1, N, Din)
+        if finalize:
+            x, context = x, x[:, :0]
+        else:
+            x, context = x[:, : -self.pre_lookahead_len], x[:, -self.pre_lookahead_len :]
+        return self.encoder_proj(self.encoder(x, context, streaming))
+
+    @torch.inference_mode()
+    def inference(
+        self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, streaming: bool, finalize: bool
+    ) -> Tensor:
+        """token (1, N), prompt_token (1, P), prompt_feat (1, 2P, 80), embedding (1, 192).
+
+        Returns the mel of the target tokens only, (1, 80, 2N) — or 2(N−lookahead) when not final.
+        """
+        spks = self.spk_embed_affine_layer(F.normalize(embedding, dim=1))  # (1, 80)
+        mu = self.encode(torch.cat([prompt_token, token], dim=1), finalize, streaming)  # (1, T, 80)
+        n_prompt = prompt_feat.shape[1]
+        cond = torch.zeros_like(mu)
+        cond[:, :n_prompt] = prompt_feat
+        mel = self.decoder(mu.transpose(1, 2), spks, cond.transpose(1, 2), self.n_timesteps, streaming)
+        return mel[:, :, n_prompt:]
+
+
+def build_flow(hp: dict[str, Any]) -> Flow:
+    """Build from the `flow` section of cosyvoice2.yaml (as read by hparams.load_hparams)."""
+    enc, dec = hp["encoder"], hp["decoder"]
+    cfm = dec["cfm_params"].get("content", dec["cfm_params"])  # the yaml wraps it in an omegaconf DictConfig
+    if cfm["solver"] != "euler" or cfm["t_scheduler"] != "cosine":
+        raise ValueError(f"unsupported CFM solver/schedule: {cfm['solver']}/{cfm['t_scheduler']}")
+    encoder = UpsampleConformerEncoder(
+        input_size=enc["input_size"], dim=enc["output_size"], heads=enc["attention_heads"],
+        hidden=enc["linear_units"], num_blocks=enc["num_blocks"], chunk_size=enc["static_chunk_size"],
+        lookahead=hp["pre_lookahead_len"],
+    )
+    decoder = CausalConditionalCFM(build_estimator(dec["estimator"]), cfm["inference_cfg_rate"], hp["output_size"])
+    return Flow(
+        vocab_size=hp["vocab_size"], input_size=hp["input_size"], n_mels=hp["output_size"],
+        spk_embed_dim=hp["spk_embed_dim"], token_mel_ratio=hp["token_mel_ratio"],
+        lookahead=hp["pre_lookahead_len"], encoder=encoder, decoder=decoder, dim=enc["output_size"],
+    )

@@ -1,0 +1,264 @@
+"""Mel → 24 kHz waveform: the HiFT vocoder (HiFTGenerator, spec §8).
+
+    mel ─ f0 predictor ─ f0 ─ NSF sine source ─ STFT ─┐ (added at each resolution)
+    mel ─ conv_pre ─ [lrelu ─ ConvTranspose ─ + source ─ mean of ResBlocks] ×3 ─ conv_post ─ iSTFT
+
+Weight norm uses torch's parametrizations, so parameter names match hift.pt
+(`<m>.parametrizations.weight.original0/1`). The source has random parts (initial harmonic phases
+and additive noise); `SourceNoise` makes them explicit so tests can zero or inject them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.parametrizations import weight_norm
+
+
+@dataclass
+class SourceNoise:
+    """The random draws of one source computation (L samples, H harmonics incl. the fundamental).
+
+    rand_ini: (1, H) initial phases in cycles, U[0, 1); the fundamental's column is forced to 0.
+    sine_noise: (1, L, H) standard normal, scaled by the voiced/unvoiced noise amplitude.
+    """
+
+    rand_ini: Tensor
+    sine_noise: Tensor
+
+    @classmethod
+    def zeros(cls, n_samples: int, n_harmonics: int, device: torch.device | None = None) -> SourceNoise:
+        return cls(torch.zeros(1, n_harmonics, device=device), torch.zeros(1, n_samples, n_harmonics, device=device))
+
+    @classmethod
+    def draw(
+        cls, n_samples: int, n_harmonics: int, generator: torch.Generator | None = None, device: torch.device | None = None
+    ) -> SourceNoise:
+        """Draw in the official order, including its third (discarded) draw, so that a seeded
+        generator yields the same values as the official vocoder on the same generator."""
+        rand_ini = torch.rand(1, n_harmonics, generator=generator, device=device)
+        # The official noise is randn_like of a transposed view: torch fills such a non-contiguous
+        # tensor with its element-wise sampler, whose values differ from a contiguous randn.
+        sine_noise = torch.empty(1, n_harmonics, n_samples, device=device).transpose(1, 2).normal_(generator=generator)
+        torch.empty(1, n_samples, 1, device=device).normal_(generator=generator)  # the official noise branch, unused
+        return cls(rand_ini, sine_noise)
+
+
+class SineSource(nn.Module):
+    """NSF harmonic source ("SineGen2" + SourceModuleHnNSF): f0 (1, L, 1) at audio rate -> (1, L, 1).
+
+    The phase is integrated at frame rate (down-interpolate the per-sample increment, cumsum,
+    up-interpolate) rather than per sample, as the checkpoint was trained.
+    """
+
+    def __init__(self, sampling_rate: int, upsample_scale: int, harmonic_num: int, sine_amp: float,
+                 noise_std: float, voiced_threshold: float) -> None:
+        super().__init__()
+        self.sampling_rate = sampling_rate
+        self.upsample_scale = upsample_scale
+        self.n_harmonics = harmonic_num + 1
+        self.sine_amp, self.noise_std, self.voiced_threshold = sine_amp, noise_std, voiced_threshold
+        self.l_linear = nn.Linear(self.n_harmonics, 1)
+
+    def forward(self, f0: Tensor, noise: SourceNoise) -> Tensor:
+        harmonics = torch.arange(1, self.n_harmonics + 1, device=f0.device, dtype=f0.dtype)
+        rad = (f0 * harmonics / self.sampling_rate) % 1  # (1, L, H) phase increment in cycles per sample
+        rand_ini = noise.rand_ini.clone()
+        rand_ini[:, 0] = 0
+        rad[:, 0, :] = rad[:, 0, :] + rand_ini
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample_scale, mode="linear")  # (1, H, T)
+        phase = torch.cumsum(rad, dim=2) * 2 * math.pi
+        phase = F.interpolate(phase * self.upsample_scale, scale_factor=self.upsample_scale, mode="linear")
+        sines = torch.sin(phase).transpose(1, 2) * self.sine_amp  # (1, L, H)
+        uv = (f0 > self.voiced_threshold).to(f0.dtype)  # (1, L, 1)
+        noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
+        sines = sines * uv + noise_amp * noise.sine_noise
+        return torch.tanh(self.l_linear(sines))
+
+
+class F0Predictor(nn.Module):
+    """ConvRNNF0Predictor: 5 × (weight-normed conv k=3 → ELU), then a linear head; |·| gives Hz."""
+
+    def __init__(self, in_channels: int, cond_channels: int, num_class: int = 1) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(5):
+            layers += [weight_norm(nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1)), nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, num_class)
+
+    def forward(self, mel: Tensor) -> Tensor:  # (B, 80, T) -> (B, T)
+        return torch.abs(self.classifier(self.condnet(mel).transpose(1, 2)).squeeze(-1))
+
+
+class Snake(nn.Module):
+    """x + sin²(αx)/α with a per-channel α (linear scale)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, C, T)
+        alpha = self.alpha[None, :, None]
+        return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
+
+
+class ResBlock(nn.Module):
+    """Per dilation d: x += conv2(snake(conv1_d(snake(x)))), 'same' padding throughout."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: list[int]) -> None:
+        super().__init__()
+
+        def conv(d: int) -> nn.Module:
+            return weight_norm(nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=d * (kernel_size - 1) // 2))
+
+        self.convs1 = nn.ModuleList(conv(d) for d in dilations)
+        self.convs2 = nn.ModuleList(conv(1) for _ in dilations)
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            x = x + c2(a2(c1(a1(x))))
+        return x
+
+
+class HiFT(nn.Module):
+    def __init__(
+        self,
+        in_channels: int,
+        base_channels: int,
+        nb_harmonics: int,
+        sampling_rate: int,
+        nsf_alpha: float,
+        nsf_sigma: float,
+        nsf_voiced_threshold: float,
+        upsample_rates: list[int],
+        upsample_kernel_sizes: list[int],
+        n_fft: int,
+        hop_len: int,
+        resblock_kernel_sizes: list[int],
+        resblock_dilation_sizes: list[list[int]],
+        source_resblock_kernel_sizes: list[int],
+        source_resblock_dilation_sizes: list[list[int]],
+        lrelu_slope: float,
+        audio_limit: float,
+        f0_cond_channels: int,
+        f0_num_class: int = 1,
+    ) -> None:
+        super().__init__()
+        self.n_fft, self.hop_len = n_fft, hop_len
+        self.lrelu_slope, self.audio_limit = lrelu_slope, audio_limit
+        self.samples_per_frame = int(np.prod(upsample_rates)) * hop_len  # 480 at 24 kHz
+        self.m_source = SineSource(sampling_rate, self.samples_per_frame, nb_harmonics, nsf_alpha, nsf_sigma, nsf_voiced_threshold)
+        self.conv_pre = weight_norm(nn.Conv1d(in_channels, base_channels, 7, padding=3))
+        self.ups = nn.ModuleList(
+            weight_norm(nn.ConvTranspose1d(base_channels // 2**i, base_channels // 2 ** (i + 1), k, u, padding=(k - u) // 2))
+            for i, (u, k) in enumerate(zip(upsample_rates, upsample_kernel_sizes))
+        )
+        # The source's STFT frames (hop_len samples) are brought to each stage's rate: the last
+        # stage runs at the STFT rate, earlier ones at cumulative products of the later rates.
+        down_rates = np.cumprod([1] + upsample_rates[::-1][:-1])[::-1]
+        spec_channels = n_fft + 2
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        for i, (u, k, d) in enumerate(zip(down_rates, source_resblock_kernel_sizes, source_resblock_dilation_sizes)):
+            ch = base_channels // 2 ** (i + 1)
+            u = int(u)
+            self.source_downs.append(nn.Conv1d(spec_channels, ch, 1) if u == 1 else nn.Conv1d(spec_channels, ch, u * 2, u, padding=u // 2))
+            self.source_resblocks.append(ResBlock(ch, k, d))
+        self.num_kernels = len(resblock_kernel_sizes)
+        self.resblocks = nn.ModuleList(
+            ResBlock(base_channels // 2 ** (i + 1), k, d)
+            for i in range(len(upsample_rates))
+            for k, d in zip(resblock_kernel_sizes, resblock_dilation_sizes)
+        )
+        self.conv_post = weight_norm(nn.Conv1d(base_channels // 2 ** len(upsample_rates), spec_channels, 7, padding=3))
+        self.f0_predictor = F0Predictor(in_channels, f0_cond_channels, f0_num_class)
+        # scipy's periodic Hann; a plain attribute like the official one, so not in the state dict
+        self.stft_window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device="cpu").float()
+
+    def _stft(self, x: Tensor) -> Tensor:  # (1, L) -> (1, n_fft+2, L/hop+1) [real | imag]
+        spec = torch.stft(x, self.n_fft, self.hop_len, self.n_fft, window=self.stft_window.to(x.device), return_complex=True)
+        return torch.cat([spec.real, spec.imag], dim=1)
+
+    def _istft(self, magnitude: Tensor, phase: Tensor) -> Tensor:
+        magnitude = torch.clip(magnitude, max=1e2)
+        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        return torch.istft(spec, self.n_fft, self.hop_len, self.n_fft, window=self.stft_window.to(magnitude.device))
+
+    def decode(self, mel: Tensor, source: Tensor) -> Tensor:
+        """mel (1, 80, T), source (1, 1, 480T) -> waveform (1, 480T)."""
+        s = self._stft(source.squeeze(1))  # (1, n_fft+2, 120T+1)
+        x = self.conv_pre(mel)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, self.lrelu_slope))
+            if i == len(self.ups) - 1:
+                x = F.pad(x, (1, 0), mode="reflect")  # one more frame to line up with the STFT frames
+            x = x + self.source_resblocks[i](self.source_downs[i](s))
+            blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
+            x = sum(block(x) for block in blocks) / self.num_kernels
+        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here
+        half = self.n_fft // 2 + 1
+        # the phase channels go through sin before the iSTFT, as in the trained model
+        wav = self._istft(torch.exp(x[:, :half]), torch.sin(x[:, half:]))
+        return torch.clamp(wav, -self.audio_limit, self.audio_limit)
+
+    def source(self, f0: Tensor, noise: SourceNoise) -> Tensor:
+        """f0 (1, T) in Hz -> NSF source (1, 1, 480T)."""
+        f0 = F.interpolate(f0[:, None], scale_factor=float(self.samples_per_frame), mode="nearest")  # (1, 1, L)
+        return self.m_source(f0.transpose(1, 2), noise).transpose(1, 2)
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        mel: Tensor,
+        cache_source: Tensor | None = None,
+        noise: SourceNoise | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """mel (1, 80, T) -> (waveform (1, 480T), source (1, 1, 480T)).
+
+        cache_source (1, 1, C): the previous chunk's source tail, which replaces the first C
+        samples so that overlapping frames are voiced with the same excitation.
+        noise: the source's random draws; drawn from `generator` (default: torch's global one) if None.
+        """
+        n_samples = mel.shape[2] * self.samples_per_frame
+        if noise is None:
+            noise = SourceNoise.draw(n_samples, self.m_source.n_harmonics, generator, mel.device)
+        source = self.source(self.f0_predictor(mel), noise)
+        if cache_source is not None and cache_source.shape[2] > 0:
+            source[:, :, : cache_source.shape[2]] = cache_source
+        return self.decode(mel, source), source
+
+
+def build_hift(hp: dict[str, Any]) -> HiFT:
+    """Build from the `hift` section of cosyvoice2.yaml (as read by hparams.load_hparams)."""
+    f0 = hp["f0_predictor"]
+    return HiFT(
+        in_channels=hp["in_channels"],
+        base_channels=hp["base_channels"],
+        nb_harmonics=hp["nb_harmonics"],
+        sampling_rate=hp["sampling_rate"],
+        nsf_alpha=hp["nsf_alpha"],
+        nsf_sigma=hp["nsf_sigma"],
+        nsf_voiced_threshold=hp["nsf_voiced_threshold"],
+        upsample_rates=list(hp["upsample_rates"]),
+        upsample_kernel_sizes=list(hp["upsample_kernel_sizes"]),
+        n_fft=hp["istft_params"]["n_fft"],
+        hop_len=hp["istft_params"]["hop_len"],
+        resblock_kernel_sizes=list(hp["resblock_kernel_sizes"]),
+        resblock_dilation_sizes=[list(d) for d in hp["resblock_dilation_sizes"]],
+        source_resblock_kernel_sizes=list(hp["source_resblock_kernel_sizes"]),
+        source_resblock_dilation_sizes=[list(d) for d in hp["source_resblock_dilation_sizes"]],
+        lrelu_slope=hp["lrelu_slope"],
+        audio_limit=hp["audio_limit"],
+        f0_cond_channels=f0["cond_channels"],
+        f0_num_class=f0.get("num_class", 1),
+    )
