@@ -1,0 +1,44 @@
+"""Start the voice server: python run_server.py [--config configs/default.yaml] [--host H] [--port P]."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import uvicorn
+
+from voicebot.config import DEFAULT_CONFIG, ConfigError, load_settings
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", default=os.environ.get("VOICEBOT_CONFIG", str(DEFAULT_CONFIG)))
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--ssl-certfile", help="serve https/wss with this certificate (PEM)")
+    parser.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
+    args = parser.parse_args()
+    overrides = {"server": {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}}
+    try:
+        settings = load_settings(args.config, **overrides)
+    except ConfigError as exc:
+        print(f"voicebot: {exc}", file=sys.stderr)
+        return 2
+    os.environ["VOICEBOT_CONFIG"] = args.config
+    from voicebot.app import create_app
+
+    uvicorn.run(
+        create_app(settings),
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.log_level,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ws_max_size=2 * 48000 * 2 + 1024,  # a frame of 1 s at 48 kHz is the largest valid one
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The FastAPI app: pages, the /v1/voice WebSocket, health, readiness and metrics.
+
+`create_app(settings)` builds an app; the module-level `app` reads its settings from the file named
+by VOICEBOT_CONFIG (default configs/default.yaml), so `uvicorn voicebot.app:app` works as is.
+Engines load once, at start-up, off the event loop; /readyz answers 200 only when all have loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from voicebot import __version__, protocol
+from voicebot.config import Settings, load_settings
+from voicebot.engines import build_recognizer, build_responders, build_synthesizer
+from voicebot.metrics import Metrics
+from voicebot.protocol import CloseCode, ErrorCode
+from voicebot.serving.worker import Worker
+from voicebot.session import Session
+
+log = logging.getLogger("voicebot")
+
+
+@dataclass
+class Runtime:
+    """Everything sessions share: settings, loaded engines, metrics, the live sessions."""
+
+    settings: Settings
+    metrics: Metrics = field(default_factory=Metrics)
+    recognizer: object = None
+    synthesizer: object = None
+    responders: dict = field(default_factory=dict)
+    default_responder: str = "echo"
+    # Gate and VAD for every session: small onnxruntime/numpy calls, kept off the event loop.
+    audio_worker: Worker = field(default_factory=lambda: Worker("audio", threads=2))
+    sessions: dict[str, Session] = field(default_factory=dict)
+    ready: bool = False
+    draining: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+
+    def load(self) -> None:
+        s = self.settings
+        self.recognizer = build_recognizer(s)
+        self.synthesizer = build_synthesizer(s)
+        self.responders = build_responders(s)
+        self.default_responder = s.reply.engine
+        from voicebot.audio.endpoint import silero_session
+
+        silero_session()
+        for engine in (self.recognizer, self.synthesizer, *self.responders.values()):
+            engine.load()
+        self.ready = True
+
+    async def close(self) -> None:
+        for session in list(self.sessions.values()):
+            await session.close()
+        for engine in (self.recognizer, self.synthesizer):
+            if engine is not None:
+                engine.close()
+        for responder in self.responders.values():
+            await responder.aclose()
+        self.audio_worker.shutdown()
+
+    def replies_in_progress(self) -> int:
+        return sum(1 for s in self.sessions.values() if s._reply is not None or not s.turns.empty())
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or load_settings()
+    rt = Runtime(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await asyncio.to_thread(rt.load)
+        lag = asyncio.create_task(rt.metrics.watch_loop_lag())
+        _drain_on_sigterm(rt)
+        log.info("voicebot %s ready on %s:%s", __version__, settings.server.host, settings.server.port)
+        try:
+            yield
+        finally:
+            lag.cancel()
+            await rt.close()
+
+    app = FastAPI(title="voicebot", version=__version__, lifespan=lifespan)
+    app.state.runtime = rt
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        engines = [e.info() for e in (rt.recognizer, rt.synthesizer, *rt.responders.values()) if e is not None] if rt.ready else []
+        body = {
+            "ready": rt.ready and not rt.draining,
+            "draining": rt.draining,
+            "engines": [e.__dict__ for e in engines],
+            "active_sessions": len(rt.sessions),
+            "max_sessions": settings.server.max_sessions,
+            "uptime_s": round(time.monotonic() - rt.started_at, 1),
+        }
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/voices")
+    async def voices() -> dict:
+        return {"voices": [v.__dict__ for v in rt.synthesizer.voices()], "default": settings.tts.voice}
+
+    @app.websocket("/v1/voice")
+    async def voice(ws: WebSocket) -> None:
+        await ws.accept()
+        if rt.draining or not rt.ready:
+            await _refuse(ws, rt, ErrorCode.SHUTTING_DOWN, "the server is shutting down", CloseCode.GOING_AWAY, "shutting down")
+            return
+        if len(rt.sessions) >= settings.server.max_sessions:
+            await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at its limit of {settings.server.max_sessions} sessions",
+                          CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=5)
+            return
+        await run_session(ws, rt)
+
+    @app.get("/")
+    async def index() -> FileResponse:
+        return FileResponse(settings.server.static_dir / "index.html")
+
+    app.mount("/static", StaticFiles(directory=settings.server.static_dir), name="static")
+    return app
+
+
+async def run_session(ws: WebSocket, rt: Runtime) -> None:
+    session = Session(rt, ws.send_text, ws.send_bytes)
+    rt.sessions[session.id] = session
+    rt.metrics.active_sessions.inc()
+    rt.metrics.sessions_total.inc()
+    sender = asyncio.create_task(session.run_sender())
+    try:
+        while session.close_request is None:
+            receive = asyncio.create_task(ws.receive())
+            done, _ = await asyncio.wait({receive, sender}, return_when=asyncio.FIRST_COMPLETED)
+            if sender in done:  # the socket failed while sending
+                receive.cancel()
+                break
+            message = receive.result()
+            if message["type"] == "websocket.disconnect":
+                break
+            if message.get("text") is not None:
+                await session.on_text(message["text"])
+            elif message.get("bytes") is not None:
+                await session.on_bytes(message["bytes"])
+        if session.close_request is not None:
+            code, reason = session.close_request
+            await session.error(ErrorCode.FLOODING, reason)
+            await session.close()
+            await session.outbox.put(None)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sender, 2)
+            await ws.close(code, reason)
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+    finally:
+        await session.close()
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await sender
+        rt.sessions.pop(session.id, None)
+        rt.metrics.active_sessions.dec()
+
+
+async def _refuse(ws: WebSocket, rt: Runtime, code: str, message: str, close_code: int, reason: str, **extra) -> None:
+    rt.metrics.sessions_refused.labels(code).inc()
+    rt.metrics.errors.labels(code).inc()
+    with contextlib.suppress(Exception):
+        await ws.send_json(protocol.error(code, message, **extra))
+        await ws.close(close_code, reason)
+
+
+def _drain_on_sigterm(rt: Runtime) -> None:
+    """On SIGTERM: refuse new sessions, let replies in progress finish (bounded), then let the
+    server's own handler (uvicorn's) stop it. Works for run_server.py and plain uvicorn alike."""
+    loop = asyncio.get_running_loop()
+    previous = signal.getsignal(signal.SIGTERM)
+
+    async def drain() -> None:
+        rt.draining = True
+        deadline = time.monotonic() + rt.settings.server.shutdown_timeout_s
+        while rt.replies_in_progress() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        log.info("drained: %d replies still in progress", rt.replies_in_progress())
+        loop.remove_signal_handler(signal.SIGTERM)
+        if callable(previous):
+            previous(signal.SIGTERM, None)
+        else:
+            signal.raise_signal(signal.SIGTERM)
+
+    # Not available off the main thread (a server run in a test thread) or on Windows.
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(drain()))
+
+
+def _module_app() -> FastAPI:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return create_app()
+
+
+app = _module_app()

@@ -1,0 +1,178 @@
+"""Endpointing: Silero VAD decides where speech starts and where the utterance ends.
+
+The model ships in the `silero-vad` wheel (silero_vad.onnx); one onnxruntime session is shared by
+every stream (`run` is thread-safe) and each stream keeps its own recurrent state and context.
+Audio is 16 kHz float32, judged in 32 ms windows (512 samples).
+
+An utterance starts once `min_speech_ms` of speech has been heard (so a click or a cough that
+slipped past the gate is not an utterance), and includes `pre_speech_ms` of audio before the first
+speech window. It ends after `endpoint_silence_ms` of silence, or at `max_utterance_s`.
+Memory bound: the pre-speech buffer plus one window.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+
+from voicebot.config import EndpointConfig
+
+SAMPLE_RATE = 16000
+WINDOW = 512
+CONTEXT = 64
+WINDOW_MS = WINDOW * 1000 / SAMPLE_RATE  # 32 ms
+
+
+@functools.lru_cache(maxsize=1)
+def silero_session():
+    import onnxruntime
+    import silero_vad
+
+    path = Path(silero_vad.__file__).parent / "data" / "silero_vad.onnx"
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    return onnxruntime.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+
+
+class SileroVad:
+    """Speech probability per 512-sample window, for one stream."""
+
+    def __init__(self) -> None:
+        self._session = silero_session()
+        self._rate = np.array(SAMPLE_RATE, dtype=np.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        self._state = np.zeros((2, 1, 128), np.float32)
+        self._context = np.zeros((1, CONTEXT), np.float32)
+
+    def __call__(self, window: np.ndarray) -> float:
+        x = np.concatenate([self._context, window.reshape(1, WINDOW)], axis=1)
+        prob, self._state = self._session.run(None, {"input": x, "state": self._state, "sr": self._rate})
+        self._context = x[:, -CONTEXT:]
+        return float(prob[0, 0])
+
+
+class EventKind(Enum):
+    START = "start"  # an utterance began; `audio` holds the pre-speech audio and speech so far
+    AUDIO = "audio"  # audio inside the utterance
+    END = "end"  # the utterance ended; `audio` is empty
+
+
+@dataclass(frozen=True)
+class VadEvent:
+    kind: EventKind
+    audio: np.ndarray
+    # Stream position (samples since the stream began) of the end of the last speech window:
+    # where the user stopped talking, the origin of every latency we report.
+    speech_end_sample: int = 0
+    speech_ms: float = 0.0
+
+
+class Endpointer:
+    def __init__(self, config: EndpointConfig) -> None:
+        self.config = config
+        self.vad = SileroVad()
+        self._partial = np.zeros(0, np.float32)
+        self._preroll: deque[np.ndarray] = deque(maxlen=max(1, round(config.pre_speech_ms / WINDOW_MS)))
+        self._pending: list[np.ndarray] = []  # speech heard before min_speech_ms was reached
+        self.in_utterance = False
+        self.samples_seen = 0
+        self._speech_windows = 0  # speech windows in the current (tentative) utterance
+        self._silence_windows = 0
+        self._utterance_windows = 0
+        self._last_speech_end = 0
+        # Consecutive speech windows right now: the barge-in detector reads it.
+        self.speech_run_ms = 0.0
+
+    def set_silence_ms(self, ms: int) -> None:
+        self.config = self.config.model_copy(update={"endpoint_silence_ms": ms})
+
+    def process(self, audio: np.ndarray) -> list[VadEvent]:
+        data = np.concatenate([self._partial, np.asarray(audio, np.float32)])
+        n = len(data) // WINDOW
+        events: list[VadEvent] = []
+        for i in range(n):
+            events.extend(self._window(data[i * WINDOW : (i + 1) * WINDOW]))
+        self._partial = data[n * WINDOW :]
+        return _merge_audio(events)
+
+    def force_end(self) -> list[VadEvent]:
+        """End the utterance now (the client sent input.end)."""
+        if not self.in_utterance:
+            self._reset_utterance()
+            return []
+        return [self._end()]
+
+    def _window(self, window: np.ndarray) -> list[VadEvent]:
+        speech = self.vad(window) >= self.config.threshold
+        self.samples_seen += WINDOW
+        self.speech_run_ms = self.speech_run_ms + WINDOW_MS if speech else 0.0
+        if speech:
+            self._speech_windows += 1
+            self._silence_windows = 0
+            self._last_speech_end = self.samples_seen
+        else:
+            self._silence_windows += 1
+        silence_ms = self._silence_windows * WINDOW_MS
+
+        if self.in_utterance:
+            self._utterance_windows += 1
+            events = [VadEvent(EventKind.AUDIO, window)]
+            too_long = self._utterance_windows * WINDOW_MS >= self.config.max_utterance_s * 1000
+            if silence_ms >= self.config.endpoint_silence_ms or too_long:
+                events.append(self._end())
+            return events
+
+        if self._speech_windows == 0:
+            self._preroll.append(window)
+            return []
+        self._pending.append(window)
+        if silence_ms >= self.config.endpoint_silence_ms:
+            # A blip shorter than min_speech_ms: forget it, keep the latest audio as pre-roll.
+            self._preroll.extend(self._pending)
+            self._reset_utterance()
+            return []
+        if self._speech_windows * WINDOW_MS >= self.config.min_speech_ms:
+            self.in_utterance = True
+            self._utterance_windows = len(self._pending)
+            audio = np.concatenate([*self._preroll, *self._pending])
+            self._preroll.clear()
+            self._pending = []
+            return [VadEvent(EventKind.START, audio)]
+        return []
+
+    def _end(self) -> VadEvent:
+        event = VadEvent(
+            EventKind.END,
+            np.zeros(0, np.float32),
+            speech_end_sample=self._last_speech_end,
+            speech_ms=self._speech_windows * WINDOW_MS,
+        )
+        self._reset_utterance()
+        return event
+
+    def _reset_utterance(self) -> None:
+        self.in_utterance = False
+        self._pending = []
+        self._speech_windows = 0
+        self._silence_windows = 0
+        self._utterance_windows = 0
+
+
+def _merge_audio(events: list[VadEvent]) -> list[VadEvent]:
+    """Join consecutive AUDIO events so the recognizer gets one array per chunk, not per window."""
+    merged: list[VadEvent] = []
+    for ev in events:
+        if ev.kind is EventKind.AUDIO and merged and merged[-1].kind in (EventKind.AUDIO, EventKind.START):
+            last = merged[-1]
+            merged[-1] = VadEvent(last.kind, np.concatenate([last.audio, ev.audio]))
+        else:
+            merged.append(ev)
+    return merged

@@ -1,0 +1,33 @@
+"""Build the engines a config selects. Imports are lazy: an engine's libraries load only if chosen."""
+
+from __future__ import annotations
+
+from voicebot.asr.base import Recognizer
+from voicebot.config import Settings
+from voicebot.reply.base import Responder
+from voicebot.tts.base import Synthesizer
+
+
+def build_recognizer(settings: Settings) -> Recognizer:
+    engine = settings.asr.engine
+    if engine == "pocketsphinx":
+        from voicebot.asr.pocketsphinx import PocketsphinxRecognizer
+
+        return PocketsphinxRecognizer(settings.asr.pocketsphinx)
+    raise ValueError(f"asr.engine: unknown engine {engine!r}")
+
+
+def build_synthesizer(settings: Settings) -> Synthesizer:
+    engine = settings.tts.engine
+    if engine == "espeak":
+        from voicebot.tts.espeak import EspeakSynthesizer
+
+        return EspeakSynthesizer(settings.tts.espeak, settings.tts.voice)
+    raise ValueError(f"tts.engine: unknown engine {engine!r}")
+
+
+def build_responders(settings: Settings) -> dict[str, Responder]:
+    """Every responder a session may pick; `reply.engine` names the default."""
+    from voicebot.reply.echo import EchoResponder
+
+    return {"echo": EchoResponder()}

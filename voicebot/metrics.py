@@ -1,0 +1,50 @@
+"""Prometheus metrics, all named voicebot_*, served at /metrics.
+
+Latency histograms are in seconds. `voicebot_first_audio_seconds` is measured from the VAD's end of
+speech (the end of the last voiced window) to the first reply frame sent: what the user waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """One registry per app, so tests can run several apps in one process."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.active_sessions = Gauge("voicebot_active_sessions", "Sessions connected now", registry=r)
+        self.active_listeners = Gauge("voicebot_active_listeners", "Listener connections now", registry=r)
+        self.sessions_total = Counter("voicebot_sessions_total", "Sessions started", registry=r)
+        self.sessions_refused = Counter("voicebot_sessions_refused_total", "Sessions refused", ["reason"], registry=r)
+        self.utterances = Counter("voicebot_utterances_total", "Final transcripts, by the model that produced the text used", ["model"], registry=r)
+        self.dialect_fallbacks = Counter("voicebot_dialect_fallbacks_total", "Utterances re-decoded by the fallback model", ["used"], registry=r)
+        self.asr_confidence = Histogram("voicebot_asr_confidence", "Final transcript confidence", ["model"], buckets=(0.1, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0), registry=r)
+        self.first_audio = Histogram("voicebot_first_audio_seconds", "End of speech (VAD) to first reply frame sent", buckets=LATENCY_BUCKETS, registry=r)
+        self.endpoint_delay = Histogram("voicebot_endpoint_delay_seconds", "End of speech to endpoint decision", buckets=LATENCY_BUCKETS, registry=r)
+        self.asr_final = Histogram("voicebot_asr_final_seconds", "Endpoint decision to final transcript", buckets=LATENCY_BUCKETS, registry=r)
+        self.reply_first_text = Histogram("voicebot_reply_first_text_seconds", "Reply request to first text delta", buckets=LATENCY_BUCKETS, registry=r)
+        self.tts_first_audio = Histogram("voicebot_tts_first_audio_seconds", "First reply text to first synthesized audio", buckets=LATENCY_BUCKETS, registry=r)
+        self.frames_sent = Counter("voicebot_frames_sent_total", "Reply audio frames sent", registry=r)
+        self.frames_dropped = Counter("voicebot_frames_dropped_total", "Reply audio frames not sent, by reason (interrupted, client_gone, overload)", ["reason"], registry=r)
+        self.underruns = Counter("voicebot_underruns_total", "Reply frames sent after the client should already have played them", registry=r)
+        self.gate_muted = Counter("voicebot_gate_muted_seconds_total", "Input audio muted by the noise gate", registry=r)
+        self.input_dropped = Counter("voicebot_input_dropped_seconds_total", "Input audio dropped, by reason", ["reason"], registry=r)
+        self.resets = Counter("voicebot_resets_total", "Periodic state resets", registry=r)
+        self.reset_duration = Histogram("voicebot_reset_duration_seconds", "Time to drop and rebuild engine state", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5), registry=r)
+        self.errors = Counter("voicebot_errors_total", "Error events sent, by code", ["code"], registry=r)
+        self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop runs a timer", buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
+        for reason in ("interrupted", "client_gone", "overload"):
+            self.frames_dropped.labels(reason)  # exported as 0 from the start: overload must stay 0
+
+    async def watch_loop_lag(self, interval: float = 0.25) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(interval)
+            self.loop_lag.observe(max(0.0, time.perf_counter() - start - interval))
