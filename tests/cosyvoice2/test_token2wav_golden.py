@@ -1,0 +1,117 @@
+"""Token → wave through the official wrapper's paths (CosyVoice2Model.tts), HiFT noise zeroed.
+
+The stream test records every flow and HiFT call and checks it against golden_meta.json's
+`tts.stream.calls` and the per-call tensors. Max errors reached (fp32, 1 thread, tiny fixtures):
+nonstream speech 4.0e-5; stream chunks 1.4e-5; per-call mels 2.6e-6, sources 0 (bit-exact).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from voicebot.tts.cosyvoice2.flow import build_flow
+from voicebot.tts.cosyvoice2.hift import build_hift
+from voicebot.tts.cosyvoice2.hparams import load_hparams
+from voicebot.tts.cosyvoice2.loader import load_checkpoint
+from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
+
+pytestmark = pytest.mark.golden
+
+# README "Suggested fp32 acceptance thresholds"
+MEL_ATOL = 1e-4
+SOURCE_ATOL = 1e-3
+SPEECH_ATOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def t2w(cv2_dir: Path) -> Token2Wav:
+    hp = load_hparams(cv2_dir)
+    flow, hift = build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
+    load_checkpoint(flow, cv2_dir / "flow.pt")
+    load_checkpoint(hift, cv2_dir / "hift.pt", strip="generator.")
+    return Token2Wav(flow, hift)
+
+
+@pytest.fixture(scope="module")
+def prompt(cv2_golden: dict) -> FlowPrompt:
+    return FlowPrompt(cv2_golden["flow.prompt_token"], cv2_golden["flow.prompt_feat"], cv2_golden["flow.embedding"])
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
+    assert actual.shape == expected.shape
+    err = (actual - expected).abs().max().item()
+    assert err <= atol, f"max abs error {err:.3g} > {atol}"
+
+
+def _record_calls(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Wrap the flow and HiFT of `t2w` so that each call is logged in golden_meta's format."""
+    calls: list[dict] = []
+    flow_inference, hift_inference = t2w.flow.inference, t2w.hift.inference
+
+    def flow_call(token, prompt_token, prompt_feat, embedding, streaming, finalize):
+        mel = flow_inference(token, prompt_token, prompt_feat, embedding, streaming=streaming, finalize=finalize)
+        calls.append({"call": "flow", "token_len": token.shape[1], "streaming": streaming, "finalize": finalize,
+                      "mel_frames": mel.shape[2], "mel_full": mel})
+        return mel
+
+    def hift_call(mel, cache_source=None, noise=None, generator=None):
+        speech, source = hift_inference(mel, cache_source=cache_source, noise=noise, generator=generator)
+        n_cache = 0 if cache_source is None else cache_source.shape[2]
+        calls.append({"call": "hift", "mel_in_frames": mel.shape[2], "cache_source_len": n_cache,
+                      "speech_len": speech.shape[1], "mel_in": mel, "cache_source_in": cache_source,
+                      "speech": speech, "source": source})
+        return speech, source
+
+    monkeypatch.setattr(t2w.flow, "inference", flow_call)
+    monkeypatch.setattr(t2w.hift, "inference", hift_call)
+    return calls
+
+
+def test_nonstream(cv2_golden: dict, t2w: Token2Wav, prompt: FlowPrompt) -> None:
+    speech = t2w.full(cv2_golden["flow.token"], prompt, zero_noise=True)
+    _assert_close(speech, cv2_golden["tts.nonstream.speech"], SPEECH_ATOL)
+
+
+def test_stream_one_token_at_a_time(cv2_golden: dict, cv2_meta: dict, t2w: Token2Wav, prompt: FlowPrompt,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    meta = cv2_meta["tts.stream"]
+    calls = _record_calls(t2w, monkeypatch)
+    stream = t2w.stream(prompt, zero_noise=True)
+    chunks = []
+    for token in cv2_golden["flow.token"][0].tolist():
+        chunks += stream.push([token])
+    chunks.append(stream.finish())
+
+    assert [{k: v for k, v in c.items() if not isinstance(v, torch.Tensor | None)} for c in calls] == [
+        {**c, "call": c["call"].rstrip("0123456789")} for c in meta["calls"]
+    ]
+    for logged, expected in zip(calls, meta["calls"]):
+        name = f"tts.stream.{expected['call']}"
+        if logged["call"] == "flow":
+            _assert_close(logged["mel_full"], cv2_golden[f"{name}.mel_full"], MEL_ATOL)
+            continue
+        _assert_close(logged["mel_in"], cv2_golden[f"{name}.mel_in"], MEL_ATOL)
+        if logged["cache_source_len"]:
+            _assert_close(logged["cache_source_in"], cv2_golden[f"{name}.cache_source_in"], SOURCE_ATOL)
+        _assert_close(logged["source"], cv2_golden[f"{name}.source"], SOURCE_ATOL)
+        _assert_close(logged["speech"], cv2_golden[f"{name}.speech"], SPEECH_ATOL)
+
+    assert [c.shape[1] for c in chunks] == meta["chunk_speech_lens"]
+    assert sum(c.shape[1] for c in chunks) == meta["total"]
+    for i, chunk in enumerate(chunks):
+        _assert_close(chunk, cv2_golden[f"tts.stream.chunk{i}.speech"], SPEECH_ATOL)
+
+
+def test_second_stream_starts_from_the_first_hop(cv2_golden: dict, cv2_meta: dict, t2w: Token2Wav,
+                                                 prompt: FlowPrompt) -> None:
+    """The official wrapper keeps the grown hop on the model; ours restarts it for every request.
+    All tokens are pushed at once here: the chunking must not depend on how tokens arrive."""
+    tokens = cv2_golden["flow.token"][0].tolist()
+    for _ in range(2):
+        stream = t2w.stream(prompt, zero_noise=True)
+        chunks = stream.push(tokens) + [stream.finish()]
+        assert [c.shape[1] for c in chunks] == cv2_meta["tts.stream"]["chunk_speech_lens"]
+    _assert_close(chunks[0], cv2_golden["tts.stream.chunk0.speech"], SPEECH_ATOL)

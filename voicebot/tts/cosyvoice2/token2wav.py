@@ -1,0 +1,147 @@
+"""Speech tokens → 24 kHz audio, whole or streamed (the official CosyVoice2Model.tts path, spec §9).
+
+Streaming follows the official schedule exactly, with its state kept per request instead of on
+the shared model (the official wrapper leaks the grown hop into later requests, spec §9.3 (a)):
+
+- a chunk is rendered once `hop + lookahead` tokens past the offset exist; the first hop is padded
+  so that prompt + hop ends on a flow chunk boundary, later hops grow 25 → 50 → 100;
+- each chunk re-runs the flow over all tokens so far (chunk-causal attention, 3-token lookahead)
+  and keeps only the new mel frames;
+- HiFT re-runs the last 8 mel frames of the previous chunk with that chunk's source tail, and the
+  first 3840 samples are cross-faded with the previous chunk's held-back tail;
+- the last chunk uses `finalize=True` and full attention, as the official code does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from voicebot.tts.cosyvoice2.flow import Flow
+from voicebot.tts.cosyvoice2.hift import HiFT, SourceNoise
+
+
+@dataclass(frozen=True)
+class FlowPrompt:
+    """What the flow needs from a voice: prompt tokens (1, P), their mel (1, 2P, 80), speaker (1, 192)."""
+
+    token: Tensor
+    feat: Tensor
+    embedding: Tensor
+
+
+@dataclass(frozen=True)
+class StreamSchedule:
+    """The official wrapper's constants; None takes the flow's training chunk size (25 tokens)."""
+
+    hop_tokens: int | None = None
+    max_hop_tokens: int = 100
+    hop_growth: int = 2
+    mel_cache_frames: int = 8
+
+
+class Token2Wav:
+    """Flow + HiFT, shared by all requests; holds no per-request state."""
+
+    def __init__(self, flow: Flow, hift: HiFT, schedule: StreamSchedule = StreamSchedule()) -> None:
+        self.flow, self.hift, self.schedule = flow, hift, schedule
+
+    def _vocode(self, mel: Tensor, cache_source: Tensor | None, zero_noise: bool, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+        noise = None
+        if zero_noise:
+            noise = SourceNoise.zeros(mel.shape[2] * self.hift.samples_per_frame, self.hift.m_source.n_harmonics, mel.device)
+        return self.hift.inference(mel, cache_source=cache_source, noise=noise, generator=generator)
+
+    @torch.inference_mode()
+    def full(
+        self, tokens: Tensor, prompt: FlowPrompt, speed: float = 1.0, zero_noise: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Non-streaming: all tokens (1, N) at once -> waveform (1, 480·2N/speed)."""
+        mel = self.flow.inference(tokens, prompt.token, prompt.feat, prompt.embedding, streaming=False, finalize=True)
+        if speed != 1.0:
+            mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
+        return self._vocode(mel, None, zero_noise, generator)[0]
+
+    def stream(self, prompt: FlowPrompt, zero_noise: bool = False, generator: torch.Generator | None = None) -> Token2WavStream:
+        return Token2WavStream(self, prompt, zero_noise, generator)
+
+
+class Token2WavStream:
+    """One request's streaming state. `push` tokens as the LM emits them and play the chunks it
+    returns; `finish` once the LM has stopped returns the rest. Chunks are (1, n) float32."""
+
+    def __init__(self, t2w: Token2Wav, prompt: FlowPrompt, zero_noise: bool, generator: torch.Generator | None) -> None:
+        self.t2w, self.prompt = t2w, prompt
+        self.zero_noise, self.generator = zero_noise, generator
+        flow = t2w.flow
+        sched = t2w.schedule
+        self.lookahead = flow.pre_lookahead_len
+        self.hop = sched.hop_tokens or flow.encoder.chunk_size
+        n_prompt = prompt.token.shape[1]
+        # pad the first hop so that prompt + hop ends on a chunk boundary
+        self.first_pad = math.ceil(n_prompt / self.hop) * self.hop - n_prompt
+        self.mel_cache_frames = sched.mel_cache_frames
+        self.overlap = sched.mel_cache_frames * t2w.hift.samples_per_frame  # 3840 samples
+        self.window = torch.from_numpy(np.hamming(2 * self.overlap))  # float64, as the official blend
+        self.tokens: list[int] = []
+        self.offset = 0  # tokens already voiced
+        self.mel_cache: Tensor | None = None  # (1, 80, 8) last mel frames of the previous HiFT input
+        self.source_cache: Tensor | None = None  # (1, 1, 3840) source tail of the previous chunk
+        self.speech_tail: Tensor | None = None  # (1, 3840) held back for the cross-fade
+        self.finished = False
+
+    def _next_hop(self) -> int:
+        return self.hop + (self.first_pad if self.offset == 0 else 0)
+
+    def push(self, tokens: Iterable[int]) -> list[Tensor]:
+        """Add speech tokens; returns the audio chunks that became ready (possibly none)."""
+        if self.finished:
+            raise RuntimeError("push after finish")
+        self.tokens.extend(int(t) for t in tokens)
+        chunks = []
+        while len(self.tokens) - self.offset >= self._next_hop() + self.lookahead:
+            hop = self._next_hop()
+            chunks.append(self._render(self.offset + hop + self.lookahead, finalize=False))
+            self.offset += hop
+            sched = self.t2w.schedule
+            self.hop = min(sched.max_hop_tokens, self.hop * sched.hop_growth)
+        return chunks
+
+    def finish(self) -> Tensor:
+        """All tokens are in: render the remaining ones, ending the audio without hold-back."""
+        self.finished = True
+        if not self.tokens:
+            return torch.zeros(1, 0)
+        return self._render(len(self.tokens), finalize=True)
+
+    @torch.inference_mode()
+    def _render(self, n_tokens: int, finalize: bool) -> Tensor:
+        flow, p = self.t2w.flow, self.prompt
+        token = torch.tensor(self.tokens[:n_tokens], dtype=torch.int32, device=p.token.device)[None]
+        # non-final chunks use chunk-causal attention; the final one full attention (official behaviour)
+        mel = flow.inference(token, p.token, p.feat, p.embedding, streaming=not finalize, finalize=finalize)
+        mel = mel[:, :, self.offset * flow.token_mel_ratio :]  # (1, 80, new frames)
+        if self.mel_cache is not None:
+            mel = torch.cat([self.mel_cache, mel], dim=2)
+        speech, source = self.t2w._vocode(mel, self.source_cache, self.zero_noise, self.generator)
+        if self.speech_tail is not None:
+            speech = self._crossfade(speech, self.speech_tail)
+        if finalize:
+            return speech
+        self.mel_cache = mel[:, :, -self.mel_cache_frames :]
+        self.source_cache = source[:, :, -self.overlap :]
+        self.speech_tail = speech[:, -self.overlap :]
+        return speech[:, : -self.overlap]
+
+    def _crossfade(self, speech: Tensor, prev_tail: Tensor) -> Tensor:
+        """Fade the first `overlap` samples in over the previous chunk's tail (Hamming halves)."""
+        n, w = self.overlap, self.window.to(speech.device)
+        head = speech[:, :n] * w[:n] + prev_tail * w[n:]  # float64, then back, like the official code
+        return torch.cat([head.to(speech.dtype), speech[:, n:]], dim=1)
