@@ -91,20 +91,30 @@ def load_checkpoint(module: nn.Module, path: str | Path, strip: str = "") -> Non
     module.load_state_dict(state, strict=True, assign=is_meta)
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.float16 if device.type == "cuda" else torch.float32
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" is CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """None or "auto": float16 on CUDA, float32 elsewhere; otherwise a torch dtype or its name."""
+    if dtype is None or dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def load_lm(model_dir: str | Path, hparams: dict[str, Any] | None = None,
-            device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> CosyVoice2LM:
+            device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> CosyVoice2LM:
     """Build the LM from the yaml and load llm.pt. Built on the meta device, so the 2 GB of
     weights are never randomly initialised first."""
-    device = torch.device(device)
+    device = resolve_device(device)
     hparams = hparams or load_hparams(model_dir)
     with torch.device("meta"):
         lm = build_lm(hparams)
     load_checkpoint(lm, Path(model_dir) / "llm.pt")
-    return lm.to(device=device, dtype=dtype or default_dtype(device)).eval()
+    return lm.to(device=device, dtype=resolve_dtype(dtype, device)).eval()
 
 
 @dataclass
@@ -116,12 +126,12 @@ class CosyVoice2Modules:
     dtype: torch.dtype
 
 
-def load_cosyvoice2(model_dir: str | Path, device: torch.device | str = "cpu",
-                    dtype: torch.dtype | None = None) -> CosyVoice2Modules:
+def load_cosyvoice2(model_dir: str | Path, device: str | torch.device = "cpu",
+                    dtype: str | torch.dtype | None = None) -> CosyVoice2Modules:
     """Everything a model directory holds for synthesis, on `device` (fp32 on CPU, fp16 on CUDA
     unless `dtype` says otherwise)."""
-    model_dir, device = Path(model_dir), torch.device(device)
-    dtype = dtype or default_dtype(device)
+    model_dir, device = Path(model_dir), resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     hparams = load_hparams(model_dir)
     lm = load_lm(model_dir, hparams, device, dtype)
     return CosyVoice2Modules(model_dir, hparams, lm, device, dtype)
