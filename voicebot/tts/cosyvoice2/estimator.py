@@ -150,7 +150,7 @@ def sinusoidal_time_embedding(t: Tensor, dim: int, scale: float = 1000.0) -> Ten
     half = dim // 2
     freqs = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
     angles = scale * t[:, None] * freqs[None, :]
-    return torch.cat((angles.sin(), angles.cos()), dim=-1)
+    return torch.cat((angles.sin(), angles.cos()), dim=-1).to(t.dtype)
 
 
 def _stage(dim_in: int, dim: int, time_dim: int, n_blocks: int, heads: int, head_dim: int, conv: bool) -> nn.ModuleList:

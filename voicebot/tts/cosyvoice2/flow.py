@@ -26,17 +26,19 @@ RAND_NOISE_SEED = 0
 RAND_NOISE_FRAMES = 15000
 
 
-def rel_pos_table(size: int, dim: int, device: torch.device) -> Tensor:
-    """ESPnet relative positional table (1, 2·size−1, dim) for offsets size−1 … 0 … −(size−1).
+def rel_pos_table(x: Tensor) -> Tensor:
+    """ESPnet relative positional table (1, 2T−1, D) for x (B, T, D), offsets T−1 … 0 … −(T−1).
 
-    Row r encodes offset size−1−r: sin on even dims, cos on odd dims, frequency 10000^(−2i/dim).
+    Row r encodes offset T−1−r: sin on even dims, cos on odd dims, frequency 10000^(−2i/D).
+    Computed in fp32 whatever x's dtype, as the official table is.
     """
-    pos = torch.arange(size - 1, -size, -1, device=device, dtype=torch.float32)[:, None]  # (2T-1, 1)
-    freq = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * -(math.log(10000.0) / dim))
-    table = torch.zeros(2 * size - 1, dim, device=device)
+    size, dim = x.shape[1], x.shape[2]
+    pos = torch.arange(size - 1, -size, -1, device=x.device, dtype=torch.float32)[:, None]  # (2T-1, 1)
+    freq = torch.exp(torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) * -(math.log(10000.0) / dim))
+    table = torch.zeros(2 * size - 1, dim, device=x.device)
     table[:, 0::2] = torch.sin(pos * freq)
     table[:, 1::2] = torch.cos(pos * freq)
-    return table[None]
+    return table[None].to(x.dtype)
 
 
 def rel_shift(x: Tensor) -> Tensor:
@@ -102,16 +104,15 @@ class ConformerLayer(nn.Module):
 
 
 class LinearEmbed(nn.Module):
-    """Linear → LayerNorm, then the ESPnet √D scaling; returns the rel-pos table for the length."""
+    """Linear → LayerNorm, then the ESPnet √D scaling of the positional-encoding step."""
 
     def __init__(self, dim_in: int, dim: int) -> None:
         super().__init__()
         self.out = nn.Sequential(nn.Linear(dim_in, dim), nn.LayerNorm(dim, eps=1e-5))
         self.xscale = math.sqrt(dim)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:  # (B, T, Din) -> (B, T, D), (1, 2T-1, D)
-        x = self.out(x) * self.xscale
-        return x, rel_pos_table(x.shape[1], x.shape[2], x.device)
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, Din) -> (B, T, D)
+        return self.out(x) * self.xscale
 
 
 class PreLookaheadLayer(nn.Module):
@@ -128,7 +129,7 @@ class PreLookaheadLayer(nn.Module):
         h = torch.cat([x, context], dim=1).transpose(1, 2)  # (B, D, T+c)
         h = F.pad(h, (0, self.lookahead - context.shape[1]))
         h = F.leaky_relu(self.conv1(h), 0.01)  # (B, D, T)
-        h = self.conv2(F.pad(h, (2, 0)))
+        h = self.conv2(F.pad(h, (self.conv2.kernel_size[0] - 1, 0)))  # causal
         return h.transpose(1, 2) + x
 
 
@@ -166,14 +167,15 @@ class UpsampleConformerEncoder(nn.Module):
 
         Returns (B, stride·T, D).
         """
-        x, pos_emb = self.embed(x)
-        context = self.embed.out(context) * self.embed.xscale
+        x = self.embed(x)
+        pos_emb = rel_pos_table(x)
         mask = chunk_mask(x.shape[1], self.chunk_size if streaming else 0, x.device)
-        x = self.pre_lookahead_layer(x, context)
+        x = self.pre_lookahead_layer(x, self.embed(context))
         for layer in self.encoders:
             x = layer(x, pos_emb, mask)
         x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)
-        x, pos_emb = self.up_embed(x)
+        x = self.up_embed(x)
+        pos_emb = rel_pos_table(x)
         mask = chunk_mask(x.shape[1], self.chunk_size * self.up_layer.stride if streaming else 0, x.device)
         for layer in self.up_encoders:
             x = layer(x, pos_emb, mask)
@@ -231,7 +233,6 @@ class Flow(nn.Module):
         super().__init__()
         self.token_mel_ratio = token_mel_ratio
         self.pre_lookahead_len = lookahead
-        self.n_mels = n_mels
         self.n_timesteps = n_timesteps
         self.input_embedding = nn.Embedding(vocab_size, input_size)
         self.spk_embed_affine_layer = nn.Linear(spk_embed_dim, n_mels)
@@ -245,10 +246,8 @@ class Flow(nn.Module):
         A non-final call holds back the last `lookahead` tokens: they only feed the lookahead conv.
         """
         x = self.input_embedding(tokens.long().clamp(min=0))  # (1, N, Din)
-        if finalize:
-            x, context = x, x[:, :0]
-        else:
-            x, context = x[:, : -self.pre_lookahead_len], x[:, -self.pre_lookahead_len :]
+        split = x.shape[1] - (0 if finalize else self.pre_lookahead_len)
+        x, context = x[:, :split], x[:, split:]
         return self.encoder_proj(self.encoder(x, context, streaming))
 
     @torch.inference_mode()
@@ -257,8 +256,11 @@ class Flow(nn.Module):
     ) -> Tensor:
         """token (1, N), prompt_token (1, P), prompt_feat (1, 2P, 80), embedding (1, 192).
 
-        Returns the mel of the target tokens only, (1, 80, 2N) — or 2(N−lookahead) when not final.
+        Returns the mel of the target tokens only, (1, 80, 2N) — or 2(N−lookahead) when not final —
+        in fp32 whatever the module's dtype.
         """
+        dtype = self.encoder_proj.weight.dtype
+        embedding, prompt_feat = embedding.to(dtype), prompt_feat.to(dtype)
         spks = self.spk_embed_affine_layer(F.normalize(embedding, dim=1))  # (1, 80)
         mu = self.encode(torch.cat([prompt_token, token], dim=1), finalize, streaming)  # (1, T, 80)
         n_prompt = prompt_feat.shape[1]
@@ -277,7 +279,7 @@ def build_flow(hp: dict[str, Any]) -> Flow:
     encoder = UpsampleConformerEncoder(
         input_size=enc["input_size"], dim=enc["output_size"], heads=enc["attention_heads"],
         hidden=enc["linear_units"], num_blocks=enc["num_blocks"], chunk_size=enc["static_chunk_size"],
-        lookahead=hp["pre_lookahead_len"],
+        lookahead=hp["pre_lookahead_len"], stride=hp["token_mel_ratio"],
     )
     decoder = CausalConditionalCFM(build_estimator(dec["estimator"]), cfm["inference_cfg_rate"], hp["output_size"])
     return Flow(
