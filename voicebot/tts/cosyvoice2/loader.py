@@ -10,6 +10,7 @@ CosyVoice-BlankEN/config.json; the checkpoints load strictly with weights_only=T
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from voicebot.tts.cosyvoice2.flow import Flow, build_flow
+from voicebot.tts.cosyvoice2.hift import HiFT, build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, build_lm
 
@@ -105,16 +108,22 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def _load(build: Callable[[], nn.Module], path: Path, strip: str = "") -> nn.Module:
+    # Built on the meta device and given the file's tensors: no random init of weights that are
+    # overwritten anyway (2 GB for the LM).
+    with torch.device("meta"):
+        module = build()
+    load_checkpoint(module, path, strip)
+    return module.eval()
+
+
 def load_lm(model_dir: str | Path, hparams: dict[str, Any] | None = None,
             device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None) -> CosyVoice2LM:
-    """Build the LM from the yaml and load llm.pt. Built on the meta device, so the 2 GB of
-    weights are never randomly initialised first."""
+    """Build the LM from the yaml and load llm.pt."""
     device = resolve_device(device)
     hparams = hparams or load_hparams(model_dir)
-    with torch.device("meta"):
-        lm = build_lm(hparams)
-    load_checkpoint(lm, Path(model_dir) / "llm.pt")
-    return lm.to(device=device, dtype=resolve_dtype(dtype, device)).eval()
+    lm = _load(lambda: build_lm(hparams), Path(model_dir) / "llm.pt")
+    return lm.to(device=device, dtype=resolve_dtype(dtype, device))
 
 
 @dataclass
@@ -122,16 +131,20 @@ class CosyVoice2Modules:
     model_dir: Path
     hparams: dict[str, Any]
     lm: CosyVoice2LM
+    flow: Flow
+    hift: HiFT
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the LM and the flow; HiFT always runs in float32, as the official code
 
 
 def load_cosyvoice2(model_dir: str | Path, device: str | torch.device = "cpu",
                     dtype: str | torch.dtype | None = None) -> CosyVoice2Modules:
-    """Everything a model directory holds for synthesis, on `device` (fp32 on CPU, fp16 on CUDA
-    unless `dtype` says otherwise)."""
+    """The LM, flow and HiFT of a model directory on `device` (fp32 on CPU, fp16 on CUDA unless
+    `dtype` says otherwise)."""
     model_dir, device = Path(model_dir), resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     hparams = load_hparams(model_dir)
     lm = load_lm(model_dir, hparams, device, dtype)
-    return CosyVoice2Modules(model_dir, hparams, lm, device, dtype)
+    flow = _load(lambda: build_flow(hparams["flow"]), model_dir / "flow.pt").to(device=device, dtype=dtype)
+    hift = _load(lambda: build_hift(hparams["hift"]), model_dir / "hift.pt", strip="generator.").to(device)
+    return CosyVoice2Modules(model_dir, hparams, lm, flow, hift, device, dtype)
