@@ -115,3 +115,13 @@ def test_second_stream_starts_from_the_first_hop(cv2_golden: dict, cv2_meta: dic
         chunks = stream.push(tokens) + [stream.finish()]
         assert [c.shape[1] for c in chunks] == cv2_meta["tts.stream"]["chunk_speech_lens"]
     _assert_close(chunks[0], cv2_golden["tts.stream.chunk0.speech"], SPEECH_ATOL)
+
+
+def test_utterance_shorter_than_the_first_hop_is_one_full_chunk(cv2_golden: dict, t2w: Token2Wav,
+                                                                prompt: FlowPrompt) -> None:
+    stream = t2w.stream(prompt, zero_noise=True)
+    tokens = cv2_golden["flow.token"][:, : stream.tokens_for_next_chunk - 1]
+    assert stream.push(tokens[0].tolist()) == []
+    torch.testing.assert_close(stream.finish(), t2w.full(tokens, prompt, zero_noise=True), rtol=0, atol=0)
+    with pytest.raises(RuntimeError):
+        stream.push([0])

@@ -100,16 +100,20 @@ class Token2WavStream:
     def _next_hop(self) -> int:
         return self.hop + (self.first_pad if self.offset == 0 else 0)
 
+    @property
+    def tokens_for_next_chunk(self) -> int:
+        """How many tokens in total `push` needs before it renders the next chunk."""
+        return self.offset + self._next_hop() + self.lookahead
+
     def push(self, tokens: Iterable[int]) -> list[Tensor]:
         """Add speech tokens; returns the audio chunks that became ready (possibly none)."""
         if self.finished:
             raise RuntimeError("push after finish")
         self.tokens.extend(int(t) for t in tokens)
         chunks = []
-        while len(self.tokens) - self.offset >= self._next_hop() + self.lookahead:
-            hop = self._next_hop()
-            chunks.append(self._render(self.offset + hop + self.lookahead, finalize=False))
-            self.offset += hop
+        while len(self.tokens) >= self.tokens_for_next_chunk:
+            chunks.append(self._render(self.tokens_for_next_chunk, finalize=False))
+            self.offset += self._next_hop()
             sched = self.t2w.schedule
             self.hop = min(sched.max_hop_tokens, self.hop * sched.hop_growth)
         return chunks
