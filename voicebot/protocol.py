@@ -9,6 +9,7 @@ session decides what to do with it. docs/protocol.md documents every message, co
 from __future__ import annotations
 
 import json
+import re
 from enum import IntEnum
 from typing import Annotated, Any, Literal, Union
 
@@ -21,6 +22,8 @@ MAX_SAMPLE_RATE = 48000
 MAX_CHUNK_SECONDS = 1.0
 OUTPUT_SAMPLE_RATE = 24000
 FRAME_MS = 200
+# A channel name, as in `session.start {channel}` and `/v1/voice?role=listener&channel=NAME`.
+CHANNEL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class ErrorCode:
@@ -41,13 +44,17 @@ class ErrorCode:
     REPLY_FAILED = "reply_failed"  # the responder failed; a fallback line may be spoken
     FLOODING = "flooding"  # sent just before the close with CloseCode.FLOODING
     SHUTTING_DOWN = "shutting_down"
+    UNAUTHORIZED = "unauthorized"  # missing or wrong token; sent just before CloseCode.UNAUTHORIZED
+    READ_ONLY = "read_only"  # a listener sent something other than ping
 
 
 class CloseCode(IntEnum):
     NORMAL = 1000
     GOING_AWAY = 1001  # server shutting down
     TRY_AGAIN_LATER = 1013  # busy: max_sessions reached
+    POLICY = 1008  # a connection the server will not serve (e.g. a listener without a channel)
     FLOODING = 4008  # messages or bytes per second far above real time
+    TOO_SLOW = 4009  # a listener fell behind its channel and was dropped
     UNAUTHORIZED = 4401
 
 
@@ -76,7 +83,7 @@ class SessionStart(_Message):
     voice: str | None = None
     responder: str | None = None
     language: str | None = None
-    channel: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    channel: str | None = Field(None, pattern=f"^{CHANNEL_NAME.pattern}$")
     resume: str | None = None  # a previous session_id, to continue its conversation
     endpointing: EndpointingUpdate | None = None
 
