@@ -30,6 +30,15 @@ class ServerConfig(Section):
     # On SIGTERM: stop accepting sessions, let replies in progress finish for at most this long.
     shutdown_timeout_s: float = Field(10.0, ge=0)
     static_dir: Path = REPO_ROOT / "static"
+    # Shared secret for exposed servers: every WebSocket (sessions, listeners, /obs/audio) must
+    # present it (?token=, a `token.<TOKEN>` subprotocol, or `Authorization: Bearer`). None: open.
+    # Set it through VOICEBOT_SERVER__TOKEN rather than in a committed file.
+    token: str | None = Field(None, min_length=8)
+    # Listener connections (OBS overlays) across all channels; each queues at most ~600 KB.
+    max_listeners: int = Field(50, ge=0)
+    # Tests and troubleshooting only: keep the first N seconds of raw input of the 8 most recent
+    # sessions in memory, served at /debug/input/{session_id}.wav. 0 = off (and no such route).
+    record_input_s: float = Field(0.0, ge=0, le=60)
 
 
 class LimitsConfig(Section):
