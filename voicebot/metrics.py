@@ -21,6 +21,8 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.active_sessions = Gauge("voicebot_active_sessions", "Sessions connected now", registry=r)
         self.active_listeners = Gauge("voicebot_active_listeners", "Listener connections now", registry=r)
+        self.listeners_dropped = Counter("voicebot_listeners_dropped_total", "Listeners dropped for falling behind their channel", registry=r)
+        self.obs_bad_chunks = Counter("voicebot_obs_bad_chunks_total", "Messages on /obs/audio that could not be used, by reason", ["reason"], registry=r)
         self.sessions_total = Counter("voicebot_sessions_total", "Sessions started", registry=r)
         self.sessions_refused = Counter("voicebot_sessions_refused_total", "Sessions refused", ["reason"], registry=r)
         self.utterances = Counter("voicebot_utterances_total", "Final transcripts, by the model that produced the text used", ["model"], registry=r)
