@@ -118,6 +118,19 @@ def test_bistream(lm: CosyVoice2LM, cv2_golden: dict, cv2_meta: dict) -> None:
     _check_logits(logits, g["lm.bistream.step_logits"])
 
 
+@pytest.mark.golden
+def test_half_precision_tracks_fp32(cv2_dir: Path, cv2_golden: dict) -> None:
+    """The CUDA default is float16; the same code runs on CPU. A bound, not golden: 2 % of the
+    logit range on the teacher-forced sequence (float16 reached 0.5 % on the tiny fixtures)."""
+    lm16 = load_lm(cv2_dir, dtype=torch.float16)
+    embeds, expected = cv2_golden["lm.teacher_forced.lm_input_embeds"], cv2_golden["lm.teacher_forced.logits"]
+    cache = lm16.new_cache(embeds.shape[1])
+    assert cache.k.dtype == torch.float16
+    with torch.inference_mode():
+        logits = lm16.llm_decoder(lm16.qwen(embeds.half(), torch.arange(embeds.shape[1]), cache)).float()
+    assert (logits - expected).abs().max() < 0.02 * expected.abs().max()
+
+
 def _tiny_lm(vocab: int = 32, speech: int = 16) -> CosyVoice2LM:
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, rope_theta=1e4, rms_norm_eps=1e-6,
