@@ -11,6 +11,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from voicebot.tts.cosyvoice2.hparams import load_hparams
+
 SPEECH_CODES = 6561
 
 
@@ -60,8 +62,8 @@ def make_campplus(path: Path, seed: int = 0) -> Path:
     return _save(graph, path)
 
 
-def make_speech_tokenizer(path: Path) -> Path:
-    """log-mel (1, 128, T) + length (1,) → one id per 4 frames: (1, T/4), from the frames' mean bin value.
+def make_speech_tokenizer(path: Path, codes: int = SPEECH_CODES) -> Path:
+    """log-mel (1, 128, T) + length (1,) → one id in [0, codes) per 4 frames: (1, T/4), from the frames' mean bin value.
 
     The length input is consumed (added as 0 · length) so the graph has the real two-input signature.
     """
@@ -90,15 +92,15 @@ def make_speech_tokenizer(path: Path) -> Path:
             numpy_helper.from_array(np.array([4], np.int64), "steps"),
             numpy_helper.from_array(np.array(1000.0, np.float32), "scale"),
             numpy_helper.from_array(np.array(0, np.int64), "zero"),
-            numpy_helper.from_array(np.array(SPEECH_CODES, np.int64), "codes"),
+            numpy_helper.from_array(np.array(codes, np.int64), "codes"),
         ],
     )
     return _save(graph, path)
 
 
-def speech_tokens_reference(log_mel: np.ndarray) -> np.ndarray:
+def speech_tokens_reference(log_mel: np.ndarray, codes: int = SPEECH_CODES) -> np.ndarray:
     """What make_speech_tokenizer's graph computes, in numpy, for the tests' expectations."""
-    return (np.abs(log_mel[:, :, ::4].mean(axis=1)) * np.float32(1000.0)).astype(np.int64) % SPEECH_CODES
+    return (np.abs(log_mel[:, :, ::4].mean(axis=1)) * np.float32(1000.0)).astype(np.int64) % codes
 
 
 def make_model_dir(directory: Path, fixtures: Path) -> Path:
@@ -114,5 +116,6 @@ def make_model_dir(directory: Path, fixtures: Path) -> Path:
     vocab = json.loads((qwen / "config.json").read_text())["vocab_size"]
     make_tokenizer(qwen, vocab_size=vocab)
     make_campplus(directory / "campplus.onnx")
-    make_speech_tokenizer(directory / "speech_tokenizer_v2.onnx")
+    # Ids must fit the model's speech vocabulary, which is tiny here.
+    make_speech_tokenizer(directory / "speech_tokenizer_v2.onnx", load_hparams(directory)["llm"]["speech_token_size"])
     return directory

@@ -1,0 +1,196 @@
+"""The CosyVoice 2 Synthesizer on the tiny fixture model (tokenizer and ONNX stand-ins built here)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from tiny_frontend import make_model_dir
+from voicebot.config import Cosyvoice2Config
+from voicebot.tts.base import SAMPLE_RATE
+from voicebot.tts.cosyvoice2 import engine as engine_mod
+from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer, select_attention
+
+FIXTURES = Path(os.environ.get("VOICEBOT_CV2_FIXTURES", "/work/shared/fixtures/cosyvoice2"))
+SAMPLES_PER_TOKEN = 2 * 480  # two mel frames of 480 samples
+N_TOKENS = 60  # speech tokens per utterance with the fixed-length sampler
+
+
+@pytest.fixture
+def fixed_length(monkeypatch, synth):
+    """Random tiny weights may sample a stop id at once; this sampler decodes exactly N_TOKENS
+    (arg-max over the speech ids, then eos) so the audio length is known."""
+    eos = synth.lm.eos
+
+    def sample(logp, history):
+        return int(logp[:eos].argmax()) if len(history) < N_TOKENS else eos
+
+    monkeypatch.setattr(engine_mod.RasSampler, "from_hparams", lambda *args: sample)
+
+
+def test_attention_selection(monkeypatch):
+    have_flash = {"flash_attn": object()}
+    monkeypatch.setattr(engine_mod.importlib.util, "find_spec", lambda name: have_flash.get(name))
+    assert select_attention(torch.device("cuda")) == "flash_attention_2"
+    assert select_attention(torch.device("cpu")) == "sdpa"  # flash-attn is CUDA-only
+    have_flash.clear()
+    assert select_attention(torch.device("cuda")) == "sdpa"
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory) -> CosyVoice2Synthesizer:
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("cv2")
+    voices = root / "voices"
+    voices.mkdir()
+    t = np.arange(24000) / 24000
+    sf.write(voices / "anna.wav", (0.3 * np.sin(2 * np.pi * 200 * t)).astype(np.float32), 24000, subtype="FLOAT")
+    (voices / "anna.txt").write_text("Hello world.")
+    config = Cosyvoice2Config(model=str(make_model_dir(root / "model", FIXTURES)), voices_dir=voices,
+                              voice_cache_dir=root / "cache", device="cpu", dtype="auto", kv_cache_tokens=512)
+    engine = CosyVoice2Synthesizer(config, default_voice="anna")
+    engine.load()
+    yield engine
+    engine.close()
+
+
+async def _deltas(text: str, size: int = 3):
+    for i in range(0, len(text), size):
+        yield text[i : i + size]
+        await asyncio.sleep(0)
+
+
+def test_load_lists_voices_and_reports(synth):
+    names = [v.name for v in synth.voices()]
+    assert names[-1] == "anna" and "tiny_zero_shot_spk" in names and "微型说话人" in names
+    info = synth.info()
+    # "auto" in the config resolves to float32 on CPU.
+    assert info.loaded and info.device == "cpu" and info.details["dtype"] == "float32"
+    assert info.details["attention"] == "sdpa" and info.details["voice_state_bytes"] > 0
+    with pytest.raises(KeyError):
+        synth.open("nobody")
+
+
+@pytest.mark.parametrize("voice", ["anna", "tiny_zero_shot_spk", "tiny_sft_spk"])
+def test_stream_yields_24k_float32_per_sentence(synth, voice, fixed_length):
+    async def run():
+        context = synth.open(voice)
+        chunks = [c async for c in context.stream(_deltas("Hello world. This is a test of the tokenizer!"))]
+        await context.close()
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert chunks and all(c.audio.dtype == np.float32 and c.audio.ndim == 1 for c in chunks)
+    assert [c.segment for c in chunks] == sorted(c.segment for c in chunks)
+    texts = {c.segment: c.text for c in chunks}
+    assert texts == {0: "Hello world.", 1: "This is a test of the tokenizer!"}
+    for segment in texts:
+        # Streaming yields exactly the utterance's audio, two 480-sample frames per speech token,
+        # in more than one chunk (the first after 25 + pad + 3 tokens).
+        audio = [c.audio for c in chunks if c.segment == segment]
+        assert sum(map(len, audio)) == N_TOKENS * SAMPLES_PER_TOKEN and len(audio) >= 2
+    assert max(np.abs(c.audio).max() for c in chunks) <= 0.99
+    assert SAMPLE_RATE == synth.hparams["sample_rate"]
+
+
+def test_cancel_stops_work_promptly(synth, monkeypatch, fixed_length):
+    steps = []
+    original = engine_mod._Utterance.step
+
+    def counted(self):
+        steps.append(1)
+        return original(self)
+
+    monkeypatch.setattr(engine_mod._Utterance, "step", counted)
+
+    async def run():
+        context = synth.open()
+        stream = context.stream(_deltas("Hello world, one two three, this is a tiny test of the tokenizer. " * 3))
+        first = await anext(stream)
+        await stream.aclose()  # the consumer (barge-in) stops iterating
+        after_cancel = len(steps)
+        await asyncio.sleep(0.2)
+        assert synth.worker.pending == 0 and len(steps) == after_cancel
+        # The session is still usable after a cancelled reply.
+        again = [c async for c in context.stream(_deltas("Hi there."))]
+        await context.close()
+        return first, again
+
+    first, again = asyncio.run(run())
+    assert first.audio.size and again
+
+
+def test_sessions_interleave_on_the_worker(synth, monkeypatch, fixed_length):
+    order = []
+    original = engine_mod._Utterance.step
+
+    def tagged(self):
+        order.append(id(self))
+        return original(self)
+
+    monkeypatch.setattr(engine_mod._Utterance, "step", tagged)
+
+    async def one(voice):
+        context = synth.open(voice)
+        out = [c async for c in context.stream(_deltas("Hello world, this is a test."))]
+        await context.close()
+        return out
+
+    async def run():
+        return await asyncio.gather(one("anna"), one("tiny_zero_shot_spk"))
+
+    a, b = asyncio.run(run())
+    assert a and b
+    switches = sum(1 for x, y in zip(order, order[1:]) if x != y)
+    assert len(set(order)) == 2 and switches > 2  # not one reply after the other
+
+
+def test_reset_rebuilds_session_state(synth, fixed_length):
+    async def run():
+        context = synth.open("anna")
+        [c async for c in context.stream(_deltas("Hello world."))]
+        cache, voice = context.cache, synth.library["anna"]
+        report = await context.reset()
+        assert report.engine == "cosyvoice2" and report.generation == 1
+        assert report.bytes_freed == cache.nbytes() > 0
+        assert context.cache is not cache and context.cache.k.data_ptr() != cache.k.data_ptr()
+        assert synth.library["anna"] is not voice  # the voice's prompt state was re-derived
+        assert (await context.reset()).generation == 2
+        out = [c async for c in context.stream(_deltas("Hello world."))]
+        await context.close()
+        assert context.cache is None and context not in synth.contexts
+        return out
+
+    assert asyncio.run(run())
+
+
+def test_engine_audio_equals_the_model_run_directly(synth, fixed_length):
+    """The wiring: the same voice prompt, text ids and noise seed through generate + Token2WavStream."""
+    text = "Hello world."
+
+    async def run():
+        context = synth.open("tiny_zero_shot_spk")
+        context.generator.manual_seed(7)
+        out = [c.audio async for c in context.stream(_deltas(text))]
+        await context.close()
+        return np.concatenate(out)
+
+    streamed = asyncio.run(run())
+
+    voice = synth.library["tiny_zero_shot_spk"]
+    ids = synth.library.frontend.text.encode(synth.library.frontend.text.normalize(text))
+    generator = torch.Generator().manual_seed(7)
+    sampler = engine_mod.RasSampler.from_hparams(synth.hparams["llm"]["sampling"], generator)
+    tokens = list(engine_mod.generate(synth.lm, synth.new_cache(), sampler, ids, voice.prompt_text, voice.lm_prompt_speech))
+    stream = synth.token2wav.stream(
+        engine_mod.FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
+    )
+    direct = torch.cat([*stream.push(tokens), stream.finish()], dim=1)[0].numpy()
+    assert len(tokens) == N_TOKENS
+    np.testing.assert_allclose(streamed, direct, atol=1e-6)

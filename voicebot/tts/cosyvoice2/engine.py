@@ -1,0 +1,203 @@
+"""CosyVoice 2 as the server's Synthesizer: reply text deltas in, 24 kHz audio chunks out.
+
+Text is cut into sentences as it arrives (SentenceSegmenter); each sentence is normalised and, if
+long, split into utterances (frontend), and each utterance is one official unistream request: the
+LM decodes speech tokens into the session's KV cache while Token2WavStream renders them chunk by
+chunk. All model work runs on one Worker thread per device in small steps (a few LM tokens, and at
+most the flow/HiFT chunk they complete), so concurrent sessions interleave and a cancelled reply
+stops after the step in flight. One thread also serialises every use of a session's KV cache: a
+new reply's first step always runs after the cancelled reply's last one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import logging
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import numpy as np
+import torch
+
+from voicebot.config import Cosyvoice2Config
+from voicebot.engine import EngineInfo, ResetReport
+from voicebot.serving.worker import Worker
+from voicebot.tts.base import SpeechChunk, SynthesisContext, Synthesizer, VoiceInfo
+from voicebot.tts.cosyvoice2.frontend import Frontend
+from voicebot.tts.cosyvoice2.lm import KVCache, generate
+from voicebot.tts.cosyvoice2.loader import load_cosyvoice2, resolve_device, resolve_dtype, resolve_model_dir
+from voicebot.tts.cosyvoice2.sampling import RasSampler
+from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav, Token2WavStream
+from voicebot.tts.cosyvoice2.voices import Voice, VoiceLibrary
+from voicebot.tts.segmenter import SentenceSegmenter
+
+log = logging.getLogger(__name__)
+
+CONFIG_KEY = "tts.cosyvoice2.model"
+
+
+# --- kernels
+
+
+def select_attention(device: torch.device) -> str:
+    """FlashAttention-2 when the flash-attn package is importable on CUDA, else torch's SDPA
+    (which itself dispatches to its built-in flash or memory-efficient kernels on CUDA)."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+# --- the shared engine
+
+
+class CosyVoice2Synthesizer(Synthesizer):
+    name = "cosyvoice2"
+
+    def __init__(self, config: Cosyvoice2Config, default_voice: str) -> None:
+        self.config = config
+        self.default_voice = default_voice
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.attention = select_attention(self.device)
+        self.worker = Worker(f"cosyvoice2-{self.device}", threads=1)
+        self.library: VoiceLibrary | None = None
+        self.contexts: set[CosyVoice2Context] = set()
+        self.model_dir: Path | None = None
+
+    def load(self) -> None:
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        self.model_dir = resolve_model_dir(self.config.model, self.config.model_cache, CONFIG_KEY)
+        modules = load_cosyvoice2(self.model_dir, self.device, self.dtype)
+        self.hparams, self.lm = modules.hparams, modules.lm
+        self.token2wav = Token2Wav(modules.flow, modules.hift)
+        library = VoiceLibrary(Frontend.from_model_dir(self.model_dir, cuda=self.device.type == "cuda"),
+                               self.config.voice_cache_dir)
+        if (self.model_dir / "spk2info.pt").is_file():
+            library.load_spk2info(self.model_dir / "spk2info.pt")
+        if self.config.voices_dir and Path(self.config.voices_dir).is_dir():
+            library.load_dir(self.config.voices_dir)
+        if self.default_voice not in library:
+            raise ValueError(f"tts.voice {self.default_voice!r} is not a CosyVoice 2 voice; have {library.names()}")
+        self.library = library
+        log.info("cosyvoice2 loaded from %s on %s/%s, %d voices", self.model_dir, self.device, self.dtype,
+                 len(library.names()))
+
+    def voices(self) -> list[VoiceInfo]:
+        return self.library.list() if self.library else []
+
+    def open(self, voice: str | None = None) -> CosyVoice2Context:
+        context = CosyVoice2Context(self, self._check_voice(voice or self.default_voice))
+        self.contexts.add(context)
+        return context
+
+    def info(self) -> EngineInfo:
+        loaded = self.library is not None
+        details = {"dtype": str(self.dtype).removeprefix("torch."), "attention": self.attention,
+                   "kv_cache_tokens": self.config.kv_cache_tokens, "sessions": len(self.contexts),
+                   "pending_steps": self.worker.pending}
+        if loaded:
+            details |= {"model_dir": str(self.model_dir), "voices": self.library.names(),
+                        "voice_state_bytes": self.library.nbytes()}
+        return EngineInfo("tts", self.name, str(self.device), loaded, details)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+    def _check_voice(self, voice: str) -> str:
+        if self.library is None or voice not in self.library:
+            raise KeyError(voice)
+        return voice
+
+    def new_cache(self) -> KVCache:
+        return self.lm.new_cache(self.config.kv_cache_tokens)
+
+
+# --- one session
+
+
+class _Utterance:
+    """One utterance's blocking work, advanced by `step()` calls on the worker thread."""
+
+    def __init__(self, engine: CosyVoice2Synthesizer, cache: KVCache, voice: Voice, text_ids: list[int],
+                 generator: torch.Generator) -> None:
+        dev, dtype = engine.device, engine.dtype
+        sampler = RasSampler.from_hparams(engine.hparams["llm"]["sampling"], generator)
+        self.tokens: Iterator[int] = generate(engine.lm, cache, sampler, text_ids,
+                                              voice.prompt_text.to(dev), voice.lm_prompt_speech.to(dev))
+        prompt = FlowPrompt(voice.flow_prompt_speech.to(dev), voice.prompt_feat.to(dev, dtype),
+                            voice.embedding.to(dev, dtype))
+        self.stream: Token2WavStream = engine.token2wav.stream(prompt, generator=generator)
+        self.per_step = engine.config.lm_tokens_per_step
+
+    def step(self) -> tuple[list[np.ndarray], bool]:
+        """Decode a few tokens and render whatever chunk they complete; True once the audio is all out."""
+        new = list(itertools.islice(self.tokens, self.per_step))
+        chunks = self.stream.push(new)
+        done = len(new) < self.per_step
+        if done:
+            chunks.append(self.stream.finish())
+        return [c.reshape(-1).float().cpu().numpy() for c in chunks if c.numel()], done
+
+
+class CosyVoice2Context(SynthesisContext):
+    def __init__(self, engine: CosyVoice2Synthesizer, voice: str) -> None:
+        self.engine = engine
+        self.voice = voice
+        self.generation = 0
+        # Allocated on first use, on the worker: opening a session is cheap and never blocks the loop.
+        self.cache: KVCache | None = None
+        self.generator = torch.Generator(engine.device)
+        self.generator.seed()
+
+    def set_voice(self, voice: str) -> None:
+        self.voice = self.engine._check_voice(voice)
+
+    async def stream(self, text: AsyncIterator[str]) -> AsyncIterator[SpeechChunk]:
+        segmenter = SentenceSegmenter()
+        segment = 0
+        async for delta in text:
+            for sentence in segmenter.push(delta):
+                async for chunk in self._speak(sentence, segment):
+                    yield chunk
+                segment += 1
+        rest = segmenter.flush()
+        if rest:
+            async for chunk in self._speak(rest, segment):
+                yield chunk
+
+    async def _speak(self, sentence: str, segment: int) -> AsyncIterator[SpeechChunk]:
+        engine = self.engine
+        text_frontend = engine.library.frontend.text
+        voice = engine.library[self.voice]
+        for utterance in text_frontend.split(sentence):
+            job = await engine.worker.run(self._start, voice, text_frontend.encode(utterance))
+            done = False
+            while not done:
+                # A cancelled consumer stops here: the step in flight finishes, no further one is queued.
+                audio, done = await engine.worker.run(job.step)
+                for piece in audio:
+                    yield SpeechChunk(piece, sentence, segment)
+
+    def _start(self, voice: Voice, text_ids: list[int]) -> _Utterance:
+        if self.cache is None:
+            self.cache = self.engine.new_cache()
+        return _Utterance(self.engine, self.cache, voice, text_ids, self.generator)
+
+    def state_bytes(self) -> int:
+        return self.cache.nbytes() if self.cache is not None else 0
+
+    async def reset(self) -> ResetReport:
+        engine = self.engine
+        freed = self.state_bytes()
+        self.cache = None
+        self.cache = await engine.worker.run(engine.new_cache)
+        # The voice's prompt state is shared, so a reset re-derives it for every session using it.
+        await engine.worker.run(engine.library.refresh, self.voice)
+        self.generation += 1
+        return ResetReport(engine.name, self.generation, freed)
+
+    async def close(self) -> None:
+        self.cache = None
+        self.engine.contexts.discard(self)
