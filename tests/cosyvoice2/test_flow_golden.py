@@ -57,7 +57,7 @@ def test_encoder_out_nonstream(cv2_golden: dict, inputs: dict, flow: Flow) -> No
 
 @pytest.mark.parametrize(("key", "streaming"), [("flow.mel.nonstream", False), ("flow.mel.stream_finalize", True)])
 def test_mel_final(cv2_golden: dict, inputs: dict, flow: Flow, key: str, streaming: bool) -> None:
-    mel = flow.inference(inputs["token"], inputs["prompt_token"], inputs["prompt_feat"], inputs["embedding"], streaming=streaming, finalize=True)
+    mel = flow.inference(**inputs, streaming=streaming, finalize=True)
     _assert_close(mel, cv2_golden[key], MEL_ATOL)
 
 
@@ -65,6 +65,6 @@ def test_mel_stream_chunk_with_lookahead(cv2_golden: dict, inputs: dict, flow: F
     # the key names the token count of the non-final streaming call, e.g. flow.mel.stream_chunk_41tok
     (key,) = [k for k in cv2_golden if k.startswith("flow.mel.stream_chunk_")]
     n_tokens = int(re.fullmatch(r"flow\.mel\.stream_chunk_(\d+)tok", key).group(1))
-    mel = flow.inference(inputs["token"][:, :n_tokens], inputs["prompt_token"], inputs["prompt_feat"], inputs["embedding"], streaming=True, finalize=False)
+    mel = flow.inference(**{**inputs, "token": inputs["token"][:, :n_tokens]}, streaming=True, finalize=False)
     assert mel.shape[2] == (n_tokens - flow.pre_lookahead_len) * flow.token_mel_ratio
     _assert_close(mel, cv2_golden[key], MEL_ATOL)

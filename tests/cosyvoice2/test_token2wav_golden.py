@@ -99,6 +99,13 @@ def test_stream_one_token_at_a_time(cv2_golden: dict, cv2_meta: dict, t2w: Token
         _assert_close(logged["source"], cv2_golden[f"{name}.source"], SOURCE_ATOL)
         _assert_close(logged["speech"], cv2_golden[f"{name}.speech"], SPEECH_ATOL)
 
+    # Chunk causality, which a cached flow (no prefix recompute) relies on: a later non-final
+    # call reproduces the frames of earlier ones.
+    flows = [c for c in calls if c["call"] == "flow" and not c["finalize"]]
+    for earlier, later in zip(flows, flows[1:]):
+        n = earlier["mel_frames"]
+        _assert_close(later["mel_full"][:, :, :n], earlier["mel_full"], MEL_ATOL)
+
     assert [c.shape[1] for c in chunks] == meta["chunk_speech_lens"]
     assert sum(c.shape[1] for c in chunks) == meta["total"]
     for i, chunk in enumerate(chunks):

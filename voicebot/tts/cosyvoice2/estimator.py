@@ -96,7 +96,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:  # (B, T, C) -> (B, T, C)
         b, t, _ = x.shape
-        q, k, v = (proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2) for proj in (self.to_q, self.to_k, self.to_v))
+        q, k, v = (
+            proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, d)
+            for proj in (self.to_q, self.to_k, self.to_v)
+        )
         out = attend(q, k, v, mask)  # (B, H, T, d)
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
 

@@ -68,7 +68,10 @@ class RelPositionAttention(nn.Module):
     def forward(self, x: Tensor, pos_emb: Tensor, mask: Tensor | None) -> Tensor:
         """x (B, T, D), pos_emb (1, 2T−1, D), mask (T, T) bool or None -> (B, T, D)."""
         b, t, _ = x.shape
-        q, k, v = (lin(x).view(b, t, self.heads, self.d_k).transpose(1, 2) for lin in (self.linear_q, self.linear_k, self.linear_v))
+        q, k, v = (
+            lin(x).view(b, t, self.heads, self.d_k).transpose(1, 2)  # (B, H, T, d)
+            for lin in (self.linear_q, self.linear_k, self.linear_v)
+        )
         p = self.linear_pos(pos_emb).view(1, -1, self.heads, self.d_k).transpose(1, 2)  # (1, H, 2T-1, d)
         # scores = ((q+u)·kᵀ + (q+v)·pᵀ) / √d; the position term enters attention as an additive bias
         bd = rel_shift((q + self.pos_bias_v[:, None]) @ p.transpose(-2, -1)) / math.sqrt(self.d_k)  # (B, H, T, T)
@@ -252,7 +255,8 @@ class Flow(nn.Module):
 
     @torch.inference_mode()
     def inference(
-        self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, streaming: bool, finalize: bool
+        self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
+        streaming: bool, finalize: bool,
     ) -> Tensor:
         """token (1, N), prompt_token (1, P), prompt_feat (1, 2P, 80), embedding (1, 192).
 

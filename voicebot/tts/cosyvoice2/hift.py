@@ -38,7 +38,8 @@ class SourceNoise:
 
     @classmethod
     def draw(
-        cls, n_samples: int, n_harmonics: int, generator: torch.Generator | None = None, device: torch.device | None = None
+        cls, n_samples: int, n_harmonics: int, generator: torch.Generator | None = None,
+        device: torch.device | None = None,
     ) -> SourceNoise:
         """Draw in the official order, including its third (discarded) draw, so that a seeded
         generator yields the same values as the official vocoder on the same generator."""
@@ -89,7 +90,8 @@ class F0Predictor(nn.Module):
         super().__init__()
         layers: list[nn.Module] = []
         for i in range(5):
-            layers += [weight_norm(nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1)), nn.ELU()]
+            conv = nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1)
+            layers += [weight_norm(conv), nn.ELU()]
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cond_channels, num_class)
 
@@ -116,7 +118,8 @@ class ResBlock(nn.Module):
         super().__init__()
 
         def conv(d: int) -> nn.Module:
-            return weight_norm(nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=d * (kernel_size - 1) // 2))
+            same = d * (kernel_size - 1) // 2
+            return weight_norm(nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=same))
 
         self.convs1 = nn.ModuleList(conv(d) for d in dilations)
         self.convs2 = nn.ModuleList(conv(1) for _ in dilations)
@@ -156,36 +159,43 @@ class HiFT(nn.Module):
         self.n_fft, self.hop_len = n_fft, hop_len
         self.lrelu_slope, self.audio_limit = lrelu_slope, audio_limit
         self.samples_per_frame = int(np.prod(upsample_rates)) * hop_len  # 480 at 24 kHz
-        self.m_source = SineSource(sampling_rate, self.samples_per_frame, nb_harmonics, nsf_alpha, nsf_sigma, nsf_voiced_threshold)
-        self.conv_pre = weight_norm(nn.Conv1d(in_channels, base_channels, 7, padding=3))
+        self.m_source = SineSource(
+            sampling_rate, self.samples_per_frame, nb_harmonics, nsf_alpha, nsf_sigma, nsf_voiced_threshold
+        )
+        n_stages = len(upsample_rates)
+        width = [base_channels // 2**i for i in range(n_stages + 1)]  # channels before/after each stage
+        self.conv_pre = weight_norm(nn.Conv1d(in_channels, width[0], 7, padding=3))
         self.ups = nn.ModuleList(
-            weight_norm(nn.ConvTranspose1d(base_channels // 2**i, base_channels // 2 ** (i + 1), k, u, padding=(k - u) // 2))
+            weight_norm(nn.ConvTranspose1d(width[i], width[i + 1], k, u, padding=(k - u) // 2))
             for i, (u, k) in enumerate(zip(upsample_rates, upsample_kernel_sizes))
         )
         # The source's STFT frames (hop_len samples) are brought to each stage's rate: the last
         # stage runs at the STFT rate, earlier ones at cumulative products of the later rates.
-        down_rates = np.cumprod([1] + upsample_rates[::-1][:-1])[::-1]
+        down_rates = [int(r) for r in np.cumprod([1] + upsample_rates[::-1][:-1])[::-1]]
         spec_channels = n_fft + 2
-        self.source_downs = nn.ModuleList()
-        self.source_resblocks = nn.ModuleList()
-        for i, (u, k, d) in enumerate(zip(down_rates, source_resblock_kernel_sizes, source_resblock_dilation_sizes)):
-            ch = base_channels // 2 ** (i + 1)
-            u = int(u)
-            self.source_downs.append(nn.Conv1d(spec_channels, ch, 1) if u == 1 else nn.Conv1d(spec_channels, ch, u * 2, u, padding=u // 2))
-            self.source_resblocks.append(ResBlock(ch, k, d))
+        self.source_downs = nn.ModuleList(
+            nn.Conv1d(spec_channels, width[i + 1], 1) if u == 1
+            else nn.Conv1d(spec_channels, width[i + 1], u * 2, u, padding=u // 2)
+            for i, u in enumerate(down_rates)
+        )
+        self.source_resblocks = nn.ModuleList(
+            ResBlock(width[i + 1], k, d)
+            for i, (k, d) in enumerate(zip(source_resblock_kernel_sizes, source_resblock_dilation_sizes))
+        )
         self.num_kernels = len(resblock_kernel_sizes)
         self.resblocks = nn.ModuleList(
-            ResBlock(base_channels // 2 ** (i + 1), k, d)
-            for i in range(len(upsample_rates))
+            ResBlock(width[i + 1], k, d)
+            for i in range(n_stages)
             for k, d in zip(resblock_kernel_sizes, resblock_dilation_sizes)
         )
-        self.conv_post = weight_norm(nn.Conv1d(base_channels // 2 ** len(upsample_rates), spec_channels, 7, padding=3))
+        self.conv_post = weight_norm(nn.Conv1d(width[-1], spec_channels, 7, padding=3))
         self.f0_predictor = F0Predictor(in_channels, f0_cond_channels, f0_num_class)
         # scipy's periodic Hann; a plain attribute like the official one, so not in the state dict
         self.stft_window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device="cpu").float()
 
     def _stft(self, x: Tensor) -> Tensor:  # (1, L) -> (1, n_fft+2, L/hop+1) [real | imag]
-        spec = torch.stft(x, self.n_fft, self.hop_len, self.n_fft, window=self.stft_window.to(x.device), return_complex=True)
+        window = self.stft_window.to(x.device)
+        spec = torch.stft(x, self.n_fft, self.hop_len, self.n_fft, window=window, return_complex=True)
         return torch.cat([spec.real, spec.imag], dim=1)
 
     def _istft(self, magnitude: Tensor, phase: Tensor) -> Tensor:

@@ -52,10 +52,13 @@ class Token2Wav:
     def __init__(self, flow: Flow, hift: HiFT, schedule: StreamSchedule = StreamSchedule()) -> None:
         self.flow, self.hift, self.schedule = flow, hift, schedule
 
-    def _vocode(self, mel: Tensor, cache_source: Tensor | None, zero_noise: bool, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    def _vocode(
+        self, mel: Tensor, cache_source: Tensor | None, zero_noise: bool, generator: torch.Generator | None
+    ) -> tuple[Tensor, Tensor]:
         noise = None
         if zero_noise:
-            noise = SourceNoise.zeros(mel.shape[2] * self.hift.samples_per_frame, self.hift.m_source.n_harmonics, mel.device)
+            n_samples = mel.shape[2] * self.hift.samples_per_frame
+            noise = SourceNoise.zeros(n_samples, self.hift.m_source.n_harmonics, mel.device)
         return self.hift.inference(mel, cache_source=cache_source, noise=noise, generator=generator)
 
     @torch.inference_mode()
@@ -69,7 +72,10 @@ class Token2Wav:
             mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
         return self._vocode(mel, None, zero_noise, generator)[0]
 
-    def stream(self, prompt: FlowPrompt, zero_noise: bool = False, generator: torch.Generator | None = None) -> Token2WavStream:
+    def stream(
+        self, prompt: FlowPrompt, zero_noise: bool = False, generator: torch.Generator | None = None
+    ) -> Token2WavStream:
+        """A new request's streaming state (zero_noise: HiFT source noise off, for tests)."""
         return Token2WavStream(self, prompt, zero_noise, generator)
 
 
