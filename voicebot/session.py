@@ -131,6 +131,7 @@ class Session:
     async def run_sender(self) -> None:
         """Drain the outbox to the socket; a None entry ends it."""
         while (item := await self.outbox.get()) is not None:
+            self.rt.channels.mirror(self.id, item)  # never waits: listeners can't slow the session
             if isinstance(item, bytes):
                 await self._send_bytes(item)
             else:
@@ -141,6 +142,7 @@ class Session:
         if self.state is State.CLOSING:
             return
         self.state = State.CLOSING
+        self.rt.channels.leave(self.id)
         if self._reply_task:
             self._reply_task.cancel()
         for task in self._tasks:
@@ -179,6 +181,7 @@ class Session:
         except ProtocolError as exc:
             await self.error(exc.code, exc.message)
             return
+        self.rt.input_recorder.record(self.id, self.sample_rate, data)
         await self.audio_in.put(data)
 
     def _flooding(self, audio_bytes: int) -> bool:
@@ -226,6 +229,8 @@ class Session:
         if message.endpointing and message.endpointing.endpoint_silence_ms:
             self.endpointer.set_silence_ms(message.endpointing.endpoint_silence_ms)
         self.state = State.LISTENING
+        if message.channel:
+            self.rt.channels.speak(message.channel, self.id)
         await self.emit(protocol.session_ready(self.id, self.sample_rate, self.tts.voice, self.responder_name, resumed=False))
         self._tasks = [
             asyncio.create_task(self._listen(), name=f"listen-{self.id[:8]}"),
