@@ -20,10 +20,13 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from voicebot import __version__, protocol
+from voicebot import __version__, auth, protocol
+from voicebot.channels import ChannelHub, run_listener
 from voicebot.config import Settings, load_settings
+from voicebot.debug import InputRecorder
 from voicebot.engines import build_recognizer, build_responders, build_synthesizer
 from voicebot.metrics import Metrics
+from voicebot.obs_plugin import ObsSocket
 from voicebot.protocol import CloseCode, ErrorCode
 from voicebot.serving.worker import Worker
 from voicebot.session import Session
@@ -47,6 +50,12 @@ class Runtime:
     ready: bool = False
     draining: bool = False
     started_at: float = field(default_factory=time.monotonic)
+    channels: ChannelHub = field(init=False)
+    input_recorder: InputRecorder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channels = ChannelHub(self.metrics, self.settings.server.max_listeners)
+        self.input_recorder = InputRecorder(self.settings.server.record_input_s)
 
     def load(self) -> None:
         s = self.settings
@@ -119,17 +128,47 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def voices() -> dict:
         return {"voices": [v.__dict__ for v in rt.synthesizer.voices()], "default": settings.tts.voice}
 
-    @app.websocket("/v1/voice")
-    async def voice(ws: WebSocket) -> None:
-        await ws.accept()
+    async def admit(ws: WebSocket, listener: bool = False, channel: str | None = None) -> bool:
+        """Accept a connection if its token is right, its channel name valid and there is room."""
+        if not await auth.accept(ws, settings.server.token, rt.metrics):
+            return False
         if rt.draining or not rt.ready:
             await _refuse(ws, rt, ErrorCode.SHUTTING_DOWN, "the server is shutting down", CloseCode.GOING_AWAY, "shutting down")
-            return
-        if len(rt.sessions) >= settings.server.max_sessions:
+            return False
+        if channel is not None and not protocol.CHANNEL_NAME.fullmatch(channel):
+            await _refuse(ws, rt, ErrorCode.INVALID_MESSAGE, f"channel {channel!r}: use 1-64 letters, digits, _ . or -",
+                          CloseCode.POLICY, "bad channel")
+            return False
+        if not listener and len(rt.sessions) >= settings.server.max_sessions:
             await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at its limit of {settings.server.max_sessions} sessions",
                           CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=5)
-            return
-        await run_session(ws, rt)
+            return False
+        return True
+
+    @app.websocket("/v1/voice")
+    async def voice(ws: WebSocket) -> None:
+        if ws.query_params.get("role") == "listener":
+            channel = ws.query_params.get("channel", "")
+            if await admit(ws, listener=True, channel=channel):
+                await run_listener(ws, rt.channels, channel)
+        elif await admit(ws):
+            await run_session(ws, rt)
+
+    @app.websocket("/obs/audio")
+    async def obs_audio(ws: WebSocket) -> None:
+        """The obs-audio-to-websocket plugin, as the speaking session of ?channel= (default main)."""
+        channel = ws.query_params.get("channel", "main")
+        if await admit(ws, channel=channel):
+            await run_session(ObsSocket(ws, channel, rt.metrics), rt)
+
+    if settings.server.record_input_s:
+
+        @app.get("/debug/input/{session_id}.wav")
+        async def recorded_input(session_id: str) -> Response:
+            wav = rt.input_recorder.wav(session_id)
+            if wav is None:
+                return JSONResponse({"error": f"no recording for session {session_id}"}, status_code=404)
+            return Response(wav, media_type="audio/wav")
 
     @app.get("/")
     async def index() -> FileResponse:
