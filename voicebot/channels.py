@@ -1,0 +1,195 @@
+"""Channels: named rooms where one session speaks and any number of listeners follow it read-only.
+
+A speaking session joins a channel with `session.start {channel}`; an OBS overlay connects to
+`/v1/voice?role=listener&channel=NAME` and receives every event and audio frame that session is
+sent. The name outlives connections, so an overlay set up before the show keeps working while
+the speaking client reconnects; when two sessions claim one channel, the newer one speaks.
+
+Listeners must never slow the session they follow: `mirror` only offers each message to a
+listener's own bounded queue and never waits. A listener whose queue is full has fallen behind
+(its socket stopped draining) and is dropped with close code 4009; the session does not notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from voicebot import PROTOCOL_VERSION, protocol
+from voicebot.metrics import Metrics
+from voicebot.protocol import CloseCode, ErrorCode
+
+log = logging.getLogger("voicebot.channels")
+
+# Messages a listener may lag behind before it is dropped. The session sends reply audio at most
+# pacing.lead_ms (default 400 ms) ahead of real time, so a listener that keeps up holds a few
+# frames; 64 messages is about 10 s of 200 ms frames, at most 64 x 9600 B = 600 KB per listener.
+LISTENER_QUEUE_MAX = 64
+# A dropped listener gets this long to take its close frame before the connection is abandoned.
+CLOSE_TIMEOUT_S = 1.0
+
+Outbound = str | bytes
+
+
+class Listener:
+    """One read-only connection following a channel, with its own bounded queue."""
+
+    def __init__(self, send_text: Callable[[str], Awaitable], send_bytes: Callable[[bytes], Awaitable]) -> None:
+        self._send_text = send_text
+        self._send_bytes = send_bytes
+        self.queue: asyncio.Queue[Outbound] = asyncio.Queue(LISTENER_QUEUE_MAX)
+        self.dropped = asyncio.Event()
+
+    def offer(self, item: Outbound) -> bool:
+        """Queue without waiting; False when the listener has fallen behind."""
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            return False
+        return True
+
+    async def run_sender(self) -> None:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, bytes):
+                await self._send_bytes(item)
+            else:
+                await self._send_text(item)
+
+
+@dataclass
+class Channel:
+    speaker: str | None = None  # session id
+    listeners: set[Listener] = field(default_factory=set)
+
+
+class ChannelHub:
+    """Which session speaks on which channel, and who listens. Lives on the event loop, lock-free."""
+
+    def __init__(self, metrics: Metrics, max_listeners: int) -> None:
+        self.metrics = metrics
+        self.max_listeners = max_listeners
+        self._channels: dict[str, Channel] = {}
+        self._speaking: dict[str, str] = {}  # session id -> channel name
+
+    # ---- speaking sessions ---------------------------------------------------------------------
+
+    def speak(self, name: str, session_id: str) -> None:
+        """Make this session the channel's speaker (replacing any other)."""
+        channel = self._channels.setdefault(name, Channel())
+        if channel.speaker is not None:
+            self._speaking.pop(channel.speaker, None)
+        channel.speaker = session_id
+        self._speaking[session_id] = name
+        self._notify(name, protocol.event("channel.speaker", channel=name, speaking=True))
+
+    def leave(self, session_id: str) -> None:
+        name = self._speaking.pop(session_id, None)
+        if name is None:
+            return
+        channel = self._channels[name]
+        channel.speaker = None
+        self._notify(name, protocol.event("channel.speaker", channel=name, speaking=False))
+        self._forget_if_empty(name)
+
+    def mirror(self, session_id: str, item: Outbound) -> None:
+        """Offer one outbound message of a session to its channel's listeners (never waits)."""
+        name = self._speaking.get(session_id)
+        if name is None:
+            return
+        channel = self._channels[name]
+        for listener in list(channel.listeners):
+            if not listener.offer(item):
+                self._drop(name, listener)
+
+    # ---- listeners --------------------------------------------------------------------------------
+
+    @property
+    def listener_count(self) -> int:
+        return sum(len(c.listeners) for c in self._channels.values())
+
+    def add_listener(self, name: str, listener: Listener) -> bool:
+        """Join a channel; False when the server is at its listener limit."""
+        if self.listener_count >= self.max_listeners:
+            return False
+        channel = self._channels.setdefault(name, Channel())
+        channel.listeners.add(listener)
+        self.metrics.active_listeners.inc()
+        listener.offer(
+            json.dumps(protocol.event("listener.ready", channel=name, speaking=channel.speaker is not None, protocol_version=PROTOCOL_VERSION))
+        )
+        return True
+
+    def remove_listener(self, name: str, listener: Listener) -> None:
+        channel = self._channels.get(name)
+        if channel is None or listener not in channel.listeners:
+            return
+        channel.listeners.discard(listener)
+        self.metrics.active_listeners.dec()
+        self._forget_if_empty(name)
+
+    def _drop(self, name: str, listener: Listener) -> None:
+        log.warning("listener on channel %r fell %d messages behind: dropped", name, LISTENER_QUEUE_MAX)
+        self.metrics.listeners_dropped.inc()
+        self.remove_listener(name, listener)
+        listener.dropped.set()
+
+    def _notify(self, name: str, event: dict) -> None:
+        text = json.dumps(event)
+        for listener in list(self._channels[name].listeners):
+            if not listener.offer(text):
+                self._drop(name, listener)
+
+    def _forget_if_empty(self, name: str) -> None:
+        channel = self._channels.get(name)
+        if channel is not None and channel.speaker is None and not channel.listeners:
+            del self._channels[name]
+
+
+async def run_listener(ws: WebSocket, hub: ChannelHub, name: str) -> None:
+    """Serve one accepted listener connection (channel name already checked) until it closes or falls behind."""
+    listener = Listener(ws.send_text, ws.send_bytes)
+    if not hub.add_listener(name, listener):
+        with contextlib.suppress(Exception):
+            await ws.send_json(protocol.error(ErrorCode.BUSY, f"the server is at its limit of {hub.max_listeners} listeners", retry_after_s=5))
+            await ws.close(CloseCode.TRY_AGAIN_LATER, "busy")
+        return
+    sender = asyncio.create_task(listener.run_sender())
+    receiver = asyncio.create_task(_read_only(ws, listener))
+    dropped = asyncio.create_task(listener.dropped.wait())
+    try:
+        await asyncio.wait({sender, receiver, dropped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hub.remove_listener(name, listener)
+        for task in (sender, receiver, dropped):
+            task.cancel()
+        await asyncio.gather(sender, receiver, dropped, return_exceptions=True)
+    if listener.dropped.is_set():
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(ws.close(CloseCode.TOO_SLOW, "listener fell behind"), CLOSE_TIMEOUT_S)
+
+
+async def _read_only(ws: WebSocket, listener: Listener) -> None:
+    """Answer pings; anything else a listener sends is an error (it cannot speak)."""
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            try:
+                parsed = protocol.parse_text(message["text"]) if message.get("text") is not None else None
+            except protocol.ProtocolError as exc:
+                reply = protocol.error(exc.code, exc.message)
+            else:
+                if isinstance(parsed, protocol.Ping):
+                    reply = protocol.event("pong", id=parsed.id)
+                else:
+                    reply = protocol.error(ErrorCode.READ_ONLY, "a listener only receives; speak through a session")
+            listener.offer(json.dumps(reply))
+
