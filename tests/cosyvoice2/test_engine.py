@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +15,6 @@ from voicebot.tts.base import SAMPLE_RATE
 from voicebot.tts.cosyvoice2 import engine as engine_mod
 from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer, select_attention
 
-FIXTURES = Path(os.environ.get("VOICEBOT_CV2_FIXTURES", "/work/shared/fixtures/cosyvoice2"))
 SAMPLES_PER_TOKEN = 2 * 480  # two mel frames of 480 samples
 N_TOKENS = 60  # speech tokens per utterance with the fixed-length sampler
 
@@ -44,15 +41,14 @@ def test_attention_selection(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def synth(tmp_path_factory) -> CosyVoice2Synthesizer:
-    torch.set_num_threads(1)
+def synth(tmp_path_factory, cv2_dir) -> CosyVoice2Synthesizer:
     root = tmp_path_factory.mktemp("cv2")
     voices = root / "voices"
     voices.mkdir()
     t = np.arange(24000) / 24000
     sf.write(voices / "anna.wav", (0.3 * np.sin(2 * np.pi * 200 * t)).astype(np.float32), 24000, subtype="FLOAT")
     (voices / "anna.txt").write_text("Hello world.")
-    config = Cosyvoice2Config(model=str(make_model_dir(root / "model", FIXTURES)), voices_dir=voices,
+    config = Cosyvoice2Config(model=str(make_model_dir(root / "model", cv2_dir)), voices_dir=voices,
                               voice_cache_dir=root / "cache", device="cpu", dtype="auto", kv_cache_tokens=512)
     engine = CosyVoice2Synthesizer(config, default_voice="anna")
     engine.load()

@@ -11,7 +11,6 @@ Tolerances reached (max abs difference, fp32, 1 thread):
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -22,18 +21,15 @@ from voicebot.tts.cosyvoice2 import features
 
 pytestmark = pytest.mark.golden
 
-FIXTURES = Path(os.environ.get("VOICEBOT_CV2_FIXTURES", "/work/shared/fixtures/cosyvoice2"))
+
+@pytest.fixture(scope="module")
+def golden(cv2_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(cv2_dir / "frontend_golden.safetensors")
 
 
 @pytest.fixture(scope="module")
-def golden() -> dict[str, torch.Tensor]:
-    torch.set_num_threads(1)
-    return load_file(FIXTURES / "frontend_golden.safetensors")
-
-
-@pytest.fixture(scope="module")
-def meta() -> dict:
-    return json.loads((FIXTURES / "frontend_meta.json").read_text())
+def meta(cv2_dir: Path) -> dict:
+    return json.loads((cv2_dir / "frontend_meta.json").read_text())
 
 
 def _check(actual: torch.Tensor, expected: torch.Tensor, shape: list[int], atol: float) -> None:

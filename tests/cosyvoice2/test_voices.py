@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +14,10 @@ from voicebot.tts.cosyvoice2 import features
 from voicebot.tts.cosyvoice2.frontend import Frontend
 from voicebot.tts.cosyvoice2.voices import VoiceLibrary, align_prompt
 
-FIXTURES = Path(os.environ.get("VOICEBOT_CV2_FIXTURES", "/work/shared/fixtures/cosyvoice2"))
-
 
 @pytest.fixture(scope="module")
-def frontend(tmp_path_factory) -> Frontend:
-    torch.set_num_threads(1)
-    return Frontend.from_model_dir(make_model_dir(tmp_path_factory.mktemp("model"), FIXTURES))
+def frontend(tmp_path_factory, cv2_dir) -> Frontend:
+    return Frontend.from_model_dir(make_model_dir(tmp_path_factory.mktemp("model"), cv2_dir))
 
 
 def _write_voice(directory: Path, name: str, seconds: float, transcript: str | None, freq: float = 180.0) -> Path:
@@ -84,10 +80,10 @@ def test_disk_cache_is_reused_and_keyed_by_content(tmp_path, frontend, monkeypat
         VoiceLibrary(frontend, cache).load_dir(voices_dir)
 
 
-def test_refresh_rebuilds_from_source(tmp_path, frontend):
+def test_refresh_rebuilds_from_source(tmp_path, frontend, cv2_dir):
     library = VoiceLibrary(frontend, tmp_path / "cache")
     old = library.add_wav("anna", _write_voice(tmp_path, "anna", 1.0, "Hi."), "Hi.")
-    library.load_spk2info(FIXTURES / "spk2info.pt")
+    library.load_spk2info(cv2_dir / "spk2info.pt")
     for name in ("anna", "tiny_zero_shot_spk"):
         before = library[name]
         after = library.refresh(name)
@@ -97,10 +93,10 @@ def test_refresh_rebuilds_from_source(tmp_path, frontend):
 
 
 @pytest.mark.golden
-def test_spk2info_entries(frontend):
-    entries = torch.load(FIXTURES / "spk2info.pt", weights_only=True)
+def test_spk2info_entries(frontend, cv2_dir):
+    entries = torch.load(cv2_dir / "spk2info.pt", weights_only=True)
     library = VoiceLibrary(frontend)
-    assert library.load_spk2info(FIXTURES / "spk2info.pt") == list(entries)
+    assert library.load_spk2info(cv2_dir / "spk2info.pt") == list(entries)
     for spk_id, entry in entries.items():
         voice = library[spk_id]
         if "embedding" in entry:  # SFT: no prompt at all
