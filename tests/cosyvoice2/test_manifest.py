@@ -20,7 +20,8 @@ pytestmark = pytest.mark.golden
 
 def _released_hparams(fixture_dir: Path, qwen_dir: Path) -> dict:
     """The fixture yaml with the sizes of the released cosyvoice2.yaml (README: only these differ)."""
-    h = load_hparams(fixture_dir, {"llm_input_size": 896, "llm_output_size": 896, "qwen_pretrain_path": str(qwen_dir)})
+    sizes = {"llm_input_size": 896, "llm_output_size": 896}
+    h = load_hparams(fixture_dir, {**sizes, "qwen_pretrain_path": str(qwen_dir)})
     h["llm"]["speech_token_size"] = 6561
     flow = h["flow"]
     flow.update(input_size=512, vocab_size=6561)
