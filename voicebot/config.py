@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -180,10 +180,69 @@ class TtsConfig(Section):
     cosyvoice2: Cosyvoice2Config = Cosyvoice2Config()
 
 
+class PersonaConfig(Section):
+    """A system prompt: inline `text`, or a UTF-8 `file` read once at start-up."""
+
+    text: str | None = None
+    file: Path | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "PersonaConfig":
+        if (self.text is None) == (self.file is None):
+            raise ValueError("give exactly one of 'text' or 'file'")
+        return self
+
+
+class OpenAICompatConfig(Section):
+    """Any OpenAI-compatible chat-completions endpoint (vLLM, Ollama, LM Studio, DashScope, OpenAI)."""
+
+    base_url: str | None = None  # e.g. http://127.0.0.1:8000/v1 (the part before /chat/completions)
+    model: str | None = None
+    # Name of the environment variable holding the API key; the key itself never goes in a file.
+    api_key_env: str | None = None
+    temperature: float = Field(0.7, ge=0, le=2)
+    max_tokens: int = Field(200, ge=1)
+    connect_timeout_s: float = Field(3.0, gt=0)
+    # Request sent to first content delta, per attempt: past it the attempt is retried.
+    first_token_timeout_s: float = Field(5.0, gt=0)
+    # Whole reply, retries included.
+    total_timeout_s: float = Field(30.0, gt=0)
+    # Retries happen only before the first delta: after that the listener has heard words.
+    retries: int = Field(2, ge=0, le=5)
+    retry_backoff_s: float = Field(0.25, ge=0)
+    # Merged into the request body, e.g. {"chat_template_kwargs": {"enable_thinking": false}}.
+    extra_body: dict[str, Any] = {}
+
+
 class ReplyConfig(Section):
-    engine: Literal["echo"] = "echo"
-    # Conversation history kept per session, in turns (a user message plus the reply).
+    engine: Literal["echo", "openai"] = "echo"
+    # Conversation history kept per session, in turns (a user message plus the reply) and in
+    # estimated tokens; the oldest turns go first when either is exceeded.
     max_history_turns: int = Field(20, ge=0)
+    max_history_tokens: int = Field(3000, ge=0)
+    # A reconnecting client's `session.start.resume` restores a conversation this long after its
+    # socket closed; at most `resume_max_conversations` are kept.
+    resume_ttl_s: float = Field(600.0, ge=0)
+    resume_max_conversations: int = Field(1000, ge=0)
+    persona: PersonaConfig | None = None
+    # Voice name -> persona for that voice (a character per voice); others use `persona`.
+    voice_personas: dict[str, PersonaConfig] = {}
+    # Spoken instead of silence when the responder fails before saying anything.
+    fallback_line: str = "Sorry, I lost my train of thought. Could you say that again?"
+    # Words or phrases never spoken (case-insensitive, whole words for Latin script): replaced
+    # by `blocklist_replacement` ("" skips them). `blocklist_file`: one per line, added to the list.
+    blocklist: list[str] = []
+    blocklist_file: Path | None = None
+    blocklist_replacement: str = ""
+    # A reply is cut (at a word boundary) after this many characters; 0 = no limit.
+    max_reply_chars: int = Field(600, ge=0)
+    openai: OpenAICompatConfig = OpenAICompatConfig()
+
+    @model_validator(mode="after")
+    def _openai_complete(self) -> "ReplyConfig":
+        if self.engine == "openai" and not (self.openai.base_url and self.openai.model):
+            raise ValueError("engine 'openai' needs reply.openai.base_url and reply.openai.model")
+        return self
 
 
 class Settings(BaseSettings):
