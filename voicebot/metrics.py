@@ -11,6 +11,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# voicebot.reply.base.ResponderError kinds, exported as 0 from the start so alerts can rate() them.
+REPLY_ERROR_KINDS = ("connect", "status", "server_error", "first_token_timeout", "total_timeout", "dropped", "malformed", "internal")
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
@@ -32,6 +34,8 @@ class Metrics:
         self.endpoint_delay = Histogram("voicebot_endpoint_delay_seconds", "End of speech to endpoint decision", buckets=LATENCY_BUCKETS, registry=r)
         self.asr_final = Histogram("voicebot_asr_final_seconds", "Endpoint decision to final transcript", buckets=LATENCY_BUCKETS, registry=r)
         self.reply_first_text = Histogram("voicebot_reply_first_text_seconds", "Reply request to first text delta", buckets=LATENCY_BUCKETS, registry=r)
+        self.reply_total = Histogram("voicebot_reply_total_seconds", "Reply request to last text delta, replies the responder finished", buckets=LATENCY_BUCKETS, registry=r)
+        self.reply_errors = Counter("voicebot_reply_errors_total", "Responder failures, by kind", ["kind"], registry=r)
         self.tts_first_audio = Histogram("voicebot_tts_first_audio_seconds", "First reply text to first synthesized audio", buckets=LATENCY_BUCKETS, registry=r)
         self.frames_sent = Counter("voicebot_frames_sent_total", "Reply audio frames sent", registry=r)
         self.frames_dropped = Counter("voicebot_frames_dropped_total", "Reply audio frames not sent, by reason (interrupted, client_gone, overload)", ["reason"], registry=r)
@@ -42,6 +46,8 @@ class Metrics:
         self.reset_duration = Histogram("voicebot_reset_duration_seconds", "Time to drop and rebuild engine state", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5), registry=r)
         self.errors = Counter("voicebot_errors_total", "Error events sent, by code", ["code"], registry=r)
         self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop runs a timer", buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
+        for kind in REPLY_ERROR_KINDS:
+            self.reply_errors.labels(kind)
         for reason in ("interrupted", "client_gone", "overload"):
             self.frames_dropped.labels(reason)  # exported as 0 from the start: overload must stay 0
 
