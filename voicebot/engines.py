@@ -27,7 +27,15 @@ def build_synthesizer(settings: Settings) -> Synthesizer:
 
 
 def build_responders(settings: Settings) -> dict[str, Responder]:
-    """Every responder a session may pick; `reply.engine` names the default."""
+    """Every responder a session may pick; `reply.engine` names the default. "openai" is offered
+    whenever reply.openai has a base_url and a model, even while echo is the default."""
     from voicebot.reply.echo import EchoResponder
 
-    return {"echo": EchoResponder()}
+    responders: dict[str, Responder] = {"echo": EchoResponder()}
+    reply = settings.reply
+    if reply.openai.base_url and reply.openai.model:
+        from voicebot.reply.openai_compat import OpenAICompatResponder
+        from voicebot.reply.persona import Personas
+
+        responders["openai"] = OpenAICompatResponder(reply.openai, Personas(reply.persona, reply.voice_personas))
+    return responders
