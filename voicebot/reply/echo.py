@@ -11,7 +11,7 @@ from voicebot.reply.base import Message, Responder
 class EchoResponder(Responder):
     name = "echo"
 
-    async def reply(self, history: list[Message], text: str) -> AsyncIterator[str]:
+    async def reply(self, history: list[Message], text: str, voice: str | None = None) -> AsyncIterator[str]:
         words = text.split()
         for i, word in enumerate(words):
             yield word if i == 0 else " " + word

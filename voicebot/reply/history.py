@@ -1,7 +1,9 @@
 """A session's conversation: what the user said and what the listener actually heard of each reply.
 
-Bounded to the last `max_turns` exchanges. It belongs to the responder side: the periodic reset
-clears engine state, never this.
+Bounded by a turn budget and an estimated-token budget: past either, the oldest messages go first
+(a user message takes its reply with it, so the history never starts with an orphaned answer).
+It belongs to the responder side: the periodic reset clears engine state, never this, and a
+reconnecting client can take it over (voicebot.reply.resume).
 """
 
 from __future__ import annotations
@@ -11,17 +13,44 @@ from collections import deque
 from voicebot.reply.base import Message
 
 
+def estimate_tokens(text: str) -> int:
+    """A tokenizer-free estimate: one token per CJK character, one per four other characters
+    (close to what Qwen and Llama tokenizers give, and cheap enough to run on every turn)."""
+    cjk = sum(1 for ch in text if ch >= "\u2e80")
+    return cjk + (len(text) - cjk + 3) // 4
+
+
 class Conversation:
-    def __init__(self, max_turns: int) -> None:
+    def __init__(self, max_turns: int, max_tokens: int = 0) -> None:
+        self.max_tokens = max_tokens
         # Each turn is a user message and, when the bot answered, its reply.
         self._messages: deque[Message] = deque(maxlen=max(2, 2 * max_turns))
+        self._tokens = 0
 
     def add_user(self, text: str) -> None:
-        self._messages.append({"role": "user", "content": text})
+        self._append({"role": "user", "content": text})
 
     def add_assistant(self, heard: str) -> None:
         if heard:
-            self._messages.append({"role": "assistant", "content": heard})
+            self._append({"role": "assistant", "content": heard})
 
     def messages(self) -> list[Message]:
         return list(self._messages)
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def _append(self, message: Message) -> None:
+        if len(self._messages) == self._messages.maxlen:
+            self._drop_oldest()
+        self._messages.append(message)
+        self._tokens += estimate_tokens(message["content"])
+        # The newest exchange always stays, even alone over the budget: the reply needs it.
+        while self.max_tokens and self._tokens > self.max_tokens and len(self._messages) > 2:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        self._tokens -= estimate_tokens(self._messages.popleft()["content"])
+        while self._messages and self._messages[0]["role"] == "assistant":
+            self._tokens -= estimate_tokens(self._messages.popleft()["content"])
