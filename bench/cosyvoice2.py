@@ -1,0 +1,178 @@
+"""CosyVoice 2 speed on this machine, beside the official code's figures (shared/specs/cosyvoice2-cpu-baseline.md).
+
+Released module sizes with random weights (dense fp32 timing does not depend on the values), the
+baseline's zero-shot shapes: 30 prompt-text + 20 text tokens, 150 prompt speech tokens (6 s),
+300 prompt mel frames, exactly 125 generated tokens (5 s of audio). Measures LM prefill, the decode
+step, time to the first 200 ms of audio and the real-time factor streaming (through the engine's
+own step loop) and non-streaming, and peak memory.
+
+    python -m bench.cosyvoice2                 # released sizes: minutes of 2 busy cores; run it rarely
+    python -m bench.cosyvoice2 --size tiny     # the fixture model's sizes: a seconds-long smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from voicebot.config import REPO_ROOT, Cosyvoice2Config
+from voicebot.tts.cosyvoice2.engine import _Utterance
+from voicebot.tts.cosyvoice2.flow import build_flow
+from voicebot.tts.cosyvoice2.hift import build_hift
+from voicebot.tts.cosyvoice2.hparams import load_hparams
+from voicebot.tts.cosyvoice2.lm import build_lm, build_lm_input, generate
+from voicebot.tts.cosyvoice2.sampling import RasSampler
+from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
+from voicebot.tts.cosyvoice2.voices import Voice
+
+FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "cosyvoice2"
+N_PROMPT_TEXT, N_TEXT, N_PROMPT_SPEECH, N_GENERATED = 30, 20, 150, 125
+SAMPLES_PER_TOKEN = 960
+
+# From the baseline file (official code, same machine kind, another day): median or single values.
+OFFICIAL = {
+    "LM prefill, L=202 (s)": 1.65,
+    "LM decode step (ms)": 130.0,
+    "first chunk step: <=5 LM steps + flow + HiFT (s)": 12.4 + 0.36,  # flow chunk 1 + HiFT 1 s
+    "HiFT, 1 s of mel (s)": 0.36,
+    "streaming: first audio (s)": 30.5,
+    "streaming: RTF": 15.0,
+    "non-streaming flow, 5 s (s)": 24.2,
+    "non-streaming: RTF (LM + flow + HiFT)": None,
+    "peak RSS (GB)": 4.92,
+}
+
+
+def released_hparams(fixtures: Path, qwen_dir: Path) -> dict:
+    """The fixture yaml with the released sizes (the fixture README lists every size that differs)."""
+    manifest = json.loads((fixtures / "manifest_full.json").read_text())
+    (qwen_dir / "config.json").write_text(json.dumps(manifest["qwen2_config"]))
+    h = load_hparams(fixtures, {"llm_input_size": 896, "llm_output_size": 896, "qwen_pretrain_path": str(qwen_dir)})
+    h["llm"]["speech_token_size"] = 6561
+    h["flow"].update(input_size=512, vocab_size=6561)
+    h["flow"]["encoder"].update(output_size=512, input_size=512, attention_heads=8, linear_units=2048, num_blocks=6)
+    h["flow"]["decoder"]["estimator"].update(channels=[256], attention_head_dim=64, n_blocks=4, num_mid_blocks=12,
+                                             num_heads=8)
+    h["hift"]["base_channels"] = 512
+    h["hift"]["f0_predictor"]["cond_channels"] = 512
+    return h
+
+
+def timed(fn, n: int = 1) -> tuple[list[float], object]:
+    times, out = [], None
+    for _ in range(n):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return times, out
+
+
+def fixed_length_ras(hparams: dict, eos: int, generator: torch.Generator):
+    """Official RAS, with every stop id masked until N_GENERATED tokens, then eos: random weights
+    would otherwise stop at a random length (the baseline forced 125 tokens the same way)."""
+    ras = RasSampler.from_hparams(hparams["llm"]["sampling"], generator)
+
+    def sample(logp: torch.Tensor, history) -> int:
+        return ras(logp[:eos], history) if len(history) < N_GENERATED else eos
+
+    return sample
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=["released", "tiny"], default="released")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (the baseline used 2)")
+    parser.add_argument("--fixtures", type=Path, default=FIXTURES)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hp = released_hparams(args.fixtures, Path(tmp)) if args.size == "released" else load_hparams(args.fixtures)
+        start = time.perf_counter()
+        lm, flow, hift = build_lm(hp).eval(), build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
+    print(f"built {args.size} modules with random weights in {time.perf_counter() - start:.1f} s, "
+          f"{args.threads} threads")
+    token2wav = Token2Wav(flow, hift)
+    n_speech, vocab = lm.speech_token_size, lm.cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    voice = Voice(
+        name="bench", source="random", transcript="",
+        prompt_text=torch.randint(0, vocab, (1, N_PROMPT_TEXT), generator=g, dtype=torch.int32),
+        lm_prompt_speech=(prompt_speech := torch.randint(0, n_speech, (1, N_PROMPT_SPEECH), generator=g, dtype=torch.int32)),
+        flow_prompt_speech=prompt_speech,
+        prompt_feat=torch.randn(1, 2 * N_PROMPT_SPEECH, 80, generator=g),
+        embedding=torch.randn(1, 192, generator=g),
+    )
+    text = torch.randint(0, vocab, (N_TEXT,), generator=g).tolist()
+    cache = lm.new_cache(1024)
+    rows: dict[str, float] = {}
+
+    with torch.inference_mode():
+        x = build_lm_input(lm, torch.tensor(text), voice.prompt_text[0].long(), prompt_speech[0].long())
+        pos = torch.arange(x.shape[1])
+        lm(x, pos, cache)  # warm-up
+        prefill, _ = timed(lambda: lm(x, pos, cache), 3)
+        rows[f"LM prefill, L={x.shape[1]} (s)"] = statistics.median(prefill)
+        step_x = lm.speech_embedding.weight[:1].reshape(1, 1, -1)
+        steps, _ = timed(lambda: lm(step_x, pos[-1:] + 1, cache), 20)
+        rows["LM decode step (ms)"] = 1000 * statistics.median(steps)
+        hift_1s, _ = timed(lambda: hift.inference(torch.randn(1, 80, 50, generator=g), generator=g), 2)
+        rows["HiFT, 1 s of mel (s)"] = min(hift_1s)
+
+    # Streaming, through the engine's own step loop (LM steps and flow/HiFT chunks on one thread).
+    engine = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, hparams=hp, lm=lm, token2wav=token2wav,
+                             config=Cosyvoice2Config())
+    generator = torch.Generator().manual_seed(1)
+    utterance = _Utterance(engine, cache, voice, text, generator)
+    utterance.tokens = generate(lm, cache, fixed_length_ras(hp, lm.eos, generator), text, voice.prompt_text,
+                                voice.lm_prompt_speech)
+    start, first, audio, done, chunk_times = time.perf_counter(), None, 0, False, []
+    while not done:
+        t0 = time.perf_counter()
+        pieces, done = utterance.step()
+        if pieces:
+            chunk_times.append(time.perf_counter() - t0)
+        for piece in pieces:
+            audio += len(piece)
+            if first is None and audio >= 4800:  # 200 ms at 24 kHz
+                first = time.perf_counter() - start
+    total = time.perf_counter() - start
+    assert audio == N_GENERATED * SAMPLES_PER_TOKEN, audio
+    rows["first chunk step: <=5 LM steps + flow + HiFT (s)"] = chunk_times[0]
+    rows["streaming: first audio (s)"] = first
+    rows["streaming: RTF"] = total / (audio / 24000)
+
+    # Non-streaming: all tokens, then one flow and one HiFT pass.
+    sampler = fixed_length_ras(hp, lm.eos, torch.Generator().manual_seed(1))
+    start = time.perf_counter()
+    tokens = torch.tensor([list(generate(lm, cache, sampler, text, voice.prompt_text, voice.lm_prompt_speech))])
+    lm_time = time.perf_counter() - start
+    prompt = FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding)
+    with torch.inference_mode():
+        flow_time, _ = timed(lambda: flow.inference(tokens, prompt.token, prompt.feat, prompt.embedding,
+                                                    streaming=False, finalize=True))
+    full_time, _ = timed(lambda: token2wav.full(tokens, prompt))
+    rows["non-streaming flow, 5 s (s)"] = flow_time[0]
+    rows["non-streaming: RTF (LM + flow + HiFT)"] = (lm_time + full_time[0]) / (N_GENERATED * SAMPLES_PER_TOKEN / 24000)
+    rows["peak RSS (GB)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+    print(f"\n{'measurement':50s} {'ours':>10s} {'official':>10s} {'ratio':>7s}")
+    for name, value in rows.items():
+        ref = OFFICIAL.get(name) or OFFICIAL.get(name.replace(f"L={x.shape[1]}", "L=202"))
+        ratio = f"{ref / value:6.2f}x" if ref and args.size == "released" else ""
+        print(f"{name:50s} {value:10.3f} {ref if ref is not None else '':>10} {ratio:>7s}")
+    print("\nratio = official / ours (higher is faster). Official figures: shared/specs/cosyvoice2-cpu-baseline.md,"
+          " measured on another day; the cores here may be shared.")
+
+
+if __name__ == "__main__":
+    main()
