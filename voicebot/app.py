@@ -21,6 +21,8 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from voicebot import __version__, auth, protocol
+from voicebot.asr.funasr_ws import EndpointerSegmenter, serve_funasr
+from voicebot.audio.endpoint import Endpointer
 from voicebot.channels import ChannelHub, run_listener
 from voicebot.config import Settings, load_settings
 from voicebot.debug import InputRecorder
@@ -153,6 +155,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await run_listener(ws, rt.channels, channel)
         elif await admit(ws):
             await run_session(ws, rt)
+
+    @app.websocket("/funasr")
+    async def funasr(ws: WebSocket) -> None:
+        """The FunASR runtime's 2-pass protocol (docs/funasr.md), on the same recognizer and VAD."""
+        if await admit(ws):
+            segmenter = EndpointerSegmenter(Endpointer(settings.endpoint), rt.audio_worker)
+            await serve_funasr(ws, rt.recognizer, segmenter)
 
     @app.websocket("/obs/audio")
     async def obs_audio(ws: WebSocket) -> None:

@@ -14,6 +14,10 @@ def build_recognizer(settings: Settings) -> Recognizer:
         from voicebot.asr.pocketsphinx import PocketsphinxRecognizer
 
         return PocketsphinxRecognizer(settings.asr.pocketsphinx)
+    if engine == "paraformer":
+        from voicebot.asr.paraformer import ParaformerRecognizer
+
+        return ParaformerRecognizer(settings.asr.paraformer, settings.endpoint.max_utterance_s)
     raise ValueError(f"asr.engine: unknown engine {engine!r}")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from voicebot.asr import metrics
 from voicebot.asr.base import SAMPLE_RATE, Hypothesis, Recognizer, RecognizerStream
 from voicebot.asr.funasr_model import Decoded, FunasrModel
 from voicebot.asr.router import Router, to_hypothesis
@@ -134,8 +133,6 @@ class ParaformerStream(RecognizerStream):
         audio = self._audio
         self._new_utterance()
         hypothesis = to_hypothesis(decoded, self._model.name)
-        if hypothesis.confidence is not None:
-            metrics.CONFIDENCE.labels(hypothesis.model, "streaming").observe(hypothesis.confidence)
         if not audio or not self._router.needs_audio:
             return hypothesis
         return await self._router.finalize(hypothesis, np.concatenate(audio))

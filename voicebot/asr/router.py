@@ -13,13 +13,11 @@ with which to be unsure, and a dialect decode of every cough would cost time for
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 from typing import Literal
 
 import numpy as np
 
-from voicebot.asr import metrics
 from voicebot.asr.base import Hypothesis
 from voicebot.asr.funasr_model import Decoded, FunasrModel, utterance_confidence
 
@@ -59,19 +57,13 @@ class Router:
     async def finalize(self, streamed: Hypothesis, audio: np.ndarray) -> Hypothesis:
         primary = streamed
         if self.offline is not None:
-            started = time.perf_counter()
             primary = to_hypothesis(await self.offline.decode(audio), self.offline.name)
-            metrics.SECOND_PASS_SECONDS.labels("offline").observe(time.perf_counter() - started)
-            _observe(primary, "offline")
         if self.dialect is None or primary.confidence is None or primary.confidence >= self.threshold:
             return primary
 
-        started = time.perf_counter()
         alternative = to_hypothesis(await self.dialect.decode(audio), self.dialect.name)
-        metrics.SECOND_PASS_SECONDS.labels("fallback").observe(time.perf_counter() - started)
-        _observe(alternative, "fallback")
         use_dialect = self.prefer == "dialect" or (alternative.confidence or 0.0) > primary.confidence
-        metrics.FALLBACKS.labels("dialect" if use_dialect else "primary").inc()
+        # The session logs and counts the result it gets; the losing primary is only visible here.
         log.info(
             "asr fallback: primary %s %.3f %r | dialect %s %s %r -> %s",
             primary.model, primary.confidence, primary.text, alternative.model,
@@ -80,8 +72,3 @@ class Router:
         )
         chosen = alternative if use_dialect else primary
         return replace(chosen, fallback=alternative)
-
-
-def _observe(hypothesis: Hypothesis, stage: str) -> None:
-    if hypothesis.confidence is not None:
-        metrics.CONFIDENCE.labels(hypothesis.model, stage).observe(hypothesis.confidence)

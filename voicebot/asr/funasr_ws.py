@@ -1,0 +1,59 @@
+"""The /funasr WebSocket: socket I/O around voicebot.asr.funasr_protocol.
+
+Serves existing FunASR runtime clients with the server's loaded recognizer (same model, same
+worker, shared with /v1/voice sessions) and the server's VAD as endpointer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+from fastapi import WebSocket
+
+from voicebot.asr.base import Recognizer
+from voicebot.asr.funasr_protocol import FunasrSession, ProtocolError, Segmenter
+from voicebot.audio.endpoint import Endpointer, VadEvent
+from voicebot.serving.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class EndpointerSegmenter:
+    """The server's Silero endpointer, run on the audio worker like a /v1/voice session's."""
+
+    def __init__(self, endpointer: Endpointer, worker: Worker) -> None:
+        self.endpointer = endpointer
+        self.worker = worker
+
+    async def process(self, audio: np.ndarray) -> list[VadEvent]:
+        return await self.worker.run(self.endpointer.process, audio)
+
+    async def force_end(self) -> list[VadEvent]:
+        return await self.worker.run(self.endpointer.force_end)
+
+
+async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segmenter) -> None:
+    """Serve one accepted connection until the client goes away."""
+    session = FunasrSession(recognizer, segmenter)
+    try:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            try:
+                if message.get("text") is not None:
+                    replies = await session.on_text(message["text"])
+                elif message.get("bytes") is not None:
+                    replies = await session.on_audio(message["bytes"])
+                else:
+                    continue
+            except ProtocolError as exc:
+                replies = [{"wav_name": session.config.wav_name, "error": str(exc), "is_final": False}]
+            for reply in replies:
+                await ws.send_text(json.dumps(reply, ensure_ascii=False))
+    except RuntimeError:  # the client went away while we were sending
+        log.debug("/funasr client disconnected")
+    finally:
+        await session.close()
