@@ -65,6 +65,11 @@ def text_frontend(tmp_path_factory) -> TextFrontend:
     return TextFrontend(load_text_tokenizer(make_tokenizer(tmp_path_factory.mktemp("qwen"), vocab_size=400)))
 
 
+def test_missing_tokenizer_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        load_text_tokenizer(tmp_path)
+
+
 def test_specials_follow_the_base_vocabulary_without_bos_or_eos(text_frontend):
     tok = text_frontend.tokenizer
     base = tok.convert_tokens_to_ids("<|im_end|>")

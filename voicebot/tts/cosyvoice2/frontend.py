@@ -92,6 +92,8 @@ def load_text_tokenizer(qwen_dir: str | Path):
     """The Qwen BPE of CosyVoice-BlankEN with the CosyVoice specials added (no BOS/EOS is ever added)."""
     from transformers import AutoTokenizer
 
+    if not any((Path(qwen_dir) / name).is_file() for name in ("tokenizer.json", "vocab.json")):
+        raise FileNotFoundError(f"{qwen_dir} holds no tokenizer (tokenizer.json or vocab.json + merges.txt)")
     tokenizer = AutoTokenizer.from_pretrained(str(qwen_dir))
     tokenizer.add_special_tokens(
         {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "additional_special_tokens": SPECIAL_TOKENS}
