@@ -1,0 +1,59 @@
+"""Model provisioning: resolve without network, fetch into the cache, the check/fetch command."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from voicebot import models
+from voicebot.config import REPO_ROOT, load_settings
+
+
+def write_config(path: Path, paraformer: dict) -> Path:
+    path.write_text(yaml.safe_dump({"asr": {"engine": "paraformer", "paraformer": paraformer}}), encoding="utf-8")
+    return path
+
+
+def test_check_reports_local_models_and_sizes(tiny_models, tmp_path, capsys):
+    config = write_config(tmp_path / "c.yaml", {"model": str(tiny_models["streaming"]),
+                                                "offline_model": str(tiny_models["offline"])})
+    assert models.main(["check", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "asr.paraformer.model" in out and "asr.paraformer.offline_model" in out and "2/2 models present" in out
+
+
+def test_fetch_downloads_ids_into_the_cache(tiny_models, tmp_path, monkeypatch, capsys):
+    downloads = []
+
+    def fake_snapshot_download(model_id, local_dir):
+        downloads.append(model_id)
+        shutil.copytree(tiny_models["streaming"], local_dir, dirs_exist_ok=True)
+        return local_dir
+
+    import modelscope
+
+    monkeypatch.setattr(modelscope, "snapshot_download", fake_snapshot_download)
+    config = write_config(tmp_path / "c.yaml", {"model": "someone/some-model", "model_cache": str(tmp_path / "cache")})
+    assert models.main(["fetch", "--config", str(config)]) == 0
+    assert downloads == ["someone/some-model"]
+    assert models.is_complete(tmp_path / "cache" / "someone" / "some-model")
+    # Once fetched, start-up finds it without any download.
+    settings = load_settings(config)
+    assert models.resolve(models.required_models(settings)[0]) == tmp_path / "cache" / "someone" / "some-model"
+    assert "1/1 models present" in capsys.readouterr().out
+
+
+def test_a_directory_that_is_not_a_model_is_refused(tmp_path):
+    with pytest.raises(models.ModelNotAvailable, match="not a model"):
+        models.resolve(models.ModelRef("asr.paraformer.model", str(tmp_path), tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("name, count", [("cpu", 1), ("a10", 3)])
+def test_shipped_configs_name_their_models(name, count):
+    settings = load_settings(REPO_ROOT / "configs" / f"{name}.yaml")
+    refs = models.required_models(settings)
+    assert len(refs) == count and refs[0].key == "asr.paraformer.model"
+    assert settings.asr.paraformer.chunk_size == (0, 10, 5)
