@@ -5,19 +5,20 @@ is a burst of noise: mute it for 50 ms". Taken literally it mutes every word lou
 What was meant, and what this does:
 
 * Energy is measured on 5 ms blocks (mean square). The background's mean and standard deviation
-  are exponentially weighted statistics (time constant `background_tau_s`) over blocks that are
-  not above the threshold, so speech and bursts never raise them. The standard deviation is the
+  are exponentially weighted statistics (time constant `background_tau_s`) over quiet blocks away
+  from any sustained sound, so speech and bursts never raise them. The standard deviation is the
   square root of the weighted variance (ddof=0), kept with West's incremental algorithm.
-* A block is "loud" when its energy exceeds mean + 3 std and is at least `min_rise_db` above the
-  mean (on a steady background 3 std is barely above the mean; the rise keeps ordinary noise
-  fluctuations from muting anything).
-* A run of loud blocks is an impulse, and is muted for 50 ms from its onset, when it lasts at most
-  `max_burst_ms` and nothing loud follows within the 50 ms lookahead, and no sustained sound
-  (speech) ended shortly before it. Anything longer is sustained sound and passes untouched.
+* A block above mean + 3 std is active: sound clearly above the background. Active blocks no more
+  than 10 ms apart, and within 25 dB of the loudest one so far, form a span (voiced speech rises
+  and falls with each pitch period; a click's decaying tail is not new sound).
+* A span is an impulse, muted for 50 ms from its onset, when it lasts at most `max_burst_ms`, its
+  loudest 1 ms is at least `min_rise_db` above the background mean (a 0.1 ms click barely moves a
+  5 ms block), nothing loud follows within the 50 ms lookahead, and no sustained sound (speech)
+  ended shortly before it. Every longer span is sustained sound and passes untouched.
 
-Output is delayed by the lookahead (50 ms, so 10 blocks) plus the part of a block not yet filled.
-Decisions depend only on block order, so the output is the same for any input chunking.
-Memory bound: lookahead + one block of samples.
+Output is delayed by the lookahead (50 ms, so 10 blocks) plus the part of a block not yet filled,
+and has exactly the input's length once flushed. Decisions depend only on block order, so the
+output is the same for any input chunking. Memory bound: lookahead + one block of samples.
 """
 
 from __future__ import annotations
@@ -32,13 +33,24 @@ from voicebot.config import GateConfig
 
 # Sound that ended this recently makes a short loud run part of speech (a word-final plosive
 # release after its closure), not an impulse.
-SPEECH_HANGOVER_MS = 250.0
+SPEECH_HANGOVER_MS = 100.0
+# Active blocks separated by at most this many quiet blocks belong to one span: the energy of
+# voiced speech in 5 ms blocks rises and falls with each pitch period (a low voice, a 40 Hz thump).
+MAX_GAP_BLOCKS = 2
+# A span goes on only while its blocks are within 25 dB of its loudest: a click's tail ends it.
+SPAN_FLOOR = 10 ** (-25 / 10)
+# A span still open at the end of the lookahead is an impulse only if it has decayed by 10 dB.
+UNDECIDED_DECAY = 10 ** (-10 / 10)
+SUB_BLOCKS = 5  # the loudness of a burst is judged on 1 ms sub-blocks
 
 
 @dataclass
 class _Block:
     samples: np.ndarray
-    loud: bool
+    energy: float  # mean square over the block
+    peak: float  # mean square of its loudest 1 ms
+    active: bool  # above mean + 3 std
+    span: int | None  # first block of the span it belongs to; None when not part of one
 
 
 class NoiseGate:
@@ -63,7 +75,11 @@ class NoiseGate:
         self._partial = np.zeros(0, np.float32)
         self._pending: deque[_Block] = deque()
         self._blocks_in = 0  # index of the next block to arrive
-        self._run = 0  # length of the current run of loud blocks
+        self._span_start = 0  # first block of the current span
+        self._span_peak = 0.0
+        self._last_in_span = -10**9
+        self._judged_span: int | None = None  # the last span judged for muting
+        self._loud_span: int | None = None  # the last span with a loud block
         self._last_sustained = -10**9  # block index where sustained sound was last seen
         self._mute_left = 0
         self.muted_samples = 0
@@ -79,9 +95,12 @@ class NoiseGate:
         out = []
         if n:
             blocks = data[: n * self.block].reshape(n, self.block)
-            energies = np.mean(blocks.astype(np.float64) ** 2, axis=1)
-            for samples, energy in zip(blocks, energies):
-                self._arrive(samples, float(energy))
+            squares = blocks.astype(np.float64) ** 2
+            energies = np.mean(squares, axis=1)
+            sub = self.block // SUB_BLOCKS
+            peaks = np.mean(squares[:, : sub * SUB_BLOCKS].reshape(n, SUB_BLOCKS, sub), axis=2).max(axis=1)
+            for samples, energy, peak in zip(blocks, energies, peaks):
+                self._arrive(samples, float(energy), float(peak))
                 if len(self._pending) > self.lookahead:
                     out.append(self._decide())
         self._partial = data[n * self.block :]
@@ -94,22 +113,27 @@ class NoiseGate:
         self._partial = np.zeros(0, np.float32)
         return np.concatenate(out)
 
-    def _arrive(self, samples: np.ndarray, energy: float) -> None:
+    def _arrive(self, samples: np.ndarray, energy: float, peak: float) -> None:
         index = self._blocks_in
         self._blocks_in += 1
         if index < self.warmup_blocks:
             # Assume the first moments are background; only an obvious outlier is kept out.
-            loud = self.background_blocks >= 4 and energy > self.mean * self.rise
+            active = self.background_blocks >= 4 and energy > self.mean * self.rise
         else:
-            loud = energy > self.mean + self.config.threshold_std * self.std and energy > self.mean * self.rise
-        if loud:
-            self._run += 1
-            if self._run > self.max_burst:
-                self._last_sustained = index
-        else:
-            self._run = 0
-            self._add_background(energy)
-        self._pending.append(_Block(samples, loud and index >= self.warmup_blocks))
+            active = energy > self.mean + self.config.threshold_std * self.std
+        span = None
+        if active:
+            if index - self._last_in_span > MAX_GAP_BLOCKS + 1:
+                self._span_start, self._span_peak = index, energy
+            if energy >= self._span_peak * SPAN_FLOOR:
+                self._span_peak = max(self._span_peak, energy)
+                self._last_in_span = index
+                span = self._span_start
+                if peak > self.mean * self.rise:
+                    self._loud_span = span
+                if index - span + 1 > self.max_burst:
+                    self._last_sustained = index
+        self._pending.append(_Block(samples, energy, peak, active, span))
 
     def _add_background(self, energy: float) -> None:
         # Decay every earlier weight by `decay`, then add this block with weight 1.
@@ -124,22 +148,43 @@ class NoiseGate:
         """Emit the oldest pending block, gated; the pending blocks after it are its lookahead."""
         index = self._blocks_in - len(self._pending)
         block = self._pending.popleft()
-        onset = block.loud and self._mute_left == 0 and self._is_impulse(index)
-        if onset:
+        if self._mute_left == 0 and self._is_impulse(index, block):
             self._mute_left = self.mute_blocks
-        if self._mute_left:
-            self._mute_left -= 1
-            self.muted_samples += len(block.samples)
-            return np.zeros_like(block.samples)
-        return block.samples
+        muted = self._mute_left > 0
+        if self._is_background(index, block, muted):
+            self._add_background(block.energy)
+        if not muted:
+            return block.samples
+        self._mute_left -= 1
+        self.muted_samples += len(block.samples)
+        return np.zeros_like(block.samples)
 
-    def _is_impulse(self, index: int) -> bool:
+    def _is_background(self, index: int, block: _Block, muted: bool) -> bool:
+        """Non-burst audio away from speech. A loud span (a burst), the tail of one, and the quiet
+        ends of words next to sustained sound are all kept out, or the threshold would climb."""
+        if muted or (block.active and block.span is None) or abs(index - self._last_sustained) <= self.hangover:
+            return False
+        return block.span is None or block.span != self._loud_span
+
+    def _is_impulse(self, index: int, block: _Block) -> bool:
+        """The first loud block of a short span, with nothing loud after the span in the lookahead."""
+        if block.span is None or block.span == self._judged_span or not self._loud(block):
+            return False
+        self._judged_span = block.span  # a span is judged once, at its first loud block
         if index - self._last_sustained <= self.hangover:
+            return False  # within or just after speech (this also catches spans that grow long)
+        end, last, peak = 0, block, block.energy  # the span's last block (offset, block), its peak
+        for offset, later in enumerate(self._pending, start=1):
+            if later.span == block.span:
+                end, last, peak = offset, later, max(peak, later.energy)
+            elif later.span is not None and self._loud(later):
+                return False  # another sound follows: speech, not a lone impulse
+        if end + 1 > self.max_burst:
             return False
-        ahead = list(self._pending)  # the blocks after `index`, up to the lookahead
-        run = 1
-        while run - 1 < len(ahead) and ahead[run - 1].loud:
-            run += 1
-        if run > self.max_burst:
-            return False
-        return not any(b.loud for b in ahead[run:])
+        # When the span reaches the end of the lookahead it may yet go on. Impulses decay; a word
+        # that starts loud and stays loud for 45 ms is speech.
+        undecided = len(self._pending) - end <= MAX_GAP_BLOCKS
+        return not undecided or last.energy <= peak * UNDECIDED_DECAY
+
+    def _loud(self, block: _Block) -> bool:
+        return block.peak > self.mean * self.rise

@@ -1,0 +1,56 @@
+"""Test audio made offline: espeak-ng speech, fan-like background noise, clicks and bumps."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+
+from voicebot.audio.resample import StreamResampler
+
+
+@functools.lru_cache(maxsize=64)
+def espeak_speech(text: str, voice: str = "en-us", rate: int = 16000) -> np.ndarray:
+    """espeak-ng speech as float32 at `rate`, peak-normalised to 0.5."""
+    from voicebot.tts.espeak import _Library
+
+    library = _Library.get()
+    native = library.synthesize(text, voice, 175, threading.Event())
+    resampler = StreamResampler(library.rate, rate)
+    audio = np.concatenate([resampler.process(native), resampler.flush()])
+    return (audio * (0.5 / max(1e-9, np.abs(audio).max()))).astype(np.float32)
+
+
+def to_pcm16(audio: np.ndarray) -> bytes:
+    return (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def dbfs_gain(audio: np.ndarray, target_dbfs: float, mask: np.ndarray | None = None) -> np.ndarray:
+    """Scale so the RMS (over `mask` when given) is `target_dbfs` (0 dBFS = full-scale RMS 1)."""
+    rms = np.sqrt(np.mean(audio[mask] ** 2 if mask is not None else audio**2))
+    return (audio * (10 ** (target_dbfs / 20) / rms)).astype(np.float32)
+
+
+def fan_noise(n: int, rng: np.random.Generator, dbfs: float, rate: int = 16000) -> np.ndarray:
+    """Low-passed noise plus a blade hum with a slow wobble: a fan, not white noise."""
+    from scipy.signal import lfilter
+
+    pink = lfilter([0.08], [1.0, -0.92], rng.standard_normal(n))  # one-pole low-pass
+    t = np.arange(n) / rate
+    hum = 0.4 * np.sin(2 * np.pi * 120 * t) * (1 + 0.2 * np.sin(2 * np.pi * 0.7 * t))
+    noise = pink / pink.std() + hum
+    return dbfs_gain(noise, dbfs)
+
+
+def impulse(kind: str, duration_ms: float, peak_dbfs: float, rng: np.random.Generator, rate: int = 16000) -> np.ndarray:
+    """A click (noise burst with a fast decay), a clap (longer noisy burst) or a bump (damped thump)."""
+    n = max(2, int(rate * duration_ms / 1000))
+    t = np.arange(n) / rate
+    if kind == "bump":
+        wave = np.sin(2 * np.pi * rng.uniform(40, 90) * t + rng.uniform(0, np.pi))
+    else:
+        wave = rng.standard_normal(n)
+    envelope = np.exp(-t / (duration_ms / 1000 / (4 if kind != "clap" else 2)))
+    x = wave * envelope
+    return (x * (10 ** (peak_dbfs / 20) / np.abs(x).max())).astype(np.float32)

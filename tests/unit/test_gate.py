@@ -1,0 +1,183 @@
+"""The noise gate on fixed-seed synthetic scenes: speech passes, clicks in silence are removed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from tests.audio import dbfs_gain, espeak_speech, fan_noise, impulse
+from voicebot.audio.gate import NoiseGate
+from voicebot.config import GateConfig
+
+RATE = 16000
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "please tell me a joke about the weather",
+    "streaming tonight with a very special guest",
+    "what time does the show start tomorrow",
+]
+
+
+@dataclass
+class Click:
+    start: int
+    length: int
+    where: str  # "silence" (>= 60 ms from speech), "pause" or "word"
+
+
+@dataclass
+class Scene:
+    mixed: np.ndarray
+    speech: np.ndarray
+    speech_mask: np.ndarray  # samples of active speech (from the clean speech itself)
+    clicks: list[Click]
+    click_signal: np.ndarray
+    snr_db: float
+
+
+def make_scene(seed: int, background_dbfs: float, speech_dbfs: float) -> Scene:
+    rng = np.random.default_rng(seed)
+    n = RATE * 24
+    speech = np.zeros(n, np.float32)
+    t = int(RATE * 1.5)
+    for text in SENTENCES:
+        s = espeak_speech(text)
+        speech[t : t + len(s)] = s
+        t += len(s) + int(RATE * rng.uniform(1.5, 2.5))
+    # Active speech: 5 ms blocks of the clean speech within 35 dB of its loudest block.
+    blocks = speech[: n // 80 * 80].reshape(-1, 80)
+    block_db = 10 * np.log10(np.mean(blocks**2, axis=1) + 1e-20)
+    mask = np.repeat(block_db > block_db.max() - 35, 80)
+    mask = np.concatenate([mask, np.zeros(n - len(mask), bool)])
+    speech = dbfs_gain(speech, speech_dbfs, mask)
+
+    clicks: list[Click] = []
+    click_signal = np.zeros(n, np.float32)
+    near_speech = np.convolve(mask, np.ones(int(0.06 * RATE) * 2 + 1), "same") > 0
+    for i in range(36):
+        kind = ("click", "clap", "bump")[i % 3]
+        duration = float(rng.choice([0.1, 0.5, 2, 5, 10, 20, 30, 40]))
+        c = impulse(kind, duration, rng.uniform(-10, -3), rng)
+        start = int(rng.integers(RATE // 2, n - RATE // 2))
+        span = slice(start, start + len(c))
+        if np.any(click_signal[max(0, start - 1600) : start + len(c) + 1600]):
+            continue  # keep clicks apart so each one's mute window is its own
+        where = "word" if mask[span].any() else "pause" if near_speech[span].any() else "silence"
+        click_signal[span] += c
+        clicks.append(Click(start, len(c), where))
+    mixed = fan_noise(n, rng, background_dbfs) + speech + click_signal
+    return Scene(mixed.astype(np.float32), speech, mask, clicks, click_signal, speech_dbfs - background_dbfs)
+
+
+def run_gate(audio: np.ndarray, chunk_samples: list[int] | int = 1600, config: GateConfig | None = None) -> tuple[np.ndarray, NoiseGate]:
+    gate = NoiseGate(config or GateConfig(), RATE)
+    out, pos, i = [], 0, 0
+    while pos < len(audio):
+        size = chunk_samples if isinstance(chunk_samples, int) else chunk_samples[i % len(chunk_samples)]
+        out.append(gate.process(audio[pos : pos + size]))
+        pos += size
+        i += 1
+    out.append(gate.flush())
+    return np.concatenate(out), gate
+
+
+def click_windows(scene: Scene, mute_ms: float = 50) -> np.ndarray:
+    """Samples inside any click's own mute window (its onset block to 50 ms after, or its end)."""
+    window = np.zeros(len(scene.mixed), bool)
+    for c in scene.clicks:
+        start = c.start - c.start % 80
+        window[start : c.start + max(c.length, int(mute_ms * RATE / 1000)) + 80] = True
+    return window
+
+
+SCENES = [
+    # (seed, background dBFS, speech dBFS): speech 20-30 dB and 10-20 dB above the background.
+    (1, -45, -25),
+    (2, -45, -15),
+    (3, -35, -15),
+    (4, -35, -25),
+    (5, -35, -20),
+]
+
+
+@pytest.fixture(scope="module", params=SCENES, ids=lambda p: f"seed{p[0]}_bg{p[1]}_speech{p[2]}")
+def scene_and_output(request):
+    scene = make_scene(*request.param)
+    out, gate = run_gate(scene.mixed)
+    return scene, out, gate
+
+
+def test_speech_passes_untouched(scene_and_output):
+    scene, out, _ = scene_and_output
+    assert len(out) == len(scene.mixed)
+    considered = scene.speech_mask & ~click_windows(scene)
+    passed = np.mean(out[considered] == scene.mixed[considered])
+    required = 0.99 if scene.snr_db >= 20 else 0.985
+    assert passed >= required, f"{passed:.4f} of active speech passed at {scene.snr_db} dB SNR"
+
+
+def test_clicks_in_silence_removed(scene_and_output):
+    scene, out, _ = scene_and_output
+    in_silence = [c for c in scene.clicks if c.where == "silence"]
+    assert len(in_silence) >= 10
+    energy = removed = 0.0
+    for c in in_silence:
+        span = slice(c.start, c.start + c.length)
+        click = scene.click_signal[span].astype(np.float64)
+        energy += np.sum(click**2)
+        removed += np.sum(click[out[span] == 0] ** 2)
+    assert removed / energy >= 0.95
+
+
+def test_few_false_mutes(scene_and_output):
+    scene, out, _ = scene_and_output
+    false_mutes = (out == 0) & (scene.mixed != 0) & ~click_windows(scene)
+    per_minute_ms = false_mutes.sum() / RATE * 1000 / (len(out) / RATE / 60)
+    assert per_minute_ms <= 300
+
+
+def test_clicks_in_pauses_and_words_are_reported(scene_and_output, record_property):
+    scene, out, gate = scene_and_output
+    for where in ("pause", "word"):
+        group = [c for c in scene.clicks if c.where == where]
+        muted = sum(bool(np.any(out[c.start : c.start + c.length] == 0)) for c in group)
+        record_property(f"clicks_{where}_muted", f"{muted}/{len(group)}")
+    assert gate.muted_samples == int(np.sum((out == 0) & (scene.mixed != 0)))
+
+
+def test_output_independent_of_chunking():
+    scene = make_scene(7, -40, -20)
+    audio = scene.mixed[: RATE * 8]
+    reference, _ = run_gate(audio, 160)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        sizes = list(rng.integers(160, 3201, size=50))  # 10 to 200 ms
+        out, _ = run_gate(audio, sizes)
+        np.testing.assert_array_equal(out, reference)
+
+
+def test_background_statistics_match_numpy():
+    rng = np.random.default_rng(3)
+    audio = fan_noise(RATE * 5, rng, -40)
+    _, gate = run_gate(audio, 1000)
+    blocks = audio[: len(audio) // gate.block * gate.block].reshape(-1, gate.block).astype(np.float64)
+    energy = np.mean(blocks**2, axis=1)
+    assert gate.background_blocks == len(energy)  # no burst in pure background: every block counts
+    weights = gate.decay ** np.arange(len(energy) - 1, -1, -1)
+    mean = np.average(energy, weights=weights)
+    std = np.sqrt(np.average((energy - mean) ** 2, weights=weights))
+    assert gate.mean == pytest.approx(mean, rel=1e-9)
+    assert gate.std == pytest.approx(std, rel=1e-9)
+
+
+def test_loud_sustained_sound_passes():
+    """A voice far louder than the room is not a burst: the literal rule would mute it."""
+    rng = np.random.default_rng(9)
+    audio = fan_noise(RATE * 4, rng, -50)
+    speech = dbfs_gain(espeak_speech("hello there how are you"), -6)
+    audio[RATE : RATE + len(speech)] += speech
+    out, gate = run_gate(audio)
+    assert gate.muted_samples == 0
+    np.testing.assert_array_equal(out, audio)
