@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -70,7 +69,6 @@ class VoiceLibrary:
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self._voices: dict[str, Voice] = {}
         self._spk2info: dict[str, Path] = {}  # voice name -> the file it came from
-        self._lock = threading.Lock()
 
     def __contains__(self, name: str) -> bool:
         return name in self._voices
@@ -125,8 +123,9 @@ class VoiceLibrary:
     # --- computing and caching
 
     def _put(self, voice: Voice) -> None:
-        with self._lock:
-            self._voices[voice.name] = voice
+        # Replacing an entry is one atomic dict store: sessions reading voices on the event loop
+        # never see a half-built one while a reset refreshes it on the worker.
+        self._voices[voice.name] = voice
 
     def cache_key(self, wav_path: Path, transcript: str) -> str:
         digest = hashlib.sha256(self.frontend.fingerprint.encode())
