@@ -190,3 +190,25 @@ def test_engine_audio_equals_the_model_run_directly(synth, fixed_length):
     direct = torch.cat([*stream.push(tokens), stream.finish()], dim=1)[0].numpy()
     assert len(tokens) == N_TOKENS
     np.testing.assert_allclose(streamed, direct, atol=1e-6)
+
+
+def test_first_chunk_leaves_as_soon_as_its_tokens_exist(synth, fixed_length, monkeypatch):
+    seen = []  # (tokens decoded, tokens the first chunk needs, audio returned) per step
+    original = engine_mod._Utterance.step
+
+    def spy(self):
+        need = self.stream.tokens_for_next_chunk
+        audio, done = original(self)
+        seen.append((len(self.stream.tokens), need, bool(audio)))
+        return audio, done
+
+    monkeypatch.setattr(engine_mod._Utterance, "step", spy)
+
+    async def run():
+        context = synth.open("anna")
+        [c async for c in context.stream(_deltas("Hello world."))]
+        await context.close()
+
+    asyncio.run(run())
+    decoded, needed, _ = next(s for s in seen if s[2])
+    assert decoded == needed  # no LM step was spent past the chunk boundary before its audio

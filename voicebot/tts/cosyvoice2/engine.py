@@ -133,9 +133,11 @@ class _Utterance:
 
     def step(self) -> tuple[list[np.ndarray], bool]:
         """Decode a few tokens and render whatever chunk they complete; True once the audio is all out."""
-        new = list(itertools.islice(self.tokens, self.per_step))
+        # Never decode past the next chunk's last token: its audio goes out in this very step.
+        n = max(1, min(self.per_step, self.stream.tokens_for_next_chunk - len(self.stream.tokens)))
+        new = list(itertools.islice(self.tokens, n))
         chunks = self.stream.push(new)
-        done = len(new) < self.per_step
+        done = len(new) < n
         if done:
             chunks.append(self.stream.finish())
         return [c.reshape(-1).float().cpu().numpy() for c in chunks if c.numel()], done
