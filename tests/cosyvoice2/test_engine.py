@@ -95,6 +95,19 @@ def test_stream_yields_24k_float32_per_sentence(synth, voice, fixed_length):
     assert SAMPLE_RATE == synth.hparams["sample_rate"]
 
 
+def test_nothing_to_say_yields_nothing(synth):
+    async def run():
+        context = synth.open()
+        out = [c async for c in context.stream(_deltas("... !?"))]
+        with pytest.raises(KeyError):
+            context.set_voice("nobody")
+        await context.close()
+        return out, context.cache
+
+    out, cache = asyncio.run(run())
+    assert out == [] and cache is None  # no LM work, so no KV cache was ever allocated
+
+
 def test_cancel_stops_work_promptly(synth, monkeypatch, fixed_length):
     steps = []
     original = engine_mod._Utterance.step
