@@ -401,19 +401,22 @@ class Session:
     async def _speak(self) -> None:
         while True:
             turn = await self.turns.get()
+            # The lock only makes a reply wait for a reset in progress. Held for the whole reply,
+            # it stopped _listen for that long, so barge-in could never happen; the reset timer
+            # checks self._reply under the lock instead.
             async with self._engine_lock:
                 reply = Reply(self, turn)
                 self._reply = reply
                 self._reply_task = asyncio.create_task(reply.run(), name=f"reply-{self.id[:8]}")
-                try:
-                    await self._reply_task
-                except asyncio.CancelledError:
-                    if self.state is State.CLOSING:
-                        raise
-                finally:
-                    self._reply = self._reply_task = None
-                    if self.state is not State.CLOSING:
-                        self.state = State.LISTENING
+            try:
+                await self._reply_task
+            except asyncio.CancelledError:
+                if self.state is State.CLOSING:
+                    raise
+            finally:
+                self._reply = self._reply_task = None
+                if self.state is not State.CLOSING:
+                    self.state = State.LISTENING
 
     async def interrupt(self, reason: str) -> None:
         """Stop the reply in progress at once and drop everything queued for it."""
