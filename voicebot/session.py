@@ -31,7 +31,9 @@ from voicebot.audio.gate import NoiseGate
 from voicebot.audio.resample import StreamResampler, float_to_pcm16, pcm16_to_float
 from voicebot.pacing import HeardText, Pacer
 from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
+from voicebot.reply.base import ResponderError
 from voicebot.reply.history import Conversation
+from voicebot.reply.spoken import spoken
 from voicebot.tts.base import SAMPLE_RATE as OUTPUT_RATE
 
 if TYPE_CHECKING:
@@ -105,7 +107,7 @@ class Session:
         self.responder_name = runtime.default_responder
         self.language: str | None = None
         self.barge_in_min_ms = self.settings.pacing.barge_in_min_ms
-        self.conversation = Conversation(self.settings.reply.max_history_turns)
+        self.conversation = Conversation(self.settings.reply.max_history_turns, self.settings.reply.max_history_tokens)
         self.flood = FloodGuard(
             self.settings.limits.max_messages_per_s, self.settings.limits.max_audio_realtime_factor, self.settings.limits.window_s
         )
@@ -143,13 +145,16 @@ class Session:
             return
         self.state = State.CLOSING
         self.rt.channels.leave(self.id)
+        reply = self._reply  # cancelling the speak task clears self._reply
         if self._reply_task:
             self._reply_task.cancel()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, *(t for t in [self._reply_task] if t), return_exceptions=True)
-        if self._reply is not None:
-            self._reply.drop_pending("client_gone")
+        if reply is not None:
+            reply.drop_pending("client_gone")
+            reply.remember_heard()  # a client that resumes finds what it heard of this reply
+        self.rt.conversations.release(self.id)
         for engine_state in (self.asr, self.tts):
             if engine_state is not None:
                 with contextlib.suppress(Exception):
@@ -231,12 +236,21 @@ class Session:
         self.state = State.LISTENING
         if message.channel:
             self.rt.channels.speak(message.channel, self.id)
-        await self.emit(protocol.session_ready(self.id, self.sample_rate, self.tts.voice, self.responder_name, resumed=False))
+        resumed = self._resume(message.resume)
+        await self.emit(protocol.session_ready(self.id, self.sample_rate, self.tts.voice, self.responder_name, resumed=resumed))
         self._tasks = [
             asyncio.create_task(self._listen(), name=f"listen-{self.id[:8]}"),
             asyncio.create_task(self._speak(), name=f"speak-{self.id[:8]}"),
             asyncio.create_task(self._reset_timer(), name=f"reset-{self.id[:8]}"),
         ]
+
+    def _resume(self, previous_id: str | None) -> bool:
+        """Take over a previous session's conversation if the store still has it; register ours."""
+        conversation = self.rt.conversations.take(previous_id) if previous_id else None
+        if conversation is not None:
+            self.conversation = conversation
+        self.rt.conversations.register(self.id, self.conversation)
+        return conversation is not None
 
     def _apply_choices(self, voice, responder, language, endpointing) -> None:
         if voice is not None and voice not in {v.name for v in self.rt.synthesizer.voices()}:
@@ -478,6 +492,8 @@ class Reply:
         self.first_text_at: float | None = None
         self.first_audio_at: float | None = None
         self.first_frame_at: float | None = None
+        self.failed = False  # the responder failed (the text may be the fallback line)
+        self._remembered = False
         self._produced_samples = 0
 
     async def run(self) -> None:
@@ -503,29 +519,43 @@ class Reply:
     def _texts(self) -> AsyncIterator[str]:
         s = self.s
         if self.turn.say:
-            return _one(self.turn.text)
-        return s.rt.responders[s.responder_name].reply(s.conversation.messages()[:-1], self.turn.text)
+            return s.rt.speech_filter.apply(_one(self.turn.text))
+        deltas = s.rt.responders[s.responder_name].reply(s.conversation.messages()[:-1], self.turn.text, voice=s.tts.voice)
+        return spoken(deltas, s.rt.speech_filter, s.settings.reply.fallback_line, self._responder_failed)
+
+    async def _responder_failed(self, exc: ResponderError) -> None:
+        self.failed = True
+        self.s.rt.metrics.reply_errors.labels(exc.kind).inc()
+        log.warning("responder %s failed (%s): %s", self.s.responder_name, exc.kind, exc)
+        await self.s.error(ErrorCode.REPLY_FAILED, f"the responder failed ({exc.kind}): {exc}", reply_id=self.id, failure=exc.kind)
 
     async def _text_deltas(self) -> AsyncIterator[str]:
-        async for delta in self._texts():
-            if self.first_text_at is None:
-                self.first_text_at = time.monotonic()
-                self.s.rt.metrics.reply_first_text.observe(self.first_text_at - self.started)
-            self.text += delta
-            await self.s.emit(protocol.event("reply.delta", reply_id=self.id, text=delta))
-            yield delta
+        metrics = self.s.rt.metrics
+        async with contextlib.aclosing(self._texts()) as texts:
+            async for delta in texts:
+                if self.first_text_at is None:
+                    self.first_text_at = time.monotonic()
+                    if not (self.turn.say or self.failed):  # responder latency only
+                        metrics.reply_first_text.observe(self.first_text_at - self.started)
+                self.text += delta
+                await self.s.emit(protocol.event("reply.delta", reply_id=self.id, text=delta))
+                yield delta
+        if not (self.turn.say or self.failed):
+            metrics.reply_total.observe(time.monotonic() - self.started)
         await self.s.emit(protocol.event("reply.done", reply_id=self.id, text=self.text))
 
     async def _produce(self) -> None:
+        deltas = self._text_deltas()
         try:
-            async for chunk in self.s.tts.stream(self._text_deltas()):
-                if self.first_audio_at is None and len(chunk.audio):
-                    self.first_audio_at = time.monotonic()
-                    self.s.rt.metrics.tts_first_audio.observe(self.first_audio_at - (self.first_text_at or self.started))
-                self.heard.add(chunk.text, chunk.segment, self._produced_samples, len(chunk.audio))
-                self._produced_samples += len(chunk.audio)
-                for frame in self.framer.push(chunk.audio):
-                    await self.frames.put(float_to_pcm16(frame))
+            async with contextlib.aclosing(self.s.tts.stream(deltas)) as chunks:
+                async for chunk in chunks:
+                    if self.first_audio_at is None and len(chunk.audio):
+                        self.first_audio_at = time.monotonic()
+                        self.s.rt.metrics.tts_first_audio.observe(self.first_audio_at - (self.first_text_at or self.started))
+                    self.heard.add(chunk.text, chunk.segment, self._produced_samples, len(chunk.audio))
+                    self._produced_samples += len(chunk.audio)
+                    for frame in self.framer.push(chunk.audio):
+                        await self.frames.put(float_to_pcm16(frame))
             last = self.framer.flush()
             if last is not None:
                 await self.frames.put(float_to_pcm16(last))
@@ -533,6 +563,9 @@ class Reply:
             # Always tell the pacer the reply is over, even when synthesis failed.
             with contextlib.suppress(asyncio.QueueFull):
                 self.frames.put_nowait(None)
+            # Close the text source now, not when it is garbage collected: on barge-in the
+            # responder's HTTP stream must close at once.
+            await deltas.aclose()
 
     async def _send_paced(self) -> None:
         s = self.s
@@ -573,8 +606,7 @@ class Reply:
     async def _finished(self) -> None:
         s = self.s
         s.rt.metrics.underruns.inc(self.pacer.underruns)
-        if not self.turn.say:
-            s.conversation.add_assistant(self.text)
+        self._remember(self.text)
         if self.pacer.frames_sent:
             await s.emit(
                 protocol.event(
@@ -594,14 +626,24 @@ class Reply:
         self.s.rt.metrics.frames_dropped.labels(reason).inc(dropped)
         return dropped
 
+    def remember_heard(self, played_ms: float | None = None) -> str:
+        """Put what the listener heard of this reply so far into the conversation (once)."""
+        played_ms = self.pacer.played_ms() if played_ms is None else played_ms
+        heard = self.heard.heard(int(played_ms * OUTPUT_RATE / 1000))
+        self._remember(heard)
+        return heard
+
+    def _remember(self, text: str) -> None:
+        if not (self.turn.say or self._remembered):
+            self.s.conversation.add_assistant(text)
+        self._remembered = True
+
     async def interrupted(self, reason: str) -> None:
         s = self.s
         dropped = self.drop_pending("interrupted")
         played_ms = self.pacer.played_ms()
-        heard = self.heard.heard(int(played_ms * OUTPUT_RATE / 1000))
+        heard = self.remember_heard(played_ms)
         s.rt.metrics.underruns.inc(self.pacer.underruns)
-        if not self.turn.say:
-            s.conversation.add_assistant(heard)
         await s.emit(
             protocol.event(
                 "audio.interrupted",
