@@ -30,6 +30,8 @@ from voicebot.engines import build_recognizer, build_responders, build_synthesiz
 from voicebot.metrics import Metrics
 from voicebot.obs_plugin import ObsSocket
 from voicebot.protocol import CloseCode, ErrorCode
+from voicebot.reply.resume import ConversationStore
+from voicebot.reply.safety import SpeechFilter
 from voicebot.serving.worker import Worker
 from voicebot.session import Session
 
@@ -51,13 +53,19 @@ class Runtime:
     sessions: dict[str, Session] = field(default_factory=dict)
     ready: bool = False
     draining: bool = False
+    loop: asyncio.AbstractEventLoop | None = None
     started_at: float = field(default_factory=time.monotonic)
     channels: ChannelHub = field(init=False)
     input_recorder: InputRecorder = field(init=False)
+    conversations: ConversationStore = field(init=False)  # for sessions that resume
+    speech_filter: SpeechFilter = field(init=False)  # blocklist and max length of what is spoken
 
     def __post_init__(self) -> None:
         self.channels = ChannelHub(self.metrics, self.settings.server.max_listeners)
         self.input_recorder = InputRecorder(self.settings.server.record_input_s)
+        reply = self.settings.reply
+        self.conversations = ConversationStore(reply.resume_ttl_s, reply.resume_max_conversations)
+        self.speech_filter = SpeechFilter.from_config(reply)
 
     def load(self) -> None:
         s = self.settings
