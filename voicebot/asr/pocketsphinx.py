@@ -4,6 +4,10 @@ With `phrases` configured it decodes against a closed JSGF grammar of those phra
 for tests and demos. Without, it uses its general English language model: honest but weak
 (20-35 % of words right on synthetic speech). Each stream owns a Decoder; calls run on the
 engine's worker so the event loop never waits for the decoder.
+
+pocketsphinx normalises features by a cepstral mean it learns from the audio it has decoded; a
+cold decoder's first utterance is often cut short. New decoders start from the mean of the last
+finished utterance of any session, so only the first utterance after start-up is decoded cold.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class PocketsphinxRecognizer(Recognizer):
         self.worker = Worker("pocketsphinx", threads=2)
         self._grammar: str | None = None
         self._loaded = False
+        self.cepstral_mean: str | None = None  # of the last finished utterance
 
     @property
     def model(self) -> str:
@@ -43,6 +48,8 @@ class PocketsphinxRecognizer(Recognizer):
         if self._grammar:
             decoder.add_jsgf_string("phrases", self._grammar)
             decoder.activate_search("phrases")
+        if self.cepstral_mean:
+            decoder.set_cmn(self.cepstral_mean)
         return decoder
 
     @staticmethod
@@ -92,6 +99,7 @@ class PocketsphinxStream(RecognizerStream):
             return Hypothesis("", None, self.engine.model)
         self._decoder.end_utt()
         self._in_utterance = False
+        self.engine.cepstral_mean = self._decoder.get_cmn(False)
         hyp = self._decoder.hyp()
         if hyp is None:
             return Hypothesis("", None, self.engine.model)
