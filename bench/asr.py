@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from voicebot.asr.base import SAMPLE_RATE, Hypothesis
-from voicebot.asr.funasr_model import FunasrModel
-from voicebot.asr.paraformer import ParaformerRecognizer, state_bytes
+from voicebot.asr.funasr_model import FunasrModel, state_bytes
+from voicebot.asr.paraformer import ParaformerRecognizer
 from voicebot.asr.router import Router
 from voicebot.asr.testing import build_model_dir, synthetic_speech
 from voicebot.config import ParaformerConfig

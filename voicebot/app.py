@@ -21,8 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from voicebot import __version__, auth, protocol
-from voicebot.asr.funasr_ws import EndpointerSegmenter, serve_funasr
-from voicebot.audio.endpoint import Endpointer
+from voicebot.asr.funasr_ws import funasr_segmenter, serve_funasr
 from voicebot.channels import ChannelHub, run_listener
 from voicebot.config import Settings, load_settings
 from voicebot.debug import InputRecorder
@@ -100,6 +99,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        rt.loop = asyncio.get_running_loop()
         await asyncio.to_thread(rt.load)
         lag = asyncio.create_task(rt.metrics.watch_loop_lag())
         _drain_on_sigterm(rt)
@@ -168,8 +168,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def funasr(ws: WebSocket) -> None:
         """The FunASR runtime's 2-pass protocol (docs/funasr.md), on the same recognizer and VAD."""
         if await admit(ws):
-            segmenter = EndpointerSegmenter(Endpointer(settings.endpoint), rt.audio_worker)
-            await serve_funasr(ws, rt.recognizer, segmenter)
+            await serve_funasr(ws, rt.recognizer, funasr_segmenter(rt.recognizer, settings.endpoint, rt.audio_worker))
 
     @app.websocket("/obs/audio")
     async def obs_audio(ws: WebSocket) -> None:

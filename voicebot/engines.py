@@ -17,7 +17,7 @@ def build_recognizer(settings: Settings) -> Recognizer:
     if engine == "paraformer":
         from voicebot.asr.paraformer import ParaformerRecognizer
 
-        return ParaformerRecognizer(settings.asr.paraformer, settings.endpoint.max_utterance_s)
+        return ParaformerRecognizer(settings.asr.paraformer, settings.endpoint)
     raise ValueError(f"asr.engine: unknown engine {engine!r}")
 
 

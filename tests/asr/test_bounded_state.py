@@ -6,9 +6,10 @@ import asyncio
 
 import numpy as np
 
-from voicebot.asr.paraformer import ParaformerRecognizer, state_bytes
+from voicebot.asr.funasr_model import state_bytes
+from voicebot.asr.paraformer import ParaformerRecognizer
 from voicebot.asr.testing import synthetic_speech
-from voicebot.config import DialectFallbackConfig, ParaformerConfig
+from voicebot.config import DialectFallbackConfig, EndpointConfig, ParaformerConfig
 
 PIECE = 1600  # 100 ms, a typical WebSocket frame
 CHUNKS = 2000  # 200 s of audio
@@ -21,7 +22,7 @@ def test_stream_state_is_bounded(tiny_models):
         dialect=DialectFallbackConfig(model=str(tiny_models["streaming-unsure"])),
     )
     max_utterance_s = 8.0
-    recognizer = ParaformerRecognizer(config, max_utterance_s=max_utterance_s)
+    recognizer = ParaformerRecognizer(config, EndpointConfig(max_utterance_s=max_utterance_s))
     recognizer.load()
     audio = synthetic_speech(40.0, seed=30)
     rng = np.random.default_rng(0)

@@ -20,6 +20,7 @@ import ctypes
 import gc
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,23 @@ class CheckpointMismatch(RuntimeError):
 class Decoded:
     text: str
     token_confidences: list[float] = field(default_factory=list)
+
+
+def state_bytes(obj: object) -> int:
+    """Approximate bytes held by a (nested) funasr cache: tensor data plus Python containers.
+
+    Containers count too, so a list that grows by one small record per utterance shows up.
+    """
+    nbytes = getattr(obj, "nbytes", None)  # torch.Tensor, np.ndarray
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(obj, dict):
+        return sys.getsizeof(obj) + sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sys.getsizeof(obj) + sum(state_bytes(v) for v in obj)
+    if hasattr(obj, "__dict__"):  # funasr's state objects (VAD statistics, window detector)
+        return state_bytes(vars(obj))
+    return sys.getsizeof(obj)
 
 
 def utterance_confidence(token_confidences: list[float]) -> tuple[float | None, float | None]:
@@ -111,6 +129,32 @@ def _patch_positional_encoding() -> None:
     StreamSinusoidalPositionEncoder._voicebot_patched = True
 
 
+def load_automodel(path: Path, device: str, threads: int) -> Any:
+    """Blocking: a funasr AutoModel from a local directory, its checkpoint verified."""
+    import torch
+    from funasr import AutoModel
+
+    torch.set_num_threads(threads)
+    auto = AutoModel(
+        model=str(path),
+        device=device,
+        ncpu=threads,
+        disable_update=True,
+        disable_pbar=True,
+        disable_log=True,
+        # funasr's frontends dither at inference by default: noise in, different output out.
+        frontend_conf={"dither": 0.0},
+    )
+    verify_checkpoint(auto.model, Path(auto.kwargs["init_param"]))
+    # funasr's loader keeps transient copies of the state dict: hand that memory back now.
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    return auto
+
+
 class FunasrModel:
     """A Paraformer (streaming or offline class) loaded from a local directory."""
 
@@ -130,21 +174,7 @@ class FunasrModel:
 
     def load(self) -> None:
         """Blocking: build the model, verify its checkpoint, attach the confidence hook."""
-        import torch
-        from funasr import AutoModel
-
-        torch.set_num_threads(self.threads)
-        auto = AutoModel(
-            model=str(self.path),
-            device=self.device,
-            ncpu=self.threads,
-            disable_update=True,
-            disable_pbar=True,
-            disable_log=True,
-            # funasr's frontends dither at inference by default: noise in, different text out.
-            frontend_conf={"dither": 0.0},
-        )
-        verify_checkpoint(auto.model, Path(auto.kwargs["init_param"]))
+        auto = load_automodel(self.path, self.device, self.threads)
         kind = type(auto.model).__name__
         if kind not in (STREAMING_CLASS, OFFLINE_CLASS):
             raise ValueError(f"{self.path}: model class {kind} is not supported (need {STREAMING_CLASS} or {OFFLINE_CLASS})")
@@ -153,12 +183,6 @@ class FunasrModel:
             _patch_positional_encoding()
         self._auto = auto
         self._attach_confidence_hook()
-        # funasr's loader keeps transient copies of the state dict: hand that memory back now.
-        gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except OSError:
-            pass
         log.info("loaded %s (%s) from %s", self.name, kind, self.path)
 
     @property

@@ -1,7 +1,8 @@
 """The /funasr WebSocket: socket I/O around voicebot.asr.funasr_protocol.
 
 Serves existing FunASR runtime clients with the server's loaded recognizer (same model, same
-worker, shared with /v1/voice sessions) and the server's VAD as endpointer.
+worker, shared with /v1/voice sessions); utterances end by fsmn-vad when one is configured (as in
+the FunASR runtime), else by the server's own Silero endpointer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi import WebSocket
 from voicebot.asr.base import Recognizer
 from voicebot.asr.funasr_protocol import FunasrSession, ProtocolError, Segmenter
 from voicebot.audio.endpoint import Endpointer, VadEvent
+from voicebot.config import EndpointConfig
 from voicebot.serving.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,14 @@ class EndpointerSegmenter:
 
     async def force_end(self) -> list[VadEvent]:
         return await self.worker.run(self.endpointer.force_end)
+
+
+def funasr_segmenter(recognizer: Recognizer, endpoint: EndpointConfig, audio_worker: Worker) -> Segmenter:
+    """fsmn-vad when the recognizer has one (asr.paraformer.vad_model), else the server's endpointer."""
+    vad = getattr(recognizer, "vad", None)  # only the paraformer engine has one
+    if vad is not None:
+        return vad.segmenter()
+    return EndpointerSegmenter(Endpointer(endpoint), audio_worker)
 
 
 async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segmenter) -> None:

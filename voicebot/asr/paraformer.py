@@ -12,35 +12,27 @@ from __future__ import annotations
 import numpy as np
 
 from voicebot.asr.base import SAMPLE_RATE, Hypothesis, Recognizer, RecognizerStream
-from voicebot.asr.funasr_model import Decoded, FunasrModel
+from voicebot.asr.fsmn_vad import FsmnVad
+from voicebot.asr.funasr_model import Decoded, FunasrModel, state_bytes
 from voicebot.asr.router import Router, to_hypothesis
-from voicebot.config import ParaformerConfig
+from voicebot.config import EndpointConfig, ParaformerConfig
 from voicebot.engine import EngineInfo, ResetReport
 from voicebot.models import ModelRef, resolve
-
-
-def state_bytes(obj: object) -> int:
-    """Bytes held by the tensors and arrays inside a (nested) funasr cache."""
-    if isinstance(obj, dict):
-        return sum(state_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(state_bytes(v) for v in obj)
-    if isinstance(obj, np.ndarray):
-        return obj.nbytes
-    nbytes = getattr(obj, "nbytes", None)  # torch.Tensor
-    return nbytes if isinstance(nbytes, int) else 0
 
 
 class ParaformerRecognizer(Recognizer):
     name = "paraformer"
 
-    def __init__(self, config: ParaformerConfig, max_utterance_s: float = 30.0) -> None:
+    def __init__(self, config: ParaformerConfig, endpoint: EndpointConfig | None = None) -> None:
         self.config = config
+        self.endpoint = endpoint or EndpointConfig()
         # Audio kept per utterance for the second pass; the endpointer cuts utterances at this
         # length, so more than this is never needed (and never kept).
-        self.max_utterance_samples = int(max_utterance_s * SAMPLE_RATE)
+        self.max_utterance_samples = int(self.endpoint.max_utterance_s * SAMPLE_RATE)
         self.streaming: FunasrModel | None = None
         self.router = Router()
+        # fsmn-vad for /funasr (voicebot.asr.funasr_ws), when asr.paraformer.vad_model is set.
+        self.vad: FsmnVad | None = None
 
     def _model(self, key: str, ref: str) -> FunasrModel:
         path = resolve(ModelRef(key, ref, self.config.model_cache))
@@ -57,7 +49,8 @@ class ParaformerRecognizer(Recognizer):
         conf = self.config
         # Resolve every model before loading any, so a missing one fails start-up in seconds.
         for key, ref in (("asr.paraformer.offline_model", conf.offline_model),
-                         ("asr.paraformer.dialect.model", conf.dialect.model)):
+                         ("asr.paraformer.dialect.model", conf.dialect.model),
+                         ("asr.paraformer.vad_model", conf.vad_model)):
             if ref:
                 resolve(ModelRef(key, ref, conf.model_cache))
         self.streaming = self._model("asr.paraformer.model", conf.model)
@@ -69,6 +62,10 @@ class ParaformerRecognizer(Recognizer):
             threshold=conf.dialect.fallback_threshold,
             prefer=conf.dialect.prefer,
         )
+        if conf.vad_model:
+            self.vad = FsmnVad(resolve(ModelRef("asr.paraformer.vad_model", conf.vad_model, conf.model_cache)),
+                               conf.device, conf.threads, self.endpoint.endpoint_silence_ms)
+            self.vad.load()
 
     def open(self, language: str | None = None) -> ParaformerStream:
         if self.streaming is None:
@@ -91,7 +88,7 @@ class ParaformerRecognizer(Recognizer):
         )
 
     def close(self) -> None:
-        for model in (self.streaming, self.router.offline, self.router.dialect):
+        for model in (self.streaming, self.router.offline, self.router.dialect, self.vad):
             if model is not None:
                 model.close()
 

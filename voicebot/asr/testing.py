@@ -119,7 +119,9 @@ def _vad_config() -> dict:
             "window_size_ms": 200, "sil_to_speech_time_thres": 150, "speech_to_sil_time_thres": 150,
             "speech_2_noise_ratio": 1.0, "do_extend": 1, "lookback_time_start_point": 200,
             "lookahead_time_end_point": 100, "max_single_segment_time": 60000, "snr_thres": -100.0,
-            "noise_frame_num_used_for_snr": 100, "decibel_thres": -100.0, "speech_noise_thres": 0.6,
+            # Random weights cannot tell speech from silence; this energy floor (the real model
+            # has -100, i.e. none) makes the tiny VAD call digital silence silence.
+            "noise_frame_num_used_for_snr": 100, "decibel_thres": -20.0, "speech_noise_thres": 0.6,
             "fe_prior_thres": 0.0001, "silence_pdf_num": 1, "sil_pdf_ids": [0],
             "speech_noise_thresh_low": -0.1, "speech_noise_thresh_high": 0.3, "output_frame_probs": False,
             "frame_in_ms": 10, "frame_length_ms": 25,
