@@ -165,6 +165,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await run_session(ws, rt)
 
     @app.websocket("/funasr")
+    @app.websocket("/")  # the runtime's C++/Java/Python clients connect to ws://host:port/ only
     async def funasr(ws: WebSocket) -> None:
         """The FunASR runtime's 2-pass protocol (docs/funasr.md), on the same recognizer and VAD."""
         if await admit(ws):

@@ -83,6 +83,12 @@ def test_online(server_url, wav_path):
     assert len([m for m in messages if m["text"]]) >= 2
 
 
+def test_runtime_clients_root_path(server_url, wav_path):
+    # The runtime's own clients cannot add a path: they connect to ws://host:port/.
+    root = server_url.removesuffix("funasr")
+    well_formed(stream(root, wav_path, "2pass"), {"2pass-online", "2pass-offline"})
+
+
 def test_offline(server_url, wav_path):
     from funasr_client import async_file_asr
 

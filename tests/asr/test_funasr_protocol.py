@@ -114,6 +114,17 @@ def test_frames_splitting_samples_and_8k_input(recognizer):
     assert asyncio.run(run())[-1]["is_final"]
 
 
+def test_is_end_is_acknowledged(recognizer):
+    async def run():
+        session = FunasrSession(recognizer, ScriptedSegmenter())
+        await session.on_text(json.dumps({"mode": "2pass"}))
+        await session.on_audio(PCM[:32000])
+        return await session.on_text(json.dumps({"is_speaking": False, "is_end": True}))
+
+    last = asyncio.run(run())[-1]
+    assert last["is_final"] and last["is_end"] and last["mode"] == "2pass-offline"
+
+
 @pytest.mark.parametrize("message, complaint", [
     ("{not json", "not JSON"),
     ('["a list"]', "JSON object"),

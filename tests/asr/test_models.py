@@ -51,7 +51,7 @@ def test_a_directory_that_is_not_a_model_is_refused(tmp_path):
         models.resolve(models.ModelRef("asr.paraformer.model", str(tmp_path), tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("name, count", [("cpu", 1), ("a10", 3)])
+@pytest.mark.parametrize("name, count", [("cpu", 1), ("a10", 4)])
 def test_shipped_configs_name_their_models(name, count):
     settings = load_settings(REPO_ROOT / "configs" / f"{name}.yaml")
     refs = models.required_models(settings)

@@ -8,7 +8,8 @@ then raw s16le PCM frames, then {"is_speaking": false}. We answer as the C++ 2-p
 * mode "offline": {"mode": "offline", "text": <utterance>} at each endpoint;
 * mode "2pass": "2pass-online" deltas, then "2pass-offline" with the final (second-pass) text;
 * `is_final` is true on exactly one message: the last, sent after the client's is_speaking=false
-  (clients such as funasr-client stop reading at the first is_final=true);
+  (clients such as funasr-client stop reading at the first is_final=true); it also carries
+  `is_end: true` when the client's message did (the runtime's Python client waits for that);
 * extra fields: `confidence`, `asr_model`, `fallback` on final results.
 
 No `timestamp` is sent: the streaming Paraformer has no per-character times, and clients that get
@@ -90,7 +91,7 @@ class FunasrSession:
             self._resampler = StreamResampler(self.config.audio_fs, SAMPLE_RATE)
         if message.get("is_speaking", True):
             return []
-        return await self._end_of_input()
+        return await self._end_of_input(bool(message.get("is_end")))
 
     async def on_audio(self, data: bytes) -> list[dict]:
         data = self._odd_byte + data
@@ -104,7 +105,7 @@ class FunasrSession:
             await self._stream.close()
             self._stream = None
 
-    async def _end_of_input(self) -> list[dict]:
+    async def _end_of_input(self, is_end: bool) -> list[dict]:
         events = await self.segmenter.process(self._resampler.flush())
         self._resampler = StreamResampler(self.config.audio_fs, SAMPLE_RATE)
         events += await self.segmenter.force_end()
@@ -113,6 +114,8 @@ class FunasrSession:
         if not messages or messages[-1]["mode"] != final_mode:
             messages.append(self._message(final_mode, ""))
         messages[-1]["is_final"] = True
+        if is_end:  # the runtime's Python client (>= 1.4) waits for this acknowledgement
+            messages[-1]["is_end"] = True
         return messages
 
     async def _events(self, events: list[VadEvent]) -> list[dict]:
