@@ -1,13 +1,31 @@
-// Runs in the AudioContext (opened at 16 kHz): converts mic audio to s16le and posts 100 ms chunks.
+// Runs on the audio thread: downmixes the microphone to mono, converts to s16le and posts chunks of
+// `chunkSamples` (at the AudioContext's own rate: the page declares that rate in session.start and
+// the server resamples). The buffer holds exactly one chunk; a full one is transferred, not copied.
 class Capture extends AudioWorkletProcessor {
-  constructor() { super(); this.buf = new Int16Array(1600); this.n = 0; }
+  constructor(options) {
+    super();
+    this.size = options.processorOptions.chunkSamples;
+    this.chunk = new Int16Array(this.size);
+    this.filled = 0;
+  }
+
   process(inputs) {
-    const ch = inputs[0][0];
-    if (ch) for (let i = 0; i < ch.length; i++) {
-      this.buf[this.n++] = Math.max(-32768, Math.min(32767, Math.round(ch[i] * 32767)));
-      if (this.n === this.buf.length) { this.port.postMessage(this.buf.buffer.slice(0)); this.n = 0; }
+    const channels = inputs[0];
+    if (!channels.length) return true;
+    const frames = channels[0].length;
+    for (let i = 0; i < frames; i++) {
+      let sum = 0;
+      for (const channel of channels) sum += channel[i];
+      const s = (sum / channels.length) * 32767;
+      this.chunk[this.filled++] = s > 32767 ? 32767 : s < -32768 ? -32768 : Math.round(s);
+      if (this.filled === this.size) {
+        this.port.postMessage(this.chunk.buffer, [this.chunk.buffer]);  // detaches this.chunk
+        this.chunk = new Int16Array(this.size);
+        this.filled = 0;
+      }
     }
     return true;
   }
 }
+
 registerProcessor("capture", Capture);

@@ -1,0 +1,74 @@
+"""Headless Chromium with a fake microphone, and a real server for it to talk to.
+
+Chromium is Debian's (/usr/bin/chromium, installed by the set-up script), driven by the `playwright`
+package; `playwright install` is never needed. The flags are those measured in
+shared/specs/offline-engines.md: `--headless=new` in the arguments with headless=False so that
+Playwright adds no --mute-audio, and a wav file as the microphone, played once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from pathlib import Path
+
+import pytest
+
+from tests.browser.server import PHRASES, LiveServer, speech, write_wav
+
+CHROMIUM = Path("/usr/bin/chromium")
+FLAGS = [
+    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream", "--autoplay-policy=no-user-gesture-required",
+]
+# What the fake microphone says: a sentence, a pause long enough to end it, then a second sentence
+# that starts while the reply to the first is still playing (barge-in), then silence for the
+# second reply to play out. Half of espeak_speech's level: Chrome's auto gain then does not clip.
+MIC_SCRIPT = (0.6, PHRASES["first"], 0.8, PHRASES["barge"], 4.0)
+MIC_LEVEL = 0.5
+
+
+@pytest.fixture(scope="session")
+def live_server():
+    with LiveServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def mic_wav(tmp_path_factory) -> Path:
+    return write_wav(tmp_path_factory.mktemp("mic") / "conversation.wav", speech(*MIC_SCRIPT) * MIC_LEVEL)
+
+
+@pytest.fixture(scope="session")
+def browser(mic_wav):
+    if not CHROMIUM.exists():
+        pytest.fail("browser tests need Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=False, args=[*FLAGS, f"--use-file-for-fake-audio-capture={mic_wav}%noloop"]
+        )
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    page = context.new_page()
+    yield page
+    context.close()
+
+
+@pytest.fixture
+def run_async():
+    """Run a coroutine to completion on its own thread (Playwright's sync API owns this one)."""
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+
+    def start(coro) -> concurrent.futures.Future:
+        return pool.submit(asyncio.run, coro)
+
+    yield start
+    pool.shutdown(wait=True)
