@@ -114,16 +114,19 @@ class Session:
         self.close_request: tuple[int, str] | None = None
 
         self.outbox: asyncio.Queue[str | bytes | None] = asyncio.Queue(OUTBOX_MAX)
-        self.audio_in: asyncio.Queue[bytes] = asyncio.Queue(AUDIO_IN_MAX)
+        # (PCM, when it came off the socket); b"" marks input.end.
+        self.audio_in: asyncio.Queue[tuple[bytes, float]] = asyncio.Queue(AUDIO_IN_MAX)
         self.turns: asyncio.Queue[Turn] = asyncio.Queue(TURNS_MAX)
         self._tasks: list[asyncio.Task] = []
         self._reply_task: asyncio.Task | None = None
         self._reply: "Reply | None" = None
-        self._engine_lock = asyncio.Lock()  # held per audio chunk, per reply and by a reset
+        self._engine_lock = asyncio.Lock()  # held per audio chunk, to start a reply and by a reset
         self._last_reset = time.monotonic()
         self.reset_count = 0
         self._utterance_count = 0
-        self._arrivals: deque[tuple[int, float]] = deque(maxlen=256)  # (input sample end, time)
+        # (end of a chunk in 16 kHz samples, when it arrived): when the user stopped talking, even
+        # if the chunk waited in audio_in before it was processed.
+        self._arrivals: deque[tuple[int, float]] = deque(maxlen=256)
         self._samples_in = 0
         self.asr = None
         self.tts = None
@@ -187,7 +190,7 @@ class Session:
             await self.error(exc.code, exc.message)
             return
         self.rt.input_recorder.record(self.id, self.sample_rate, data)
-        await self.audio_in.put(data)
+        await self.audio_in.put((data, time.monotonic()))
 
     def _flooding(self, audio_bytes: int) -> bool:
         if self.close_request:
@@ -209,7 +212,7 @@ class Session:
         elif isinstance(message, protocol.SessionUpdate):
             await self._update(message)
         elif isinstance(message, protocol.InputEnd):
-            await self.audio_in.put(b"")  # in order with the audio before it
+            await self.audio_in.put((b"", time.monotonic()))  # in order with the audio before it
         elif isinstance(message, protocol.Say):
             if message.interrupt:
                 await self.interrupt("say")
@@ -302,22 +305,22 @@ class Session:
     async def _listen(self) -> None:
         utterance: dict | None = None
         while True:
-            data = await self.audio_in.get()
+            data, arrived = await self.audio_in.get()
             async with self._engine_lock:
                 if data == b"":
                     events = self.endpointer.force_end()
                 else:
-                    events = await self.rt.audio_worker.run(self._front_end, data)
+                    events = await self.rt.audio_worker.run(self._front_end, data, arrived)
                 for ev in events:
                     utterance = await self._on_vad_event(ev, utterance)
             if self.state is State.SPEAKING and self.endpointer.speech_run_ms >= self.barge_in_min_ms:
                 await self.interrupt("barge_in")
 
-    def _front_end(self, data: bytes) -> list:
+    def _front_end(self, data: bytes, arrived: float) -> list:
         """Resample, gate and endpoint one chunk (blocking: runs on the audio worker)."""
         audio = self.resampler.process(pcm16_to_float(data))
         self._samples_in += len(audio)
-        self._arrivals.append((self._samples_in, time.monotonic()))
+        self._arrivals.append((self._samples_in, arrived))
         muted_before = self.gate.muted_samples
         gated = self.gate.process(audio) if self.settings.gate.enabled else audio
         muted = self.gate.muted_samples - muted_before
