@@ -48,7 +48,8 @@ class ParaformerRecognizer(Recognizer):
     def load(self) -> None:
         conf = self.config
         # Resolve every model before loading any, so a missing one fails start-up in seconds.
-        for key, ref in (("asr.paraformer.offline_model", conf.offline_model),
+        for key, ref in (("asr.paraformer.model", conf.model),
+                         ("asr.paraformer.offline_model", conf.offline_model),
                          ("asr.paraformer.dialect.model", conf.dialect.model),
                          ("asr.paraformer.vad_model", conf.vad_model)):
             if ref:
