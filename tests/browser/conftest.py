@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.server import PHRASES, LiveServer, speech, write_wav
+from tests.browser.support import speech, write_wav
+from tests.conftest import TEST_PHRASES, make_settings, running_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 FLAGS = [
@@ -25,13 +26,15 @@ FLAGS = [
 # What the fake microphone says: a sentence, a pause long enough to end it, then a second sentence
 # that starts while the reply to the first is still playing (barge-in), then silence for the
 # second reply to play out. Half of espeak_speech's level: Chrome's auto gain then does not clip.
-MIC_SCRIPT = (0.6, PHRASES["first"], 0.8, PHRASES["barge"], 4.0)
+FIRST, BARGE_IN = TEST_PHRASES[1], TEST_PHRASES[2]
+MIC_SCRIPT = (0.6, FIRST, 0.8, BARGE_IN, 4.0)
 MIC_LEVEL = 0.5
 
 
 @pytest.fixture(scope="session")
 def live_server():
-    with LiveServer() as server:
+    # record_input_s: the test of what the server received reads /debug/input/{session}.wav.
+    with running_server(make_settings(server={"record_input_s": 30})) as server:
         yield server
 
 
@@ -41,7 +44,8 @@ def mic_wav(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def browser(mic_wav):
+def browser(mic_wav, live_server):
+    # After live_server: its warm-up runs asyncio.run, which Playwright's loop would forbid.
     if not CHROMIUM.exists():
         pytest.fail("browser tests need Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
     from playwright.sync_api import sync_playwright

@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import soundfile
 
-from tests.browser.conftest import MIC_SCRIPT
-from tests.browser.server import PHRASES
+from tests.browser.conftest import BARGE_IN, FIRST, MIC_SCRIPT
 from voicebot.audio.resample import StreamResampler
 
 pytestmark = pytest.mark.browser
 
-SCRIPT_S = sum(p if isinstance(p, float) else 2.0 for p in MIC_SCRIPT)  # sentences count 2 s at most
+SCRIPT_S = sum(p if isinstance(p, float) else 2.5 for p in MIC_SCRIPT)  # a sentence is at most 2.5 s
 CHUNK_S = 0.04  # the page's chunk size
 
 
@@ -23,13 +22,17 @@ def stats(page) -> dict:
     return page.evaluate("window.voicebot.stats()")
 
 
-def test_conversation_with_barge_in_and_the_microphone_unchanged(page, live_server, mic_wav, tmp_path):
-    # Echo cancellation, noise suppression and auto gain off: the server must get the file itself.
-    page.goto(live_server.url("/?aec=0&ns=0&agc=0"))
+def test_conversation_with_barge_in(page, live_server, tmp_path):
+    page.goto(live_server.http_url + "/")  # echo cancellation, noise suppression, auto gain: on
+    assert page.is_checked("#aec") and page.is_checked("#ns") and page.is_checked("#agc")
     page.click("#start")
     # The first sentence is transcribed and shown; its reply starts playing.
     page.wait_for_function("window.voicebot.finals.length >= 1", timeout=20_000)
-    assert f"you: {PHRASES['first']}" in page.inner_text("#log")
+    first = page.evaluate("window.voicebot.finals[0]")
+    assert f"you: {first}" in page.inner_text("#log")
+    # Through Chrome's noise suppression and auto gain, pocketsphinx sometimes loses the last
+    # word of this espeak sentence (measured; never with the processing off, below).
+    assert first and FIRST.startswith(first)
     # The second sentence interrupts that reply: the page stops it at once.
     page.wait_for_function("(window.voicebot.events['audio.interrupted'] ?? 0) >= 1", timeout=20_000)
     at_interrupt = stats(page)
@@ -42,8 +45,8 @@ def test_conversation_with_barge_in_and_the_microphone_unchanged(page, live_serv
         timeout=20_000,
     )
     final = stats(page)
-    assert page.evaluate("window.voicebot.finals") == [PHRASES["first"], PHRASES["barge"]]
-    assert f"bot: {PHRASES['barge']}" in page.inner_text("#log")
+    assert page.evaluate("window.voicebot.finals") == [first, BARGE_IN]
+    assert f"bot: {BARGE_IN}" in page.inner_text("#log")
     assert final["framesPlayed"] > at_interrupt["framesPlayed"]
     assert final["framesPlayed"] + final["framesStopped"] == final["framesScheduled"] == final["framesReceived"]
     assert final["interruptions"] == 1 and final["underruns"] == 0
@@ -51,29 +54,24 @@ def test_conversation_with_barge_in_and_the_microphone_unchanged(page, live_serv
     assert "ms from the end of your speech" in page.inner_text("#latency")
     page.screenshot(path=tmp_path / "mic-page.png", full_page=True)
 
-    # What the server received is the file (resampled by the browser to its own rate).
-    page.wait_for_function(f"window.voicebot.chunksSent >= {int(SCRIPT_S / CHUNK_S)}", timeout=20_000)
+
+def test_unprocessed_microphone_reaches_the_server_unchanged(page, live_server, mic_wav):
+    page.goto(live_server.http_url + "/?aec=0&ns=0&agc=0")
+    assert not page.is_checked("#aec") and not page.is_checked("#ns") and not page.is_checked("#agc")
+    page.click("#start")
+    # Wait until the page has sent the whole file (and some of the silence after it).
+    page.wait_for_function(f"window.voicebot.chunksSent >= {int(SCRIPT_S / CHUNK_S)}", timeout=30_000)
+    assert page.evaluate("window.voicebot.finals") == [FIRST, BARGE_IN]
     session_id, rate = page.evaluate("[window.voicebot.sessionId, window.voicebot.sampleRate]")
-    wav = httpx.get(live_server.url(f"/debug/input/{session_id}.wav")).content
+    wav = httpx.get(live_server.http_url + f"/debug/input/{session_id}.wav").content
     received, received_rate = soundfile.read(io.BytesIO(wav), dtype="float32")
-    assert received_rate == rate
+    assert received_rate == rate  # the page sends at its AudioContext's rate and says so
     reference = soundfile.read(str(mic_wav), dtype="float32")[0]
     resampler = StreamResampler(16000, rate)
     reference = np.concatenate([resampler.process(reference), resampler.flush()])
-    assert normalized_correlation(received, reference, max_lag=rate) >= 0.95
-
-
-def test_default_audio_processing(page, live_server):
-    # Measured: with Chrome's echo cancellation, noise suppression and auto gain on (the page's
-    # default), the first espeak sentence reaches the recognizer too altered to match the grammar
-    # while they adapt; the next one is understood. A person's first words fare better than
-    # espeak's, but this test holds the default path to what was measured.
-    page.goto(live_server.url("/"))
-    assert page.is_checked("#aec") and page.is_checked("#ns") and page.is_checked("#agc")
-    page.click("#start")
-    page.wait_for_function(f"window.voicebot.finals.includes('{PHRASES['barge']}')", timeout=25_000)
-    page.wait_for_function("window.voicebot.stats().framesPlayed > 0", timeout=10_000)
-    assert f"you: {PHRASES['barge']}" in page.inner_text("#log")
+    correlation = normalized_correlation(received, reference, max_lag=rate)
+    print(f"normalized correlation of received and played audio: {correlation:.4f} at {rate} Hz")
+    assert correlation >= 0.95
 
 
 def normalized_correlation(received: np.ndarray, reference: np.ndarray, max_lag: int) -> float:
