@@ -15,32 +15,29 @@ import argparse
 import asyncio
 import re
 
-import httpx
-from websockets.asyncio.client import connect
-
-from tests.integration.test_responder_server import PHRASES, Client, VoiceServer
+from tests.conftest import TEST_PHRASES, VoiceClient, make_settings, running_server, speech_pcm
 from tests.reply.sse_server import Behaviour, SSEServer
-from voicebot.config import load_settings
 
 
-def histogram(metrics: str, name: str) -> dict:
+def histogram(metrics: str, name: str, before: dict | None = None) -> dict:
+    """A histogram from /metrics text, less what `before` (an earlier reading) had counted."""
     buckets = [(float(le), float(v)) for le, v in re.findall(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', metrics, re.M)]
     total = float(re.search(rf"^{name}_sum (\S+)$", metrics, re.M).group(1))
     count = float(re.search(rf"^{name}_count (\S+)$", metrics, re.M).group(1))
+    if before:
+        buckets = [(le, v - b) for (le, v), (_, b) in zip(buckets, before["buckets"])]
+        total, count = total - before["sum"], count - before["count"]
+    p50, p90 = (next(le for le, v in buckets if v >= q * count) for q in (0.5, 0.9))
+    return {"buckets": buckets, "sum": total, "count": count, "mean_ms": 1000 * total / max(count, 1),
+            "p50_le_ms": 1000 * p50, "p90_le_ms": 1000 * p90}
 
-    def quantile(q: float) -> float:
-        return next(le for le, v in buckets if v >= q * count)
 
-    return {"count": int(count), "mean_ms": 1000 * total / max(count, 1), "p50_le_ms": 1000 * quantile(0.5), "p90_le_ms": 1000 * quantile(0.9)}
-
-
-async def turns(port: int, n: int) -> None:
-    async with connect(f"ws://127.0.0.1:{port}/v1/voice") as ws:
-        client = Client(ws)
-        await client.start()
-        for _ in range(n):
-            await client.say_aloud("hello there")
-            await client.until("audio.end", "error")
+async def turns(url: str, n: int) -> None:
+    speech = speech_pcm(TEST_PHRASES[0])
+    async with VoiceClient.connect(url) as client:
+        for i in range(n):
+            await client.stream(speech, speed=4)
+            await client.wait_for("audio.end", count=i + 1)
 
 
 def main() -> None:
@@ -54,21 +51,18 @@ def main() -> None:
     sse = SSEServer().start()
     sse.reset(default=Behaviour(chunks=[f" word{i}" for i in range(args.tokens)] + ["."],
                                 first_delay_s=args.first_ms / 1000, interval_s=args.token_ms / 1000))
-    settings = load_settings(
-        asr={"engine": "pocketsphinx", "pocketsphinx": {"phrases": PHRASES}},
-        reply={"engine": "openai", "openai": {"base_url": sse.base_url, "model": "bench"}},
-    )
-    voice = VoiceServer(settings)
+    settings = make_settings(reply={"engine": "openai", "openai": {"base_url": sse.base_url, "model": "bench"}})
     try:
-        asyncio.run(turns(voice.port, args.turns))
-        metrics = httpx.get(f"http://127.0.0.1:{voice.port}/metrics").text
+        with running_server(settings) as voice:
+            before = voice.get("/metrics").text  # after the server's warm-up utterance
+            asyncio.run(turns(voice.ws_url, args.turns))
+            metrics = voice.get("/metrics").text
     finally:
-        voice.stop()
         sse.stop()
     print(f"fake model: first token after {args.first_ms:g} ms, then {args.tokens + 1} deltas {args.token_ms:g} ms apart")
     for name in ("voicebot_reply_first_text_seconds", "voicebot_reply_total_seconds"):
-        h = histogram(metrics, name)
-        print(f"{name}: n={h['count']} mean={h['mean_ms']:.1f} ms median<={h['p50_le_ms']:.0f} ms p90<={h['p90_le_ms']:.0f} ms")
+        h = histogram(metrics, name, histogram(before, name))
+        print(f"{name}: n={h['count']:.0f} mean={h['mean_ms']:.1f} ms median<={h['p50_le_ms']:.0f} ms p90<={h['p90_le_ms']:.0f} ms")
 
 
 if __name__ == "__main__":

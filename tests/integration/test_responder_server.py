@@ -8,46 +8,16 @@ asserts what the session emits and that the conversation holds exactly what was 
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-import threading
+import contextlib
 import time
 
-import httpx
 import pytest
-import uvicorn
-from websockets.asyncio.client import connect
 
-from tests.audio import espeak_speech, to_pcm16
+from tests.conftest import TEST_PHRASES, RunningServer, VoiceClient, make_settings, running_server, speech_pcm
 from tests.reply.sse_server import Behaviour, SSEServer
-from voicebot.app import create_app
-from voicebot.config import load_settings
 
 FALLBACK = "Sorry, say that again?"
-PHRASES = ["hello there", "good night"]  # what the tests say is "hello there": recognized reliably
-CHUNK = 1600 * 2  # 100 ms of 16 kHz s16le
-
-
-class VoiceServer:
-    """The real app under uvicorn in a thread, on 127.0.0.1 and a free port."""
-
-    def __init__(self, settings) -> None:
-        self.app = create_app(settings)
-        self.runtime = self.app.state.runtime
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the voice server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+SPEECH = speech_pcm(TEST_PHRASES[0])
 
 
 @pytest.fixture(scope="module")
@@ -57,115 +27,87 @@ def sse_module():
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def voice(sse_module):
-    settings = load_settings(
-        asr={"engine": "pocketsphinx", "pocketsphinx": {"phrases": PHRASES}},
+def responder_settings(sse: SSEServer, **extra):
+    return make_settings(
         reset={"interval_s": 0.3},
         reply={
             "engine": "openai",
             "fallback_line": FALLBACK,
-            "openai": {"base_url": sse_module.base_url, "model": "test", "first_token_timeout_s": 2.0,
+            "openai": {"base_url": sse.base_url, "model": "test", "first_token_timeout_s": 2.0,
                        "total_timeout_s": 20, "retries": 1, "retry_backoff_s": 0.01},
         },
+        **extra,
     )
-    server = VoiceServer(settings)
-    yield server
-    server.stop()
+
+
+@contextlib.contextmanager
+def voice_server(settings, sse: SSEServer):
+    with running_server(settings) as server:
+        # The warm-up utterance asked for a reply too: let it end before a test resets the server.
+        if sse.requests:
+            sse.stream_closed.wait(5)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def voice(sse_module):
+    with voice_server(responder_settings(sse_module), sse_module) as server:
+        yield server
 
 
 @pytest.fixture
-def sse(sse_module):
-    sse_module.reset()
+def sse(sse_module, voice):
+    sse_module.reset()  # after the server's warm-up utterance
     return sse_module
 
 
-class Client:
-    def __init__(self, ws) -> None:
-        self.ws = ws
-        self.events: list[dict] = []
-        self.frames = 0
-
-    async def start(self, **fields) -> dict:
-        await self.ws.send(json.dumps({"type": "session.start", **fields}))
-        return await self.until("session.ready")
-
-    async def say_aloud(self, text: str, end: bool = True, real_time: bool = False) -> None:
-        pcm = to_pcm16(espeak_speech(text))
-        for i in range(0, len(pcm), CHUNK):
-            await self.ws.send(pcm[i : i + CHUNK])
-            if real_time:
-                await asyncio.sleep(0.1)
-        if end:
-            await self.ws.send(json.dumps({"type": "input.end"}))
-
-    async def until(self, *types: str, frames: int | None = None, timeout: float = 30) -> dict | None:
-        """Read events (counting audio frames) until one of `types` arrives (returned), or until
-        `frames` audio frames have arrived."""
-        deadline = time.monotonic() + timeout
-        while frames is None or self.frames < frames:
-            message = await asyncio.wait_for(self.ws.recv(), deadline - time.monotonic())
-            if isinstance(message, bytes):
-                self.frames += 1
-                continue
-            event = json.loads(message)
-            self.events.append(event)
-            if event["type"] in types:
-                return event
-        return None
-
-    def of(self, kind: str) -> list[dict]:
-        return [e for e in self.events if e["type"] == kind]
+def history(voice: RunningServer, client: VoiceClient) -> list[dict]:
+    session_id = client.of_type("session.ready")[0]["session_id"]
+    return voice.on_loop(lambda: voice.runtime.sessions[session_id].conversation.messages())
 
 
-def session_of(voice: VoiceServer, ready: dict):
-    return voice.runtime.sessions[ready["session_id"]]
+def heard(client: VoiceClient) -> list[str]:
+    return [e["text"] for e in client.of_type("asr.final")]
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-def url(voice: VoiceServer) -> str:
-    return f"ws://127.0.0.1:{voice.port}/v1/voice"
-
-
 def test_a_reply_is_streamed_spoken_and_remembered_across_a_reset(voice, sse):
     sse.reset(Behaviour(chunks=["Hi", " there", ", friend."]), Behaviour(chunks=["I am Mo."]))
 
     async def scenario():
-        async with connect(url(voice)) as ws:
-            c = Client(ws)
-            ready = await c.start()
-            await c.say_aloud("hello there")
-            end = await c.until("audio.end")
-            await c.until("state.reset")  # the periodic reset clears engine state, not the conversation
-            await c.say_aloud("hello there")
-            await c.until("audio.end")
-            return c, ready, end, session_of(voice, ready).conversation.messages()
+        async with VoiceClient.connect(voice.ws_url) as c:
+            await c.stream(SPEECH, speed=4)
+            await c.wait_for("audio.end")
+            resets = len(c.of_type("state.reset"))
+            await c.wait_for("state.reset", count=resets + 1)  # clears engine state, not the conversation
+            await c.stream(SPEECH, speed=4)
+            end = await c.wait_for("audio.end", count=2)
+            return c, end, history(voice, c)
 
-    c, ready, end, history = run(scenario())
-    heard = [e["text"] for e in c.of("asr.final")]
+    c, end, messages = run(scenario())
+    ready = c.of_type("session.ready")[0]
     assert ready["responder"] == "openai" and ready["resumed"] is False
-    assert "".join(e["text"] for e in c.of("reply.delta")[:3]) == "Hi there, friend."
-    assert [e["text"] for e in c.of("reply.done")] == ["Hi there, friend.", "I am Mo."]
-    assert end["frames"] > 0 and c.frames >= end["frames"]
-    assert not c.of("error")
-    assert history == [
-        {"role": "user", "content": heard[0]},
+    assert [e["text"] for e in c.of_type("reply.delta")] == ["Hi", " there", ", friend.", "I am Mo."]
+    assert [e["text"] for e in c.of_type("reply.done")] == ["Hi there, friend.", "I am Mo."]
+    assert len(c.reply_frames(end["reply_id"])) == end["frames"] > 0
+    assert not c.of_type("error")
+    said = heard(c)
+    assert messages == [
+        {"role": "user", "content": said[0]},
         {"role": "assistant", "content": "Hi there, friend."},
-        {"role": "user", "content": heard[1]},
+        {"role": "user", "content": said[1]},
         {"role": "assistant", "content": "I am Mo."},
     ]
-    assert sse.requests[1]["body"]["messages"] == history[:3]
-
-    metrics = httpx.get(f"http://127.0.0.1:{voice.port}/metrics").text
-    assert _sample(metrics, "voicebot_reply_first_text_seconds_count") >= 2
-    assert _sample(metrics, "voicebot_reply_total_seconds_count") >= 2
+    assert sse.requests[1]["body"]["messages"] == messages[:3]
+    assert voice.metric("voicebot_reply_first_text_seconds_count") >= 2
+    assert voice.metric("voicebot_reply_total_seconds_count") >= 2
 
 
 @pytest.mark.parametrize(
-    "behaviour, kind",
+    "behaviour, failure",
     [
         (Behaviour(first_delay_s=5), "first_token_timeout"),
         (Behaviour(status=500), "status"),
@@ -173,43 +115,41 @@ def test_a_reply_is_streamed_spoken_and_remembered_across_a_reset(voice, sse):
     ],
     ids=["slow_first_token", "error_status", "malformed_chunk"],
 )
-def test_a_failing_endpoint_gives_an_error_and_the_fallback_line(voice, sse, behaviour, kind):
+def test_a_failing_endpoint_gives_an_error_and_the_fallback_line(voice, sse, behaviour, failure):
     sse.reset(default=behaviour)
+    errors_before = voice.metric("voicebot_reply_errors_total", f'kind="{failure}"')
 
     async def scenario():
-        async with connect(url(voice)) as ws:
-            c = Client(ws)
-            ready = await c.start()
-            await c.say_aloud("hello there")
-            error = await c.until("error")
-            await c.until("audio.end")
-            return c, error, session_of(voice, ready).conversation.messages()
+        async with VoiceClient.connect(voice.ws_url) as c:
+            await c.stream(SPEECH, speed=4)
+            error = await c.wait_for("error")
+            await c.wait_for("audio.end")
+            return c, error, history(voice, c)
 
-    c, error, history = run(scenario())
-    assert error["code"] == "reply_failed" and error["failure"] == kind
-    assert [e["text"] for e in c.of("reply.done")] == [FALLBACK]
-    assert c.frames > 0
+    c, error, messages = run(scenario())
+    assert error["code"] == "reply_failed" and error["failure"] == failure
+    assert [e["text"] for e in c.of_type("reply.done")] == [FALLBACK]
+    assert c.frames
     assert len(sse.requests) == 2  # one retry, before any text
-    assert history == [{"role": "user", "content": c.of("asr.final")[0]["text"]}, {"role": "assistant", "content": FALLBACK}]
+    assert messages == [{"role": "user", "content": heard(c)[0]}, {"role": "assistant", "content": FALLBACK}]
+    assert voice.metric("voicebot_reply_errors_total", f'kind="{failure}"') == errors_before + 1
 
 
 def test_a_stream_dropped_mid_reply_keeps_what_was_said(voice, sse):
     sse.reset(default=Behaviour(chunks=["Once upon a time.", " There was", " a fox."], drop_after=2))
 
     async def scenario():
-        async with connect(url(voice)) as ws:
-            c = Client(ws)
-            ready = await c.start()
-            await c.say_aloud("hello there")
-            error = await c.until("error")
-            await c.until("audio.end")
-            return c, error, session_of(voice, ready).conversation.messages()
+        async with VoiceClient.connect(voice.ws_url) as c:
+            await c.stream(SPEECH, speed=4)
+            error = await c.wait_for("error")
+            await c.wait_for("audio.end")
+            return c, error, history(voice, c)
 
-    c, error, history = run(scenario())
+    c, error, messages = run(scenario())
     assert error["code"] == "reply_failed" and error["failure"] == "dropped"
-    assert [e["text"] for e in c.of("reply.done")] == ["Once upon a time. There was"]
+    assert [e["text"] for e in c.of_type("reply.done")] == ["Once upon a time. There was"]
     assert len(sse.requests) == 1  # no retry once words were spoken
-    assert history[-1] == {"role": "assistant", "content": "Once upon a time. There was"}
+    assert messages[-1] == {"role": "assistant", "content": "Once upon a time. There was"}
 
 
 def test_barge_in_closes_the_stream_and_history_keeps_only_what_was_heard(voice, sse):
@@ -217,45 +157,43 @@ def test_barge_in_closes_the_stream_and_history_keeps_only_what_was_heard(voice,
     sse.reset(default=Behaviour(chunks=words, interval_s=0.01))
 
     async def scenario():
-        async with connect(url(voice)) as ws:
-            c = Client(ws)
-            ready = await c.start()
-            await c.say_aloud("hello there")
-            await c.until(frames=8)
+        async with VoiceClient.connect(voice.ws_url) as c:
+            await c.stream(SPEECH, speed=4)
+            await c.wait_for("audio.start")
+            deadline = time.monotonic() + 30
+            while len(c.frames) < 8 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             # Barge-in: speech while the bot speaks, at the pace of a person talking.
-            await asyncio.gather(c.say_aloud("hello there", end=False, real_time=True), c.until("audio.interrupted"))
-            interrupted = c.of("audio.interrupted")[0]
+            await asyncio.gather(c.stream(speech_pcm(TEST_PHRASES[3], tail_s=0)), c.wait_for("audio.interrupted"))
+            interrupted = c.of_type("audio.interrupted")[0]
             sent_then = sse.sent
             closed = await asyncio.to_thread(sse.stream_closed.wait, 5)
-            return c, interrupted, sent_then, closed, session_of(voice, ready).conversation.messages()
+            return c, interrupted, sent_then, closed, history(voice, c)
 
-    c, interrupted, sent_then, closed, history = run(scenario())
+    c, interrupted, sent_then, closed, messages = run(scenario())
     assert interrupted["reason"] == "barge_in"
     assert closed
     assert sse.sent - sent_then <= 5  # chunks the server sent after the client went away
     assert sse.sent < len(words) // 2
-    heard = interrupted["heard_text"]
-    assert heard and "".join(words).strip().startswith(heard)
-    assert history == [{"role": "user", "content": c.of("asr.final")[0]["text"]}, {"role": "assistant", "content": heard}]
+    said = interrupted["heard_text"]
+    assert said and "".join(words).strip().startswith(said)
+    assert messages[:2] == [{"role": "user", "content": heard(c)[0]}, {"role": "assistant", "content": said}]
 
 
 def test_a_reconnecting_client_resumes_its_conversation(voice, sse):
     sse.reset(Behaviour(chunks=["Hello!", " I remember."]), Behaviour(chunks=["Yes."]))
 
     async def scenario():
-        async with connect(url(voice)) as ws:
-            c = Client(ws)
-            first = await c.start()
-            await c.say_aloud("hello there")
-            await c.until("audio.end")
-        async with connect(url(voice)) as ws:
-            c = Client(ws)
-            unknown = await c.start(resume="no-such-session")
-        async with connect(url(voice)) as ws:
-            c = Client(ws)
-            second = await c.start(resume=first["session_id"])
-            await c.say_aloud("hello there")
-            await c.until("audio.end")
+        async with VoiceClient.connect(voice.ws_url) as c:
+            await c.stream(SPEECH, speed=4)
+            await c.wait_for("audio.end")
+            first = c.of_type("session.ready")[0]
+        async with VoiceClient.connect(voice.ws_url, resume="no-such-session") as c:
+            unknown = c.of_type("session.ready")[0]
+        async with VoiceClient.connect(voice.ws_url, resume=first["session_id"]) as c:
+            second = c.of_type("session.ready")[0]
+            await c.stream(SPEECH, speed=4)
+            await c.wait_for("audio.end")
         return first, unknown, second
 
     first, unknown, second = run(scenario())
@@ -268,20 +206,31 @@ def test_a_reconnecting_client_resumes_its_conversation(voice, sse):
 
 def test_say_bypasses_the_responder(voice, sse):
     async def scenario():
-        async with connect(url(voice)) as ws:
-            c = Client(ws)
-            await c.start()
-            await ws.send(json.dumps({"type": "say", "text": "Welcome to the show."}))
-            await c.until("audio.end")
+        async with VoiceClient.connect(voice.ws_url) as c:
+            await c.send({"type": "say", "text": "Welcome to the show."})
+            await c.wait_for("audio.end")
             return c
 
     c = run(scenario())
-    assert [e["text"] for e in c.of("reply.done")] == ["Welcome to the show."]
+    assert [e["text"] for e in c.of_type("reply.done")] == ["Welcome to the show."]
     assert sse.requests == []
 
 
-def _sample(metrics: str, name: str) -> float:
-    for line in metrics.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
+def test_blocklist_and_max_length_apply_to_what_is_spoken_and_remembered(sse_module):
+    settings = responder_settings(sse_module)
+    settings.reply.blocklist = ["heck"]
+    settings.reply.blocklist_replacement = "beep"
+    settings.reply.max_reply_chars = 24
+
+    with voice_server(settings, sse_module) as voice:
+        sse_module.reset(default=Behaviour(chunks=["What", " the", " heck", " is", " going", " on", " here", " today?"]))
+
+        async def scenario():
+            async with VoiceClient.connect(voice.ws_url) as c:
+                await c.stream(SPEECH, speed=4)
+                await c.wait_for("audio.end")
+                return c, history(voice, c)
+
+        c, messages = run(scenario())
+    assert [e["text"] for e in c.of_type("reply.done")] == ["What the beep is going "]
+    assert messages[-1] == {"role": "assistant", "content": "What the beep is going "}
