@@ -90,9 +90,11 @@ class OpenAICompatResponder(Responder):
         while True:
             spoke = False
             try:
-                async for delta in self._attempt(payload, deadline):
-                    spoke = True
-                    yield delta
+                # Closed explicitly, so a consumer that stops closes the HTTP response now.
+                async with contextlib.aclosing(self._attempt(payload, deadline)) as deltas:
+                    async for delta in deltas:
+                        spoke = True
+                        yield delta
                 return
             except _AttemptFailed as exc:
                 delay = c.retry_backoff_s * 2**attempt
@@ -198,9 +200,9 @@ def _content(data: str) -> tuple[str, bool]:
     choices = chunk.get("choices") or []  # a usage-only chunk has none
     if not choices:
         return "", False
-    choice = choices[0]
-    delta = choice.get("delta") if isinstance(choice, dict) else None
+    choice = choices[0] if isinstance(choices, list) else None
+    delta = (choice.get("delta") or {}) if isinstance(choice, dict) else None
     content = delta.get("content") if isinstance(delta, dict) else None
-    if not isinstance(delta, (dict, type(None))) or not isinstance(content, (str, type(None))):
+    if not isinstance(delta, dict) or not isinstance(content, (str, type(None))):
         raise _AttemptFailed("malformed", f"a chunk without a text delta: {data[:200]!r}")
     return content or "", choice.get("finish_reason") is not None
