@@ -1,7 +1,7 @@
 // The mic page: microphone -> server, reply audio -> speakers, transcripts and figures on screen.
 // URL parameters: aec=0 / ns=0 / agc=0 (start with that processing off), mode=ptt, voice=NAME,
 // channel=NAME (overlays on that channel follow this session), token=TOKEN, jitter=MS.
-import { Player, VoiceSocket, serverUrl } from "/static/voice-client.js";
+import { Player, VoiceSocket, remember, serverUrl } from "/static/voice-client.js";
 
 const CHUNK_MS = 40;  // audio sent every 40 ms: small enough for quick endpointing, few messages
 const MAX_LOG_LINES = 200;  // older transcript lines are removed from the page
@@ -74,7 +74,7 @@ function sendChunk(buffer) {
 // ---- connection --------------------------------------------------------------------------------
 
 async function start() {
-  $("start").textContent = "Stop";
+  $("start").disabled = true;  // until the audio graph is up: a second click would start twice
   player = page.player = new Player({ jitterMs: Number(params.get("jitter") ?? 120) });
   player.onFirstFrame = (delayS) => { page.lastPlayoutMs = Math.round(delayS * 1000); };
   mic = new Mic(sendChunk);
@@ -93,6 +93,8 @@ async function start() {
     onStatus: (text, state) => { ready = ready && state === "connected"; setStatus(text, state); },
   });
   socket.start();
+  $("start").textContent = "Stop";
+  $("start").disabled = false;
 }
 
 function stop() {
@@ -128,12 +130,12 @@ async function onEvent(ev) {
     case "asr.final":
       $("partial").textContent = "";
       if (!ev.text) break;
-      page.finals.push(ev.text);
+      remember(page.finals, ev.text);
       logLine("user", `you: ${ev.text}`, ev.fallback ? `${ev.model} (fallback; first pass: “${ev.fallback.text}”)` : ev.model);
       $("model").textContent = ev.fallback ? `${ev.model} — dialect fallback used` : `${ev.model}`;
       break;
     case "reply.delta": replyLine(ev.reply_id).textContent += ev.text; break;
-    case "reply.done": replyLine(ev.reply_id).textContent = ev.text; page.replies.push(ev.text); break;
+    case "reply.done": replyLine(ev.reply_id).textContent = ev.text; remember(page.replies, ev.text); break;
     case "audio.end": {
       player.endReply();
       const t = ev.timings ?? {};
@@ -155,7 +157,7 @@ async function onEvent(ev) {
     }
     case "state.reset": page.resets++; $("resets").textContent = `${page.resets} (last ${ev.duration_ms} ms, ${ev.reason})`; break;
     case "error":
-      page.errors.push(ev.code);
+      remember(page.errors, ev.code);
       logLine("err", `error ${ev.code}: ${ev.message}`);
       break;
   }

@@ -7,7 +7,7 @@
 //   user=#ffffff, bot=#ffe27a, bg=rgba(0,0,0,.55)             colours (CSS; # may be written %23)
 //   userlabel=, botlabel=                       names shown before each caption (none by default)
 //   audio=0          show captions only, do not play the voice
-import { Player, VoiceSocket, serverUrl } from "/static/voice-client.js";
+import { Player, VoiceSocket, remember, serverUrl } from "/static/voice-client.js";
 
 const params = new URLSearchParams(location.search);
 const channel = params.get("channel") || "main";
@@ -29,12 +29,13 @@ class Caption {
   }
   show(text) { clearTimeout(this.timer); this.text.textContent = text; this.el.classList.toggle("shown", text !== ""); }
   hideIn(ms) { clearTimeout(this.timer); this.timer = setTimeout(() => this.el.classList.remove("shown"), ms); }
+  keep() { clearTimeout(this.timer); }
 }
 
 const user = new Caption("user", params.get("userlabel"));
 const bot = new Caption("bot", params.get("botlabel"));
 const player = new Player({ jitterMs: Number(params.get("jitter") ?? 120) });
-const replies = new Map();  // reply_id -> text so far; only the current reply's entry is kept
+const replies = new Map();  // reply_id -> text so far; emptied of older replies at each audio.start
 let current = null;  // { id, playing } of the reply whose audio is arriving
 
 // What tests read: counters, and every caption as it was shown.
@@ -43,7 +44,7 @@ const overlay = window.voicebotOverlay;
 
 function showBot(text) {
   bot.show(text);
-  if (text) overlay.botCaptions.push(text);
+  if (text) remember(overlay.botCaptions, text);
 }
 
 player.onFirstFrame = (delayS) => {
@@ -64,7 +65,8 @@ function onEvent(ev) {
     case "asr.partial": user.show(ev.text); break;
     case "asr.final":
       if (!ev.text) { user.hideIn(0); break; }
-      user.show(ev.text); overlay.userCaptions.push(ev.text); user.hideIn(holdMs + 8000);
+      // Hidden after `hold` unless a reply starts: the question then stays up while it is answered.
+      user.show(ev.text); remember(overlay.userCaptions, ev.text); user.hideIn(holdMs);
       break;
     case "reply.delta": {
       const text = (replies.get(ev.reply_id) ?? "") + ev.text;
@@ -76,16 +78,19 @@ function onEvent(ev) {
     case "audio.start":
       for (const id of replies.keys()) if (id !== ev.reply_id) replies.delete(id);
       current = { id: ev.reply_id, playing: false };
+      user.keep();
       // Without playback there is no audio to time the caption to.
       if (!playAudio || player.ctx.state !== "running") showBot(replies.get(ev.reply_id) ?? "");
       break;
     case "audio.end":
       player.endReply();
       bot.hideIn(player.remaining * 1000 + holdMs);
+      user.hideIn(player.remaining * 1000 + holdMs);
       break;
     case "audio.interrupted":
       player.stop();
       if (current?.playing) { bot.show(ev.heard_text); bot.hideIn(holdMs); }
+      user.hideIn(holdMs);
       current = null;
       break;
   }

@@ -5,6 +5,15 @@ const OUTPUT_RATE = 24000;
 // Reconnect delays in seconds; the last one repeats. Reset once a connection is up again.
 const BACKOFF_S = [0.5, 1, 2, 4, 8];
 
+// Items kept in the lists pages expose on `window` for tests and the console: a show runs for days.
+const MAX_REMEMBERED = 100;
+
+/** Append to `list`, keeping its last MAX_REMEMBERED items. */
+export function remember(list, item) {
+  list.push(item);
+  if (list.length > MAX_REMEMBERED) list.shift();
+}
+
 /** ws:// or wss:// (when the page came over https) URL of `path` on the page's own server. */
 export function serverUrl(path, params = {}) {
   const scheme = location.protocol === "https:" ? "wss" : "ws";

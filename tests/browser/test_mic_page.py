@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
+import threading
 
 import httpx
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 import soundfile
 
 from tests.browser.conftest import BARGE_IN, FIRST, MIC_SCRIPT
+from tests.conftest import make_settings, running_server
 from voicebot.audio.resample import StreamResampler
 
 pytestmark = pytest.mark.browser
@@ -89,3 +92,42 @@ def normalized_correlation(received: np.ndarray, reference: np.ndarray, max_lag:
     length = min(len(a), len(b))
     a, b = a[:length], b[:length]
     return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12))
+
+
+def test_the_page_reconnects_and_says_so(page):
+    settings = make_settings()  # both servers on the same port: a server restart, as the page sees it
+    first = ServerInThread(settings)
+    page.goto(first.server.http_url + "/")
+    page.click("#start")
+    page.wait_for_function("window.voicebot.events['session.ready'] === 1", timeout=10_000)
+    first.stop()
+    page.wait_for_function("document.getElementById('status').dataset.state === 'waiting'", timeout=10_000)
+    assert "reconnecting in" in page.inner_text("#status")
+    second = ServerInThread(settings)
+    try:
+        page.wait_for_function("window.voicebot.events['session.ready'] === 2", timeout=30_000)
+        assert page.inner_text("#status") == "connected"
+    finally:
+        second.stop()
+
+
+class ServerInThread:
+    """running_server on a thread of its own: its warm-up runs an asyncio loop, which this thread
+    (Playwright's) cannot."""
+
+    def __init__(self, settings) -> None:
+        self._stop = threading.Event()
+        started = concurrent.futures.Future()
+
+        def serve() -> None:
+            with running_server(settings) as server:
+                started.set_result(server)
+                self._stop.wait()
+
+        self._thread = threading.Thread(target=serve, daemon=True)
+        self._thread.start()
+        self.server = started.result(timeout=60)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
