@@ -173,3 +173,18 @@ def test_closing_the_reply_closes_the_http_stream_at_once(sse):
     # The server stopped within a few chunks of the close (those already on their way).
     assert sse.sent - sent_at_close <= 5
     assert sse.sent < 100
+
+
+def test_a_leading_think_block_is_not_spoken(sse):
+    sse.reset(Behaviour(chunks=["<th", "ink>\nThe user", " greets me. </thi", "nk>\n\n", "Hello", " you."]),
+              Behaviour(chunks=["<b>", "bold</b>"]), Behaviour(chunks=["<thi"]))
+    assert "".join(run(collect(make(sse)))) == "Hello you."
+    assert "".join(run(collect(make(sse)))) == "<b>bold</b>"
+    assert "".join(run(collect(make(sse)))) == "<thi"
+
+
+def test_thinking_past_the_first_token_deadline_is_a_first_token_timeout(sse):
+    sse.reset(default=Behaviour(chunks=["<think>", "hmm"] + [" hmm"] * 100, interval_s=0.02))
+    with pytest.raises(ResponderError) as failure:
+        run(collect(make(sse, first_token_timeout_s=0.5, retries=0)))
+    assert failure.value.kind == "first_token_timeout"

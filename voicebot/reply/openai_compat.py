@@ -132,21 +132,58 @@ class OpenAICompatResponder(Responder):
                     "status", f"{self.url} answered {response.status_code}: {body}", response.status_code in RETRY_STATUS
                 )
             finished = False
+            thoughts = _ThinkFilter()
             async with contextlib.aclosing(_sse_data(response.aiter_bytes())) as lines:
-                while (data := await before_deadline(anext(lines, None))) is not None:
-                    if data == "[DONE]":
-                        return
+                while (data := await before_deadline(anext(lines, None))) not in (None, "[DONE]"):
                     content, done = _content(data)
                     finished = finished or done
-                    if content:
+                    if speech := thoughts.push(content):
                         spoke = True
-                        yield content
-            if not finished:
+                        yield speech
+            if not (finished or data == "[DONE]"):
                 raise _AttemptFailed("dropped", "the stream ended before the reply was complete")
+            if speech := thoughts.finish():
+                yield speech
         except httpx.TransportError as exc:  # the connection broke in mid-stream
             raise _AttemptFailed("dropped", f"the stream broke off: {exc!r}") from None
         finally:
             await response.aclose()
+
+
+class _ThinkFilter:
+    """Drops a reply's leading <think>...</think> block: Qwen3 and DeepSeek-R1 served without a
+    reasoning parser think aloud in `content`, and a show must not speak that. Holds back at most
+    the length of the closing tag while thinking."""
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self) -> None:
+        self._state = "start"  # start -> (think ->) speak
+        self._held = ""
+
+    def push(self, text: str) -> str:
+        if self._state == "speak":
+            return text
+        self._held += text
+        if self._state == "start":
+            head = self._held.lstrip()
+            if self.OPEN.startswith(head):
+                return ""  # "", "<", "<thi": cannot tell yet
+            if not head.startswith(self.OPEN):
+                self._state, out, self._held = "speak", self._held, ""
+                return out
+            self._state, self._held = "think", head[len(self.OPEN) :]
+        end = self._held.find(self.CLOSE)
+        if end < 0:
+            self._held = self._held[-len(self.CLOSE) :]
+            return ""
+        self._state, out, self._held = "speak", self._held[end + len(self.CLOSE) :].lstrip(), ""
+        return out
+
+    def finish(self) -> str:
+        """What was held back when the reply ends ("<thi" was text after all)."""
+        out, self._held = (self._held if self._state == "start" else ""), ""
+        return out
 
 
 def chat_messages(system: str | None, history: list[Message], text: str) -> list[Message]:
