@@ -31,7 +31,7 @@ from voicebot.reply.persona import Personas
 log = logging.getLogger("voicebot.reply.openai")
 
 MAX_LINE_BYTES = 64 * 1024  # an SSE line longer than this is not a chat chunk
-MAX_ERROR_BODY = 2000  # bytes of an error response quoted in the message
+MAX_ERROR_BODY = 500  # bytes of an error response quoted in the error event
 RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 
 
