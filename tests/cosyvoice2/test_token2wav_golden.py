@@ -1,8 +1,9 @@
 """Token → wave through the official wrapper's paths (CosyVoice2Model.tts), HiFT noise zeroed.
 
-The stream test records every flow and HiFT call and checks it against golden_meta.json's
-`tts.stream.calls` and the per-call tensors. Max errors reached (fp32, 1 thread, tiny fixtures):
-nonstream speech 4.0e-5; stream chunks 1.4e-5; per-call mels 2.6e-6, sources 0 (bit-exact).
+The stream test records every flow and HiFT call of the official recompute algorithm and checks
+it against golden_meta.json's `tts.stream.calls` and the per-call tensors. Max errors reached
+(fp32, 1 thread, tiny fixtures): nonstream speech 4.0e-5; stream chunks 1.4e-5; per-call mels
+2.6e-6, sources 0 (bit-exact). The `exact` mode (cached flow) yields the same chunks.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def test_stream_one_token_at_a_time(cv2_golden: dict, cv2_meta: dict, t2w: Token
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     meta = cv2_meta["tts.stream"]
     calls = _record_calls(t2w, monkeypatch)
-    stream = t2w.stream(prompt, zero_noise=True)
+    stream = t2w.stream(prompt, zero_noise=True, mode="recompute")
     chunks = []
     for token in cv2_golden["flow.token"][0].tolist():
         chunks += stream.push([token])
@@ -108,6 +109,21 @@ def test_stream_one_token_at_a_time(cv2_golden: dict, cv2_meta: dict, t2w: Token
 
     assert [c.shape[1] for c in chunks] == meta["chunk_speech_lens"]
     assert sum(c.shape[1] for c in chunks) == meta["total"]
+    for i, chunk in enumerate(chunks):
+        _assert_close(chunk, cv2_golden[f"tts.stream.chunk{i}.speech"], SPEECH_ATOL)
+
+
+@pytest.mark.parametrize("push_size", [1, 7, 200])
+def test_stream_exact_mode(cv2_golden: dict, cv2_meta: dict, t2w: Token2Wav, prompt: FlowPrompt,
+                           push_size: int) -> None:
+    """The cached flow (no prefix recompute) yields the official chunks."""
+    tokens = cv2_golden["flow.token"][0].tolist()
+    stream = t2w.stream(prompt, zero_noise=True, mode="exact")
+    chunks = []
+    for i in range(0, len(tokens), push_size):
+        chunks += stream.push(tokens[i : i + push_size])
+    chunks.append(stream.finish())
+    assert [c.shape[1] for c in chunks] == cv2_meta["tts.stream"]["chunk_speech_lens"]
     for i, chunk in enumerate(chunks):
         _assert_close(chunk, cv2_golden[f"tts.stream.chunk{i}.speech"], SPEECH_ATOL)
 

@@ -5,8 +5,9 @@ ResNet block plus transformer blocks. Module and attribute names follow the chec
 (`decoder.estimator.*` in flow.pt), which is why some containers keep parameter-less slots.
 
 Every convolution pads on the left only, and streaming attention is block-causal, so the output
-for a frame depends only on its own and earlier chunks: that is what lets a later version cache
-per-step left context instead of recomputing the prefix (issue 7).
+for a frame depends only on its own and earlier chunks. An `EstimatorCache` therefore lets a call
+compute only new frames: it keeps each attention layer's keys/values and each causal conv's left
+context from the earlier calls of the same Euler step.
 """
 
 from __future__ import annotations
@@ -19,17 +20,73 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def chunk_mask(size: int, chunk_size: int, device: torch.device) -> Tensor | None:
-    """Block-causal attention mask, (size, size) bool, True where a query may attend.
+def chunk_mask(size: int, chunk_size: int, device: torch.device, start: int = 0) -> Tensor | None:
+    """Block-causal attention mask, (size − start, size) bool, True where a query may attend.
 
     Position i sees every key j < (i // chunk_size + 1) * chunk_size: its own chunk and all
-    earlier ones. chunk_size 0 means full attention, returned as None (no mask at all).
+    earlier ones. Rows are the queries start … size−1 (a cached call computes only those).
+    chunk_size 0 means full attention, returned as None (no mask at all).
     """
     if chunk_size <= 0:
         return None
     pos = torch.arange(size, device=device)
-    limit = (pos // chunk_size + 1) * chunk_size  # (size,)
+    limit = (pos[start:] // chunk_size + 1) * chunk_size  # (size - start,)
     return pos[None, :] < limit[:, None]
+
+
+class EstimatorCache:
+    """Left context of one Euler step's estimator across chunked calls (batch = the CFG pair).
+
+    Slot i of `keys`/`values` belongs to the attention layer whose `cache_slot` is i and holds its
+    keys/values for every frame so far, in buffers with spare capacity so that appending a chunk
+    does not copy the whole history; `conv[i]` holds causal conv i's last kernel−1 input frames.
+    """
+
+    def __init__(self, n_attn: int, n_conv: int) -> None:
+        self.n_frames = 0
+        self.keys: list[Tensor | None] = [None] * n_attn
+        self.values: list[Tensor | None] = [None] * n_attn
+        self.conv: list[Tensor | None] = [None] * n_conv
+
+    def extend_kv(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append (B, H, T_new, d) keys/values after the cached frames; returns views of all of them."""
+        start, end = self.n_frames, self.n_frames + k.shape[2]
+        self.keys[slot] = buf_k = _ensure_capacity(self.keys[slot], k, end)
+        self.values[slot] = buf_v = _ensure_capacity(self.values[slot], v, end)
+        buf_k[:, :, start:end] = k
+        buf_v[:, :, start:end] = v
+        return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (*self.keys, *self.values, *self.conv) if t is not None]
+
+    def copy(self, reserve: int = 0) -> EstimatorCache:
+        """A deep copy with room for `reserve` more frames before a buffer has to grow: a per-voice
+        prompt state is copied into each request and never written."""
+        new = EstimatorCache(len(self.keys), len(self.conv))
+        new.n_frames = n = self.n_frames
+
+        def grown(t: Tensor | None) -> Tensor | None:
+            if t is None:
+                return None
+            out = t.new_empty(*t.shape[:2], n + reserve, t.shape[3])
+            out[:, :, :n] = t[:, :, :n]
+            return out
+
+        new.keys, new.values = [grown(t) for t in self.keys], [grown(t) for t in self.values]
+        new.conv = [None if t is None else t.clone() for t in self.conv]
+        return new
+
+
+def _ensure_capacity(buf: Tensor | None, new: Tensor, length: int) -> Tensor:
+    """`buf` if it holds `length` frames along dim 2, else a copy at least twice as long."""
+    if buf is not None and buf.shape[2] >= length:
+        return buf
+    capacity = max(length, 2 * (0 if buf is None else buf.shape[2]))
+    grown = new.new_empty(*new.shape[:2], capacity, new.shape[3])
+    if buf is not None:
+        grown[:, :, : buf.shape[2]] = buf
+    return grown
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
@@ -43,9 +100,16 @@ class CausalConv1d(nn.Conv1d):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int) -> None:
         super().__init__(in_channels, out_channels, kernel_size)
         self.left_pad = kernel_size - 1
+        self.cache_slot = -1  # set by the decoder that owns it
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, C, T) -> (B, C', T)
-        return super().forward(F.pad(x, (self.left_pad, 0)))
+    def forward(self, x: Tensor, cache: EstimatorCache | None = None) -> Tensor:  # (B, C, T) -> (B, C', T)
+        if cache is None:
+            return super().forward(F.pad(x, (self.left_pad, 0)))
+        # the previous call's last input frames stand in for the zero padding (zeros on the first call)
+        context = cache.conv[self.cache_slot]
+        x = F.pad(x, (self.left_pad, 0)) if context is None else torch.cat([context, x], dim=2)
+        cache.conv[self.cache_slot] = x[:, :, -self.left_pad :]
+        return super().forward(x)
 
 
 class _Transpose12(nn.Module):
@@ -64,8 +128,10 @@ class CausalBlock1D(nn.Module):
             CausalConv1d(dim, dim_out, 3), _Transpose12(), nn.LayerNorm(dim_out), _Transpose12(), nn.Mish()
         )
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:  # (B, C, T), mask (B, 1, T)
-        return self.block(x * mask) * mask
+    def forward(self, x: Tensor, mask: Tensor, cache: EstimatorCache | None = None) -> Tensor:
+        """x (B, C, T), mask (B, 1, T)."""
+        conv, to_btc, norm, to_bct, act = self.block
+        return act(to_bct(norm(to_btc(conv(x * mask, cache))))) * mask
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -76,9 +142,10 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: Tensor, mask: Tensor, temb: Tensor) -> Tensor:  # x (B, C, T), temb (B, E)
-        h = self.block1(x, mask) + self.mlp(temb)[:, :, None]
-        h = self.block2(h, mask)
+    def forward(self, x: Tensor, mask: Tensor, temb: Tensor, cache: EstimatorCache | None = None) -> Tensor:
+        """x (B, C, T), temb (B, E)."""
+        h = self.block1(x, mask, cache) + self.mlp(temb)[:, :, None]
+        h = self.block2(h, mask, cache)
         return h + self.res_conv(x * mask)
 
 
@@ -93,13 +160,17 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(dim, inner, bias=False)
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # slot 1 was dropout
+        self.cache_slot = -1  # set by the decoder that owns it
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:  # (B, T, C) -> (B, T, C)
+    def forward(self, x: Tensor, mask: Tensor | None, cache: EstimatorCache | None = None) -> Tensor:
+        """(B, T, C) -> (B, T, C); with a cache, x holds only the new frames and attends to all."""
         b, t, _ = x.shape
         q, k, v = (
             proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, d)
             for proj in (self.to_q, self.to_k, self.to_v)
         )
+        if cache is not None:
+            k, v = cache.extend_kv(self.cache_slot, k, v)  # (B, H, T_cached + T, d)
         out = attend(q, k, v, mask)  # (B, H, T, d)
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
 
@@ -133,8 +204,8 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim)
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:  # (B, T, C)
-        x = x + self.attn1(self.norm1(x), mask)
+    def forward(self, x: Tensor, mask: Tensor | None, cache: EstimatorCache | None = None) -> Tensor:  # (B, T, C)
+        x = x + self.attn1(self.norm1(x), mask, cache)
         return x + self.ff(self.norm3(x))
 
 
@@ -194,32 +265,50 @@ class CausalConditionalDecoder(nn.Module):
         self.up_blocks = nn.ModuleList([_stage(2 * ch, ch, conv=True, **block)])
         self.final_block = CausalBlock1D(ch, ch)
         self.final_proj = nn.Conv1d(ch, out_channels, 1)
+        # number the layers that keep left context, so a cache is a pair of flat lists
+        for kind in (Attention, CausalConv1d):
+            for slot, module in enumerate(m for m in self.modules() if isinstance(m, kind)):
+                module.cache_slot = slot
+
+    def new_cache(self) -> EstimatorCache:
+        n_attn, n_conv = (sum(isinstance(m, kind) for m in self.modules()) for kind in (Attention, CausalConv1d))
+        return EstimatorCache(n_attn, n_conv)
 
     def forward(
-        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, streaming: bool
+        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, streaming: bool,
+        cache: EstimatorCache | None = None,
     ) -> Tensor:
-        """x, mu, cond: (B, 80, T); mask (B, 1, T); t (B,); spks (B, 80). Returns the velocity (B, 80, T)."""
+        """x, mu, cond: (B, 80, T); mask (B, 1, T); t (B,); spks (B, 80). Returns the velocity (B, 80, T).
+
+        With a cache the T frames follow the cache's frames: they attend to those through the cached
+        keys/values (streaming attention only) and the cache grows by T.
+        """
+        start = 0 if cache is None else cache.n_frames
+        if cache is not None and not streaming:
+            raise ValueError("a cached estimator call needs chunk-causal (streaming) attention")
         temb = self.time_mlp(sinusoidal_time_embedding(t, self.in_channels))  # (B, 4·ch)
         x = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)  # (B, 320, T)
         # at batch 1 per CFG row there is no padding, so only the chunk structure constrains attention
-        attn_mask = chunk_mask(x.shape[-1], self.static_chunk_size if streaming else 0, x.device)
+        attn_mask = chunk_mask(start + x.shape[-1], self.static_chunk_size if streaming else 0, x.device, start)
 
         def transformers(h: Tensor, blocks: nn.ModuleList) -> Tensor:  # (B, C, T) -> (B, C, T)
             h = h.transpose(1, 2)
             for blk in blocks:
-                h = blk(h, attn_mask)
+                h = blk(h, attn_mask, cache)
             return h.transpose(1, 2)
 
         resnet, blocks, conv = self.down_blocks[0]
-        x = transformers(resnet(x, mask, temb), blocks)
+        x = transformers(resnet(x, mask, temb, cache), blocks)
         skip = x
-        x = conv(x * mask)
+        x = conv(x * mask, cache)
         for resnet, blocks in self.mid_blocks:
-            x = transformers(resnet(x, mask, temb), blocks)
+            x = transformers(resnet(x, mask, temb, cache), blocks)
         resnet, blocks, conv = self.up_blocks[0]
-        x = transformers(resnet(torch.cat([x, skip], dim=1), mask, temb), blocks)
-        x = conv(x * mask)
-        x = self.final_block(x, mask)
+        x = transformers(resnet(torch.cat([x, skip], dim=1), mask, temb, cache), blocks)
+        x = conv(x * mask, cache)
+        x = self.final_block(x, mask, cache)
+        if cache is not None:
+            cache.n_frames += x.shape[-1]
         return self.final_proj(x * mask) * mask
 
 

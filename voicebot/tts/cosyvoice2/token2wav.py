@@ -5,25 +5,38 @@ the shared model (the official wrapper leaks the grown hop into later requests, 
 
 - a chunk is rendered once `hop + lookahead` tokens past the offset exist; the first hop is padded
   so that prompt + hop ends on a flow chunk boundary, later hops grow 25 → 50 → 100;
-- each chunk re-runs the flow over all tokens so far (chunk-causal attention, 3-token lookahead)
-  and keeps only the new mel frames;
+- each chunk runs the flow with chunk-causal attention and a 3-token lookahead and keeps only the
+  new mel frames;
 - HiFT re-runs the last 8 mel frames of the previous chunk with that chunk's source tail, and the
   first 3840 samples are cross-faded with the previous chunk's held-back tail;
 - the last chunk uses `finalize=True` and full attention, as the official code does.
+
+Three modes differ only in how the flow gets those frames:
+
+- "recompute": the official algorithm, every chunk re-runs the flow over all tokens, prompt included
+  (kept as the reference for tests and the benchmark);
+- "exact": the same output; non-final chunks compute only their new frames against a FlowCache that
+  starts from the voice's cached prompt state; the final chunk still re-runs everything with full
+  attention, as the official code does;
+- "fast": as "exact", but the final chunk too is chunk-causal and cached (the official
+  `streaming=True, finalize=True` flow output), so no chunk re-runs the prefix. Its last chunk
+  differs from "exact" (tests/cosyvoice2/test_speed_modes.py bounds and documents by how much).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from voicebot.tts.cosyvoice2.flow import Flow
+from voicebot.tts.cosyvoice2.flow import Flow, FlowCache
 from voicebot.tts.cosyvoice2.hift import HiFT, SourceNoise
 
 
@@ -34,6 +47,14 @@ class FlowPrompt:
     token: Tensor
     feat: Tensor
     embedding: Tensor
+
+    def key(self) -> str:
+        """Content key of the prompt: engines rebuild FlowPrompt objects per request."""
+        digest = hashlib.sha1()
+        for t in (self.token, self.feat, self.embedding):
+            digest.update(str((t.dtype, tuple(t.shape))).encode())
+            digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -46,11 +67,37 @@ class StreamSchedule:
     mel_cache_frames: int = 8
 
 
-class Token2Wav:
-    """Flow + HiFT, shared by all requests; holds no per-request state."""
+Mode = Literal["recompute", "exact", "fast"]
+MODES: tuple[Mode, ...] = ("recompute", "exact", "fast")
 
-    def __init__(self, flow: Flow, hift: HiFT, schedule: StreamSchedule = StreamSchedule()) -> None:
-        self.flow, self.hift, self.schedule = flow, hift, schedule
+
+class Token2Wav:
+    """Flow + HiFT, shared by all requests; holds no per-request state, only per-voice prompt
+    states (the flow's prompt frames), the most recently used `max_prompt_states` of them."""
+
+    def __init__(self, flow: Flow, hift: HiFT, schedule: StreamSchedule = StreamSchedule(),
+                 mode: Mode = "exact", max_prompt_states: int = 4) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} not in {MODES}")
+        self.flow, self.hift, self.schedule, self.mode = flow, hift, schedule, mode
+        self.max_prompt_states = max_prompt_states
+        self._prompt_states: OrderedDict[str, FlowCache] = OrderedDict()
+
+    def prompt_state(self, prompt: FlowPrompt) -> FlowCache:
+        """The voice's cached flow prompt state, computed on first use. Callers copy it."""
+        key = prompt.key()
+        state = self._prompt_states.get(key)
+        if state is None:
+            state = self.flow.prompt_cache(prompt.token, prompt.feat, prompt.embedding)
+            self._prompt_states[key] = state
+            while len(self._prompt_states) > self.max_prompt_states:
+                self._prompt_states.popitem(last=False)
+        self._prompt_states.move_to_end(key)
+        return state
+
+    def prompt_state_bytes(self) -> dict[str, int]:
+        """Bytes held per cached voice prompt state (keyed by prompt content hash)."""
+        return {key: state.nbytes() for key, state in self._prompt_states.items()}
 
     def _vocode(
         self, mel: Tensor, cache_source: Tensor | None, zero_noise: bool, generator: torch.Generator | None
@@ -73,18 +120,24 @@ class Token2Wav:
         return self._vocode(mel, None, zero_noise, generator)[0]
 
     def stream(
-        self, prompt: FlowPrompt, zero_noise: bool = False, generator: torch.Generator | None = None
+        self, prompt: FlowPrompt, zero_noise: bool = False, generator: torch.Generator | None = None,
+        mode: Mode | None = None,
     ) -> Token2WavStream:
-        """A new request's streaming state (zero_noise: HiFT source noise off, for tests)."""
-        return Token2WavStream(self, prompt, zero_noise, generator)
+        """A new request's streaming state (zero_noise: HiFT source noise off, for tests; mode:
+        this request's, default the Token2Wav's)."""
+        return Token2WavStream(self, prompt, zero_noise, generator, mode or self.mode)
 
 
 class Token2WavStream:
     """One request's streaming state. `push` tokens as the LM emits them and play the chunks it
     returns; `finish` once the LM has stopped returns the rest. Chunks are (1, n) float32."""
 
-    def __init__(self, t2w: Token2Wav, prompt: FlowPrompt, zero_noise: bool, generator: torch.Generator | None) -> None:
-        self.t2w, self.prompt = t2w, prompt
+    def __init__(self, t2w: Token2Wav, prompt: FlowPrompt, zero_noise: bool, generator: torch.Generator | None,
+                 mode: Mode = "exact") -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} not in {MODES}")
+        self.t2w, self.prompt, self.mode = t2w, prompt, mode
+
         self.zero_noise, self.generator = zero_noise, generator
         flow = t2w.flow
         sched = t2w.schedule
@@ -102,6 +155,13 @@ class Token2WavStream:
         self.source_cache: Tensor | None = None  # (1, 1, 3840) source tail of the previous chunk
         self.speech_tail: Tensor | None = None  # (1, 3840) held back for the cross-fade
         self.finished = False
+        # this request's flow frames so far, from a copy of the voice's prompt state with room for
+        # the first two chunks (later ones double the buffers, so growth copies stay amortised)
+        self.flow_cache: FlowCache | None = None
+        if mode != "recompute":
+            state = t2w.prompt_state(prompt)
+            first_two_chunks = n_prompt + self.first_pad + self.hop + self.hop * sched.hop_growth  # tokens
+            self.flow_cache = state.copy(first_two_chunks * flow.token_mel_ratio - state.n_frames)
 
     def _next_hop(self) -> int:
         return self.hop + (self.first_pad if self.offset == 0 else 0)
@@ -135,9 +195,16 @@ class Token2WavStream:
     def _render(self, n_tokens: int, finalize: bool) -> Tensor:
         flow, p = self.t2w.flow, self.prompt
         token = torch.tensor(self.tokens[:n_tokens], dtype=torch.int32, device=p.token.device)[None]
-        # non-final chunks use chunk-causal attention; the final one full attention (official behaviour)
-        mel = flow.inference(token, p.token, p.feat, p.embedding, streaming=not finalize, finalize=finalize)
-        mel = mel[:, :, self.offset * flow.token_mel_ratio :]  # (1, 80, new frames)
+        if self.flow_cache is not None and not (finalize and self.mode == "exact"):
+            # chunk-causal, new frames only
+            mel = flow.inference(token, p.token, p.feat, p.embedding, streaming=True, finalize=finalize,
+                                 cache=self.flow_cache)
+        else:
+            # non-final chunks use chunk-causal attention; the final one full attention (official behaviour)
+            mel = flow.inference(token, p.token, p.feat, p.embedding, streaming=not finalize, finalize=finalize)
+            mel = mel[:, :, self.offset * flow.token_mel_ratio :]  # (1, 80, new frames)
+        if finalize:
+            self.flow_cache = None  # the request's largest state: free it with the last chunk
         if self.mel_cache is not None:
             mel = torch.cat([self.mel_cache, mel], dim=2)
         speech, source = self.t2w._vocode(mel, self.source_cache, self.zero_noise, self.generator)

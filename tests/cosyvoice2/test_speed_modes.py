@@ -1,0 +1,103 @@
+"""Token2Wav's `exact` and `fast` modes on the fixture model: what `fast` changes, and by how much.
+
+`fast` differs from `exact` only in the final chunk, which it renders chunk-causally from the cache
+instead of re-running the whole utterance with full attention. Measured on the fixtures (tiny
+random weights, 12 prompt + 120 tokens, chunks 38/50/final 32 tokens), final chunk only:
+
+    mel:    max abs 0.40 against a peak of 4.8, relative L2 7.7 %
+    speech: max abs 0.023 against a peak of 0.077, relative L2 9.8 %
+
+The bounds below leave some room above those; bench/cosyvoice2.py prints the same figures at the
+released sizes (random weights). Trained weights may differ; those cannot be measured here.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from voicebot.tts.cosyvoice2.flow import build_flow
+from voicebot.tts.cosyvoice2.hift import build_hift
+from voicebot.tts.cosyvoice2.hparams import load_hparams
+from voicebot.tts.cosyvoice2.loader import load_checkpoint
+from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
+
+pytestmark = pytest.mark.golden
+
+FAST_FINAL_MEL_REL_L2 = 0.10
+FAST_FINAL_SPEECH_REL_L2 = 0.15
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def t2w(cv2_dir: Path) -> Token2Wav:
+    hp = load_hparams(cv2_dir)
+    flow, hift = build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
+    load_checkpoint(flow, cv2_dir / "flow.pt")
+    load_checkpoint(hift, cv2_dir / "hift.pt", strip="generator.")
+    return Token2Wav(flow, hift)
+
+
+@pytest.fixture(scope="module")
+def prompt(cv2_golden: dict) -> FlowPrompt:
+    return FlowPrompt(cv2_golden["flow.prompt_token"], cv2_golden["flow.prompt_feat"], cv2_golden["flow.embedding"])
+
+
+def test_fast_mode_differs_from_exact_only_in_the_final_chunk(cv2_golden: dict, t2w: Token2Wav,
+                                                               prompt: FlowPrompt) -> None:
+    tokens = cv2_golden["flow.token"][0].tolist()
+    chunks = {}
+    for mode in ("exact", "fast"):
+        stream = t2w.stream(prompt, zero_noise=True, mode=mode)
+        chunks[mode] = stream.push(tokens) + [stream.finish()]
+    *exact_head, exact_last = chunks["exact"]
+    *fast_head, fast_last = chunks["fast"]
+    for a, b in zip(fast_head, exact_head, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-4)
+    assert 0 < _rel_l2(fast_last, exact_last) <= FAST_FINAL_SPEECH_REL_L2
+
+
+def test_fast_final_chunk_mel_is_the_official_streaming_finalize(cv2_golden: dict, t2w: Token2Wav,
+                                                                  prompt: FlowPrompt) -> None:
+    """The cached final chunk is the official flow with streaming=True, finalize=True; its distance
+    from the full-attention final chunk (`exact`) is the documented deviation."""
+    flow, tokens = t2w.flow, cv2_golden["flow.token"]
+    cache = t2w.prompt_state(prompt).copy()
+    args = (prompt.token, prompt.feat, prompt.embedding)
+    offset = 0
+    for end in (38, 88):  # the fixture stream's chunk ends
+        flow.inference(tokens[:, : end + 3], *args, streaming=True, finalize=False, cache=cache)
+        offset = end
+    fast = flow.inference(tokens, *args, streaming=True, finalize=True, cache=cache)
+    frames = slice(2 * offset, None)
+    torch.testing.assert_close(fast, cv2_golden["flow.mel.stream_finalize"][:, :, frames], rtol=0, atol=1e-4)
+    assert _rel_l2(fast, cv2_golden["flow.mel.nonstream"][:, :, frames]) <= FAST_FINAL_MEL_REL_L2
+
+
+def test_hundred_utterances_hold_no_state(cv2_golden: dict, t2w: Token2Wav, prompt: FlowPrompt) -> None:
+    """Per-request flow caches die with their stream; only the bounded per-voice prompt states stay."""
+    tokens = cv2_golden["flow.token"][0, :42].tolist()  # two chunks, both through the cache in `fast`
+
+    def live_tensor_bytes() -> int:
+        gc.collect()
+        return sum(o.numel() * o.element_size() for o in gc.get_objects()
+                   if isinstance(o, torch.Tensor) and not isinstance(o, torch.nn.Parameter))
+
+    def utterance() -> None:
+        stream = t2w.stream(prompt, zero_noise=True, mode="fast")
+        assert len(stream.push(tokens)) == 1
+        stream.finish()
+        assert stream.flow_cache is None
+
+    utterance()
+    before = live_tensor_bytes()
+    for _ in range(100):
+        utterance()
+    assert live_tensor_bytes() <= before
+    assert len(t2w.prompt_state_bytes()) <= t2w.max_prompt_states
