@@ -22,6 +22,7 @@ import json
 import sys
 import time
 import wave
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable
@@ -32,13 +33,15 @@ import websockets
 CHUNK_MS = 100
 # Largest reply kept in memory: 10 minutes of 24 kHz s16le (29 MB); past it, frames are not kept.
 MAX_REPLY_BYTES = 10 * 60 * 24000 * 2
+# Events kept in Result.events (older ones were still passed to on_event).
+MAX_EVENTS = 10_000
 
 
 @dataclass
 class Result:
     session_id: str = ""
     output_sample_rate: int = 24000
-    events: list[dict] = field(default_factory=list)
+    events: deque[dict] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
     reply_audio: bytearray = field(default_factory=bytearray)
 
 
@@ -67,10 +70,14 @@ async def mic_chunks(rate: int, seconds: float) -> AsyncIterator[bytes]:
     except ImportError:
         raise SystemExit("--mic needs the sounddevice package: pip install sounddevice") from None
     loop = asyncio.get_running_loop()
-    chunks: asyncio.Queue[bytes] = asyncio.Queue(50)  # 5 s of 100 ms chunks; older audio is dropped
+    chunks: asyncio.Queue[bytes] = asyncio.Queue(50)  # 5 s of 100 ms chunks; past that, audio is dropped
 
-    def on_audio(data, _frames, _time, _status) -> None:
-        loop.call_soon_threadsafe(lambda: chunks.full() or chunks.put_nowait(bytes(data)))
+    def offer(chunk: bytes) -> None:
+        if not chunks.full():
+            chunks.put_nowait(chunk)
+
+    def on_audio(data, _frames, _time, _status) -> None:  # on PortAudio's thread
+        loop.call_soon_threadsafe(offer, bytes(data))
 
     with sounddevice.RawInputStream(samplerate=rate, channels=1, dtype="int16", blocksize=rate * CHUNK_MS // 1000, callback=on_audio):
         for _ in range(int(seconds * 1000 / CHUNK_MS)):
