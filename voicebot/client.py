@@ -173,10 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rate = 16000
         audio = mic_chunks(rate, args.mic)
-    result = asyncio.run(
-        converse(args.url, audio, rate, token=args.token, channel=args.channel, voice=args.voice, say=args.say,
-                 linger_s=args.linger, on_event=print_event)
-    )
+    try:
+        result = asyncio.run(
+            converse(args.url, audio, rate, token=args.token, channel=args.channel, voice=args.voice, say=args.say,
+                     linger_s=args.linger, on_event=print_event)
+        )
+    except (OSError, RuntimeError, websockets.WebSocketException) as exc:
+        print(f"voicebot.client: {exc}", file=sys.stderr)
+        return 1
     write_wav(args.out, bytes(result.reply_audio), result.output_sample_rate)
     seconds = len(result.reply_audio) / 2 / result.output_sample_rate
     print(f"wrote {seconds:.2f} s of reply audio to {args.out}", file=sys.stderr)
