@@ -131,8 +131,8 @@ async function onEvent(ev) {
       $("partial").textContent = "";
       if (!ev.text) break;
       remember(page.finals, ev.text);
-      logLine("user", `you: ${ev.text}`, ev.fallback ? `${ev.model} (fallback; first pass: “${ev.fallback.text}”)` : ev.model);
-      $("model").textContent = ev.fallback ? `${ev.model} — dialect fallback used` : `${ev.model}`;
+      logLine("user", `you: ${ev.text}`, recognizer(ev));
+      $("model").textContent = recognizer(ev);
       break;
     case "reply.delta": replyLine(ev.reply_id).textContent += ev.text; break;
     case "reply.done": replyLine(ev.reply_id).textContent = ev.text; remember(page.replies, ev.text); break;
@@ -161,6 +161,13 @@ async function onEvent(ev) {
       logLine("err", `error ${ev.code}: ${ev.message}`);
       break;
   }
+}
+
+/** Which model the transcript came from; `fallback` is the dialect model's result when it ran. */
+function recognizer(ev) {
+  if (!ev.fallback) return ev.model;
+  if (ev.fallback.model === ev.model) return `${ev.model} (dialect fallback used)`;
+  return `${ev.model} (dialect fallback ran and lost: “${ev.fallback.text}”)`;
 }
 
 function logLine(cls, text, meta) {
