@@ -59,7 +59,7 @@ class GateConfig(Section):
     # ... and must also be this many dB above the background mean energy (keeps quiet rooms sane).
     min_rise_db: float = Field(12.0, ge=0)
     # A burst longer than this is not an impulse (it is speech or sustained sound): it passes.
-    max_burst_ms: float = Field(45.0, gt=0)
+    max_burst_ms: float = Field(50.0, gt=0)
     mute_ms: float = Field(50.0, gt=0)
     # Lookahead used to decide whether a rise is short (≤ 50 ms, so added latency stays small).
     lookahead_ms: float = Field(50.0, ge=0, le=50)
@@ -169,6 +169,12 @@ class Cosyvoice2Config(Section):
     kv_cache_tokens: int = Field(2048, ge=64, le=32768)
     # LM tokens decoded per worker call: small, so concurrent sessions interleave (one token = 40 ms of audio).
     lm_tokens_per_step: int = Field(5, ge=1, le=100)
+    # How streamed chunks get their mel (voicebot/tts/cosyvoice2/token2wav.py): "recompute" is the
+    # official algorithm; "exact" the same output from cached prompt and earlier frames; "fast" also
+    # renders the final chunk chunk-causally (slightly different audio there, much cheaper).
+    stream_mode: Literal["recompute", "exact", "fast"] = "fast"
+    # Voices whose flow prompt state stays cached (released model, fp32: about 230 MB per second of prompt).
+    flow_prompt_states: int = Field(4, ge=1)
     # torch intra-op threads (process-wide, like asr.paraformer.threads); 0 leaves torch's default.
     threads: int = Field(0, ge=0)
 
