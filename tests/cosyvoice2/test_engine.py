@@ -45,7 +45,7 @@ def synth(tmp_path_factory, cv2_dir) -> CosyVoice2Synthesizer:
     root = tmp_path_factory.mktemp("cv2")
     voices = root / "voices"
     voices.mkdir()
-    t = np.arange(24000) / 24000
+    t = np.arange(2 * 24000) / 24000  # 2 s: 50 prompt tokens, one flow chunk the prompt state can keep
     sf.write(voices / "anna.wav", (0.3 * np.sin(2 * np.pi * 200 * t)).astype(np.float32), 24000, subtype="FLOAT")
     (voices / "anna.txt").write_text("Hello world.")
     config = Cosyvoice2Config(model=str(make_model_dir(root / "model", cv2_dir)), voices_dir=voices,
@@ -69,6 +69,8 @@ def test_load_lists_voices_and_reports(synth):
     # "auto" in the config resolves to float32 on CPU.
     assert info.loaded and info.device == "cpu" and info.details["dtype"] == "float32"
     assert info.details["attention"] == "sdpa" and info.details["voice_state_bytes"] > 0
+    # The default voice's flow prompt state was computed at load, before any reply.
+    assert info.details["stream_mode"] == "fast" and info.details["flow_prompt_state_bytes"] > 0
     with pytest.raises(KeyError):
         synth.open("nobody")
 

@@ -71,7 +71,8 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.model_dir = resolve_model_dir(self.config.model, self.config.model_cache, CONFIG_KEY)
         modules = load_cosyvoice2(self.model_dir, self.device, self.dtype)
         self.hparams, self.lm = modules.hparams, modules.lm
-        self.token2wav = Token2Wav(modules.flow, modules.hift)
+        self.token2wav = Token2Wav(modules.flow, modules.hift, mode=self.config.stream_mode,
+                                   max_prompt_states=self.config.flow_prompt_states)
         library = VoiceLibrary(Frontend.from_model_dir(self.model_dir, cuda=self.device.type == "cuda"),
                                self.config.voice_cache_dir)
         if (self.model_dir / "spk2info.pt").is_file():
@@ -81,6 +82,9 @@ class CosyVoice2Synthesizer(Synthesizer):
         if self.default_voice not in library:
             raise ValueError(f"tts.voice {self.default_voice!r} is not a CosyVoice 2 voice; have {library.names()}")
         self.library = library
+        if self.config.stream_mode != "recompute":
+            # The flow's prompt state takes seconds on CPU: pay it now, not in the first reply.
+            self.token2wav.prompt_state(flow_prompt(library[self.default_voice], self.device, self.dtype))
         log.info("cosyvoice2 loaded from %s on %s/%s, %d voices", self.model_dir, self.device, self.dtype,
                  len(library.names()))
 
@@ -99,7 +103,8 @@ class CosyVoice2Synthesizer(Synthesizer):
                    "pending_steps": self.worker.pending}
         if loaded:
             details |= {"model_dir": str(self.model_dir), "voices": self.library.names(),
-                        "voice_state_bytes": self.library.nbytes()}
+                        "stream_mode": self.token2wav.mode, "voice_state_bytes": self.library.nbytes(),
+                        "flow_prompt_state_bytes": sum(self.token2wav.prompt_state_bytes().values())}
         return EngineInfo("tts", self.name, str(self.device), loaded, details)
 
     def close(self) -> None:
@@ -117,6 +122,11 @@ class CosyVoice2Synthesizer(Synthesizer):
 # --- one session
 
 
+def flow_prompt(voice: Voice, device: torch.device, dtype: torch.dtype) -> FlowPrompt:
+    return FlowPrompt(voice.flow_prompt_speech.to(device), voice.prompt_feat.to(device, dtype),
+                      voice.embedding.to(device, dtype))
+
+
 class _Utterance:
     """One utterance's blocking work, advanced by `step()` calls on the worker thread."""
 
@@ -126,9 +136,7 @@ class _Utterance:
         sampler = RasSampler.from_hparams(engine.hparams["llm"]["sampling"], generator)
         self.tokens: Iterator[int] = generate(engine.lm, cache, sampler, text_ids,
                                               voice.prompt_text.to(dev), voice.lm_prompt_speech.to(dev))
-        prompt = FlowPrompt(voice.flow_prompt_speech.to(dev), voice.prompt_feat.to(dev, dtype),
-                            voice.embedding.to(dev, dtype))
-        self.stream: Token2WavStream = engine.token2wav.stream(prompt, generator=generator)
+        self.stream: Token2WavStream = engine.token2wav.stream(flow_prompt(voice, dev, dtype), generator=generator)
         self.per_step = engine.config.lm_tokens_per_step
 
     def step(self) -> tuple[list[np.ndarray], bool]:
