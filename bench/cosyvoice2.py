@@ -4,7 +4,8 @@ Released module sizes with random weights (dense fp32 timing does not depend on 
 baseline's zero-shot shapes: 30 prompt-text + 20 text tokens, 150 prompt speech tokens (6 s),
 300 prompt mel frames, exactly 125 generated tokens (5 s of audio). Measures LM prefill, the decode
 step, time to the first 200 ms of audio and the real-time factor streaming (through the engine's
-own step loop) and non-streaming, and peak memory.
+own step loop, in each token2wav mode: the official "recompute", "exact", "fast") and non-streaming,
+the voice's flow prompt state, and peak memory.
 
     python -m bench.cosyvoice2                 # released sizes: minutes of 2 busy cores; run it rarely
     python -m bench.cosyvoice2 --size tiny     # the fixture model's sizes: a seconds-long smoke run
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import statistics
 import tempfile
@@ -24,29 +26,29 @@ from types import SimpleNamespace
 import torch
 
 from voicebot.config import REPO_ROOT, Cosyvoice2Config
-from voicebot.tts.cosyvoice2.engine import _Utterance
+from voicebot.tts.cosyvoice2.engine import _Utterance, flow_prompt
 from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.hift import build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.lm import build_lm, build_lm_input, generate
 from voicebot.tts.cosyvoice2.sampling import RasSampler
-from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
+from voicebot.tts.cosyvoice2.token2wav import Token2Wav
 from voicebot.tts.cosyvoice2.voices import Voice
 
 FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "cosyvoice2"
 N_PROMPT_TEXT, N_TEXT, N_PROMPT_SPEECH, N_GENERATED = 30, 20, 150, 125
 SAMPLES_PER_TOKEN = 960
+AUDIO_SECONDS = N_GENERATED * SAMPLES_PER_TOKEN / 24000
 
 # From the baseline file (official code, same machine kind, another day): median or single values.
 OFFICIAL = {
     "LM prefill, L=202 (s)": 1.65,
     "LM decode step (ms)": 130.0,
-    "first chunk step: <=5 LM steps + flow + HiFT (s)": 12.4 + 0.36,  # flow chunk 1 + HiFT 1 s
+    "first chunk step (s)": 12.4 + 0.36,  # flow chunk 1 + HiFT 1 s; ours adds the step's last LM tokens
     "HiFT, 1 s of mel (s)": 0.36,
     "streaming: first audio (s)": 30.5,
     "streaming: RTF": 15.0,
     "non-streaming flow, 5 s (s)": 24.2,
-    "non-streaming: RTF (LM + flow + HiFT)": None,
     "peak RSS (GB)": 4.92,
 }
 
@@ -86,11 +88,31 @@ def fixed_length_ras(hparams: dict, eos: int, generator: torch.Generator):
     return sample
 
 
+def stream_once(engine: SimpleNamespace, cache, voice: Voice, text: list[int]) -> tuple[float, float, float, list[int]]:
+    """One utterance through the engine's step loop: (first chunk step s, first 200 ms of audio s, RTF, tokens)."""
+    generator = torch.Generator().manual_seed(1)
+    utterance = _Utterance(engine, cache, voice, text, generator)
+    utterance.tokens = generate(engine.lm, cache, fixed_length_ras(engine.hparams, engine.lm.eos, generator), text,
+                                voice.prompt_text, voice.lm_prompt_speech)
+    start, first_audio, first_step, audio, done = time.perf_counter(), None, None, 0, False
+    while not done:
+        t0 = time.perf_counter()
+        pieces, done = utterance.step()
+        if pieces and first_step is None:
+            first_step = time.perf_counter() - t0
+        audio += sum(len(p) for p in pieces)
+        if first_audio is None and audio >= 4800:  # 200 ms at 24 kHz
+            first_audio = time.perf_counter() - start
+    assert audio == N_GENERATED * SAMPLES_PER_TOKEN, audio
+    return first_step, first_audio, (time.perf_counter() - start) / AUDIO_SECONDS, list(utterance.stream.tokens)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["released", "tiny"], default="released")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the baseline used 2)")
     parser.add_argument("--fixtures", type=Path, default=FIXTURES)
+    parser.add_argument("--modes", default="recompute,exact,fast", help="token2wav stream modes to run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -121,54 +143,43 @@ def main() -> None:
         pos = torch.arange(x.shape[1])
         lm(x, pos, cache)  # warm-up
         prefill, _ = timed(lambda: lm(x, pos, cache), 3)
-        rows[f"LM prefill, L={x.shape[1]} (s)"] = statistics.median(prefill)
+        prefill_time = rows[f"LM prefill, L={x.shape[1]} (s)"] = statistics.median(prefill)
         step_x = lm.speech_embedding.weight[:1].reshape(1, 1, -1)
         steps, _ = timed(lambda: lm(step_x, pos[-1:] + 1, cache), 20)
         rows["LM decode step (ms)"] = 1000 * statistics.median(steps)
         hift_1s, _ = timed(lambda: hift.inference(torch.randn(1, 80, 50, generator=g), generator=g), 2)
         rows["HiFT, 1 s of mel (s)"] = min(hift_1s)
 
-    # Streaming, through the engine's own step loop (LM steps and flow/HiFT chunks on one thread).
+    # Streaming, through the engine's own step loop (LM steps and flow/HiFT chunks on one thread),
+    # in each token2wav mode; exact and fast share the voice's flow prompt state, made once up front.
     engine = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, hparams=hp, lm=lm, token2wav=token2wav,
                              config=Cosyvoice2Config())
-    generator = torch.Generator().manual_seed(1)
-    utterance = _Utterance(engine, cache, voice, text, generator)
-    utterance.tokens = generate(lm, cache, fixed_length_ras(hp, lm.eos, generator), text, voice.prompt_text,
-                                voice.lm_prompt_speech)
-    start, first, audio, done, chunk_times = time.perf_counter(), None, 0, False, []
-    while not done:
-        t0 = time.perf_counter()
-        pieces, done = utterance.step()
-        if pieces:
-            chunk_times.append(time.perf_counter() - t0)
-        for piece in pieces:
-            audio += len(piece)
-            if first is None and audio >= 4800:  # 200 ms at 24 kHz
-                first = time.perf_counter() - start
-    total = time.perf_counter() - start
-    assert audio == N_GENERATED * SAMPLES_PER_TOKEN, audio
-    rows["first chunk step: <=5 LM steps + flow + HiFT (s)"] = chunk_times[0]
-    rows["streaming: first audio (s)"] = first
-    rows["streaming: RTF"] = total / (audio / 24000)
+    prompt = flow_prompt(voice, engine.device, engine.dtype)
+    for mode in args.modes.split(","):
+        if mode != "recompute" and not token2wav.prompt_state_bytes():
+            state_time, _ = timed(lambda: token2wav.prompt_state(prompt))
+            rows["flow prompt state, 6 s prompt (s)"] = state_time[0]
+            rows["flow prompt state (GB)"] = sum(token2wav.prompt_state_bytes().values()) / 1e9
+        token2wav.mode = mode
+        first_step, first_audio, rtf, tokens = stream_once(engine, cache, voice, text)
+        rows[f"first chunk step [{mode}] (s)"] = first_step
+        rows[f"streaming [{mode}]: first audio (s)"] = first_audio
+        rows[f"streaming [{mode}]: RTF"] = rtf
 
-    # Non-streaming: all tokens, then one flow and one HiFT pass.
-    sampler = fixed_length_ras(hp, lm.eos, torch.Generator().manual_seed(1))
-    start = time.perf_counter()
-    tokens = torch.tensor([list(generate(lm, cache, sampler, text, voice.prompt_text, voice.lm_prompt_speech))])
-    lm_time = time.perf_counter() - start
-    prompt = FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding)
+    # Non-streaming: the same tokens (the sampler is seeded), one flow and one HiFT pass.
+    tokens = torch.tensor([tokens])
     flow_time, mel = timed(lambda: flow.inference(tokens, prompt.token, prompt.feat, prompt.embedding,
                                                   streaming=False, finalize=True))
     with torch.inference_mode():
         hift_time, _ = timed(lambda: hift.inference(mel, generator=g))
     rows["non-streaming flow, 5 s (s)"] = flow_time[0]
-    rows["non-streaming: RTF (LM + flow + HiFT)"] = (lm_time + flow_time[0] + hift_time[0]) / (
-        N_GENERATED * SAMPLES_PER_TOKEN / 24000)
+    lm_time = prefill_time + N_GENERATED * rows["LM decode step (ms)"] / 1000
+    rows["non-streaming: RTF (LM + flow + HiFT)"] = (lm_time + flow_time[0] + hift_time[0]) / AUDIO_SECONDS
     rows["peak RSS (GB)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
     print(f"\n{'measurement':50s} {'ours':>10s} {'official':>10s} {'ratio':>7s}")
     for name, value in rows.items():
-        ref = OFFICIAL.get(name) or OFFICIAL.get(name.replace(f"L={x.shape[1]}", "L=202"))
+        ref = OFFICIAL.get(re.sub(r" \[\w+\]", "", name.replace(f"L={x.shape[1]}", "L=202")))
         ratio = f"{ref / value:6.2f}x" if ref and args.size == "released" else ""
         print(f"{name:50s} {value:10.3f} {ref if ref is not None else '':>10} {ratio:>7s}")
     print("\nratio = official / ours (higher is faster). Official figures: shared/specs/cosyvoice2-cpu-baseline.md,"
