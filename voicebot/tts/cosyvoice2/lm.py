@@ -25,6 +25,7 @@ from voicebot.tts.cosyvoice2.sampling import Sampler
 # Official Qwen2LM.inference defaults; the yaml does not set them.
 MIN_TOKEN_TEXT_RATIO = 2.0
 MAX_TOKEN_TEXT_RATIO = 20.0
+KV_BUCKET = 256  # decode attends over the KV cache in multiples of this many slots
 _TEXT_HEAD_KEY = "llm.model.lm_head.weight"
 _EMBED_TOKENS_KEY = "llm.model.model.embed_tokens.weight"
 
@@ -125,7 +126,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache.index_copy_(2, input_pos, k)
         v_cache.index_copy_(2, input_pos, v)
-        y = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+        n_keys = mask.shape[1]  # the written prefix, bucketed (Qwen2.forward)
+        y = F.scaled_dot_product_attention(q, k_cache[:, :, :n_keys], v_cache[:, :, :n_keys], attn_mask=mask,
+                                           enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -167,8 +170,11 @@ class Qwen2(nn.Module):
     def forward(self, x: Tensor, input_pos: Tensor, cache: KVCache) -> Tensor:
         # x: (B, T, D) at positions input_pos (T,) -> (B, T, D) after the final norm
         cos, sin = rope_cos_sin(input_pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        # Attend over the whole cache; unwritten and future slots are masked out.
-        mask = torch.arange(cache.max_seq_len, device=x.device)[None, :] <= input_pos[:, None]  # (T, S)
+        # Attend over the written prefix rounded up to KV_BUCKET slots, the rest of the bucket masked:
+        # a handful of fixed shapes (capturable, e.g. as CUDA graphs) instead of the whole cache, whose
+        # unwritten slots cost as much as the step's weights on CPU at 2048 slots.
+        n_keys = min(cache.max_seq_len, -(-(int(input_pos[-1]) + 1) // KV_BUCKET) * KV_BUCKET)
+        mask = torch.arange(n_keys, device=x.device)[None, :] <= input_pos[:, None]  # (T, n_keys)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, input_pos, cache.k[i], cache.v[i])
         return self.norm(x)
