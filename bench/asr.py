@@ -103,6 +103,7 @@ async def streams_per_core(recognizer: ParaformerRecognizer, audio: np.ndarray, 
 
 async def fallback_latency(model: FunasrModel, audio: np.ndarray) -> None:
     """Time the dialect decode a fallback adds at the endpoint, for typical utterance lengths."""
+    print(f"fallback to a {model.class_name} model:")
     router = Router(dialect=model, threshold=1.0)  # threshold 1: always falls back
     unsure = Hypothesis(text="x", confidence=0.5, model="primary")
     for seconds in (2.0, 5.0, 10.0):
@@ -147,9 +148,19 @@ def main() -> None:
         asyncio.run(long_run(recognizer, args.chunks, args.utterance_s, audio))
     if "streams" not in args.skip:
         asyncio.run(streams_per_core(recognizer, audio, args.streams_s))
+    # A streaming-class dialect model decodes the utterance chunk by chunk; an offline-class one
+    # (whose cost is also that of the offline second pass) in one forward pass.
     if "fallback" not in args.skip:
         asyncio.run(fallback_latency(recognizer.streaming, audio))
     recognizer.close()
+    if "fallback" not in args.skip:
+        offline_dir = OUT / f"paraformer-{args.size}"
+        if not is_complete(offline_dir):
+            build_model_dir(offline_dir, "paraformer", size=args.size)
+        offline = FunasrModel("offline", offline_dir)
+        offline.load()
+        asyncio.run(fallback_latency(offline, audio))
+        offline.close()
 
 
 if __name__ == "__main__":
