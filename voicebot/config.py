@@ -112,6 +112,10 @@ class DialectFallbackConfig(Section):
     fallback_threshold: float = Field(0.7, gt=0, lt=1)
     # Which result wins when the fallback ran: the more confident one, or always the dialect's.
     prefer: Literal["higher_confidence", "dialect"] = "higher_confidence"
+    # Stream every utterance through the dialect model as it arrives (streaming-class dialect
+    # models only): a fallback then adds one flush at the endpoint instead of decoding the whole
+    # utterance, for twice the recognition compute.
+    parallel: bool = False
 
 
 class ParaformerConfig(Section):

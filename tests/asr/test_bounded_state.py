@@ -39,7 +39,7 @@ def test_stream_state_is_bounded(tiny_models):
             position += PIECE
             await stream.accept(piece)
             in_utterance += 1
-            cache = state_bytes(stream._cache)
+            cache = state_bytes(stream._primary.cache)
             cache_sizes.append((in_utterance, cache))
             audio_sizes.append(stream.state_bytes() - cache)
             left_in_utterance -= 1

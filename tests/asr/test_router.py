@@ -14,11 +14,11 @@ AUDIO = synthetic_speech(3.0, seed=21)
 
 
 def final_for(tiny_models, primary: str, offline: str | None = None, dialect: str = "streaming-sure",
-              prefer: str = "higher_confidence"):
+              prefer: str = "higher_confidence", parallel: bool = False):
     config = ParaformerConfig(
         model=str(tiny_models[primary]),
         offline_model=str(tiny_models[offline]) if offline else None,
-        dialect=DialectFallbackConfig(model=str(tiny_models[dialect]), prefer=prefer),
+        dialect=DialectFallbackConfig(model=str(tiny_models[dialect]), prefer=prefer, parallel=parallel),
     )
     recognizer = ParaformerRecognizer(config)
     recognizer.load()
@@ -66,3 +66,29 @@ def test_prefer_rule_with_a_less_sure_dialect(tiny_models, prefer, expected):
     # Random weights (unsure) as primary, flattened ones (even less sure) as dialect.
     final = final_for(tiny_models, "streaming", dialect="streaming-unsure", prefer=prefer)
     assert final.fallback.confidence < 0.7 and final.model == expected
+
+
+def test_parallel_dialect_stream_gives_the_same_result_without_a_decode(tiny_models, monkeypatch):
+    from voicebot.asr.funasr_model import FunasrModel
+
+    decodes = []
+    original = FunasrModel.decode
+
+    async def counted(self, audio):
+        decodes.append(self.name)
+        return await original(self, audio)
+
+    monkeypatch.setattr(FunasrModel, "decode", counted)
+    at_endpoint = final_for(tiny_models, "streaming-unsure")
+    assert decodes == ["asr.paraformer.dialect.model"]
+    decodes.clear()
+    parallel = final_for(tiny_models, "streaming-unsure", parallel=True)
+    assert decodes == []  # the dialect result was ready at the endpoint
+    assert parallel == at_endpoint
+
+
+def test_parallel_needs_a_streaming_dialect_model(tiny_models):
+    config = ParaformerConfig(model=str(tiny_models["streaming"]),
+                              dialect=DialectFallbackConfig(model=str(tiny_models["offline"]), parallel=True))
+    with pytest.raises(ValueError, match="streaming dialect model"):
+        ParaformerRecognizer(config).load()

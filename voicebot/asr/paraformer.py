@@ -9,6 +9,8 @@ config, a stream's state is bounded by construction (tests/asr/test_bounded_stat
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from voicebot.asr.base import SAMPLE_RATE, Hypothesis, Recognizer, RecognizerStream
@@ -62,6 +64,7 @@ class ParaformerRecognizer(Recognizer):
             dialect=self._model("asr.paraformer.dialect.model", conf.dialect.model) if conf.dialect.model else None,
             threshold=conf.dialect.fallback_threshold,
             prefer=conf.dialect.prefer,
+            parallel=conf.dialect.parallel,
         )
         if conf.vad_model:
             self.vad = FsmnVad(resolve(ModelRef("asr.paraformer.vad_model", conf.vad_model, conf.model_cache)),
@@ -94,52 +97,76 @@ class ParaformerRecognizer(Recognizer):
                 model.close()
 
 
+class StreamingPass:
+    """One streaming model's pass over the current utterance: its cache, text and confidences."""
+
+    def __init__(self, model: FunasrModel) -> None:
+        self.model = model
+        self.clear()
+
+    def clear(self) -> None:
+        self.cache: dict = {}
+        self.text = ""
+        self.confidences: list[float] = []
+
+    async def feed(self, pcm: np.ndarray) -> bool:
+        """Decode what `pcm` completes; True when the text grew."""
+        delta = await self.model.stream(self.cache, pcm, False)
+        self.confidences += delta.token_confidences
+        self.text += delta.text
+        return bool(delta.text)
+
+    async def flush(self) -> Decoded:
+        """The utterance's whole result; the pass is empty again afterwards."""
+        tail = await self.model.stream(self.cache, np.zeros(0, dtype=np.float32), True)
+        decoded = Decoded(self.text + tail.text, self.confidences + tail.token_confidences)
+        self.clear()
+        return decoded
+
+
 class ParaformerStream(RecognizerStream):
     def __init__(self, recognizer: ParaformerRecognizer) -> None:
         assert recognizer.streaming is not None
-        self._model = recognizer.streaming
         self._router = recognizer.router
+        self._primary = StreamingPass(recognizer.streaming)
+        # With dialect.parallel the dialect model streams the same audio on its own worker.
+        self._dialect = StreamingPass(self._router.dialect) if self._router.parallel else None
+        self._passes = [p for p in (self._primary, self._dialect) if p is not None]
         self._max_samples = recognizer.max_utterance_samples
         self._generation = 0
-        self._new_utterance()
+        self._clear_audio()
 
-    def _new_utterance(self) -> None:
-        self._cache: dict = {}
-        self._text = ""
-        self._confidences: list[float] = []
+    def _clear_audio(self) -> None:
         self._audio: list[np.ndarray] = []
         self._kept = 0
 
     def state_bytes(self) -> int:
-        return state_bytes(self._cache) + sum(a.nbytes for a in self._audio)
+        return sum(state_bytes(p.cache) for p in self._passes) + sum(a.nbytes for a in self._audio)
 
     async def accept(self, pcm: np.ndarray) -> str | None:
         pcm = np.asarray(pcm, dtype=np.float32)
         if self._router.needs_audio and self._kept + len(pcm) <= self._max_samples:
             self._audio.append(pcm)
             self._kept += len(pcm)
-        delta = await self._model.stream(self._cache, pcm, False)
-        self._confidences += delta.token_confidences
-        if not delta.text:
-            return None
-        self._text += delta.text
-        return self._text
+        grew, *_ = await asyncio.gather(*(p.feed(pcm) for p in self._passes))
+        return self._primary.text if grew else None
 
     async def finish(self) -> Hypothesis:
-        tail = await self._model.stream(self._cache, np.zeros(0, dtype=np.float32), True)
-        decoded = Decoded(self._text + tail.text, self._confidences + tail.token_confidences)
-        audio = self._audio
-        self._new_utterance()
-        hypothesis = to_hypothesis(decoded, self._model.name)
-        if not audio or not self._router.needs_audio:
-            return hypothesis
-        return await self._router.finalize(hypothesis, np.concatenate(audio))
+        primary, *dialect = await asyncio.gather(*(p.flush() for p in self._passes))
+        audio = np.concatenate(self._audio) if self._audio else None
+        self._clear_audio()
+        hypothesis = to_hypothesis(primary, self._primary.model.name)
+        if self._router.needs_audio and audio is None:
+            return hypothesis  # nothing was heard: nothing to re-decode
+        return await self._router.finalize(hypothesis, audio, dialect[0] if dialect else None)
 
     async def reset(self) -> ResetReport:
         freed = self.state_bytes()
-        self._new_utterance()
+        await self.close()
         self._generation += 1
         return ResetReport(engine="paraformer", generation=self._generation, bytes_freed=freed)
 
     async def close(self) -> None:
-        self._new_utterance()
+        for streaming_pass in self._passes:
+            streaming_pass.clear()
+        self._clear_audio()
