@@ -5,7 +5,9 @@ baseline's zero-shot shapes: 30 prompt-text + 20 text tokens, 150 prompt speech 
 300 prompt mel frames, exactly 125 generated tokens (5 s of audio). Measures LM prefill, the decode
 step, time to the first 200 ms of audio and the real-time factor streaming (through the engine's
 own step loop, in each token2wav mode: the official "recompute", "exact", "fast") and non-streaming,
-the voice's flow prompt state, and peak memory.
+the voice's flow prompt state, and peak memory; then the int8 LM (voicebot/tts/cosyvoice2/quant.py)
+in the exact and fast modes, the fast mode's final-chunk deviation from exact, and one table of the
+modes side by side with the issue's targets.
 
     python -m bench.cosyvoice2                 # released sizes: minutes of 2 busy cores; run it rarely
     python -m bench.cosyvoice2 --size tiny     # the fixture model's sizes: a seconds-long smoke run
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from voicebot.config import REPO_ROOT, Cosyvoice2Config
@@ -31,6 +34,7 @@ from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.hift import build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.lm import build_lm, build_lm_input, generate
+from voicebot.tts.cosyvoice2.quant import decode_weight_bytes, quantize_lm
 from voicebot.tts.cosyvoice2.sampling import RasSampler
 from voicebot.tts.cosyvoice2.token2wav import Token2Wav
 from voicebot.tts.cosyvoice2.voices import Voice
@@ -51,6 +55,9 @@ OFFICIAL = {
     "non-streaming flow, 5 s (s)": 24.2,
     "peak RSS (GB)": 4.92,
 }
+# Issue 7's targets on this 2-core CPU, fp32 unless int8: (column, row) -> bound.
+TARGETS = {("exact", "first audio (s)"): 7.0, ("fast", "RTF"): 5.0,
+           ("exact+int8", "first audio (s)"): 4.5, ("fast+int8", "first audio (s)"): 4.5, ("fast+int8", "RTF"): 3.5}
 
 
 def released_hparams(fixtures: Path, qwen_dir: Path) -> dict:
@@ -88,23 +95,32 @@ def fixed_length_ras(hparams: dict, eos: int, generator: torch.Generator):
     return sample
 
 
-def stream_once(engine: SimpleNamespace, cache, voice: Voice, text: list[int]) -> tuple[float, float, float, list[int]]:
-    """One utterance through the engine's step loop: (first chunk step s, first 200 ms of audio s, RTF, tokens)."""
+def stream_once(engine: SimpleNamespace, cache, voice: Voice, text: list[int]
+                ) -> tuple[float, float, float, list[int], np.ndarray]:
+    """One utterance through the engine's step loop: (first chunk step s, first 200 ms of audio s, RTF, tokens,
+    the audio of the last step)."""
     generator = torch.Generator().manual_seed(1)
     utterance = _Utterance(engine, cache, voice, text, generator)
     utterance.tokens = generate(engine.lm, cache, fixed_length_ras(engine.hparams, engine.lm.eos, generator), text,
                                 voice.prompt_text, voice.lm_prompt_speech)
-    start, first_audio, first_step, audio, done = time.perf_counter(), None, None, 0, False
+    start, first_audio, first_step, audio, done, last = time.perf_counter(), None, None, 0, False, []
     while not done:
         t0 = time.perf_counter()
         pieces, done = utterance.step()
+        last = pieces or last
         if pieces and first_step is None:
             first_step = time.perf_counter() - t0
         audio += sum(len(p) for p in pieces)
         if first_audio is None and audio >= 4800:  # 200 ms at 24 kHz
             first_audio = time.perf_counter() - start
     assert audio == N_GENERATED * SAMPLES_PER_TOKEN, audio
-    return first_step, first_audio, (time.perf_counter() - start) / AUDIO_SECONDS, list(utterance.stream.tokens)
+    rtf = (time.perf_counter() - start) / AUDIO_SECONDS
+    return first_step, first_audio, rtf, list(utterance.stream.tokens), np.concatenate(last)
+
+
+def rel_l2(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    return float((a - b).norm() / b.norm())
 
 
 def main() -> None:
@@ -113,6 +129,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the baseline used 2)")
     parser.add_argument("--fixtures", type=Path, default=FIXTURES)
     parser.add_argument("--modes", default="recompute,exact,fast", help="token2wav stream modes to run")
+    parser.add_argument("--int8-modes", default="exact,fast", help="modes to run again with the int8 LM ('' for none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -155,13 +172,20 @@ def main() -> None:
     engine = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, hparams=hp, lm=lm, token2wav=token2wav,
                              config=Cosyvoice2Config())
     prompt = flow_prompt(voice, engine.device, engine.dtype)
+    # the last HiFT input of each run: the final chunk's mel (with the 8 overlap frames before it)
+    last_mel: dict[str, torch.Tensor] = {}
+    vocode = token2wav._vocode
+    token2wav._vocode = lambda mel, *a: (last_mel.__setitem__(token2wav.mode, mel), vocode(mel, *a))[1]
+    streams: dict[str, tuple[float, float, float]] = {}
+    last_chunk: dict[str, np.ndarray] = {}
     for mode in args.modes.split(","):
         if mode != "recompute" and not token2wav.prompt_state_bytes():
             state_time, _ = timed(lambda: token2wav.prompt_state(prompt))
             rows["flow prompt state, 6 s prompt (s)"] = state_time[0]
             rows["flow prompt state (GB)"] = sum(token2wav.prompt_state_bytes().values()) / 1e9
         token2wav.mode = mode
-        first_step, first_audio, rtf, tokens = stream_once(engine, cache, voice, text)
+        first_step, first_audio, rtf, tokens, last_chunk[mode] = stream_once(engine, cache, voice, text)
+        streams[mode] = first_audio, rtf, first_step
         rows[f"first chunk step [{mode}] (s)"] = first_step
         rows[f"streaming [{mode}]: first audio (s)"] = first_audio
         rows[f"streaming [{mode}]: RTF"] = rtf
@@ -175,7 +199,32 @@ def main() -> None:
     rows["non-streaming flow, 5 s (s)"] = flow_time[0]
     lm_time = prefill_time + N_GENERATED * rows["LM decode step (ms)"] / 1000
     rows["non-streaming: RTF (LM + flow + HiFT)"] = (lm_time + flow_time[0] + hift_time[0]) / AUDIO_SECONDS
+    if {"exact", "fast"} <= last_mel.keys():
+        # same tokens and noise draws in both modes: only the final chunk's flow differs
+        rows["fast vs exact, final chunk mel: rel L2"] = rel_l2(last_mel["fast"], last_mel["exact"])
+        rows["fast vs exact, final chunk mel: max abs"] = float((last_mel["fast"] - last_mel["exact"]).abs().max())
+        rows["fast vs exact, final chunk audio: rel L2"] = rel_l2(last_chunk["fast"], last_chunk["exact"])
+    rows["peak RSS, fp32 (GB)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+    # The int8 LM (decode-step linears except down_proj; prefill stays fp32), in place from here on.
+    int8_modes = [m for m in args.int8_modes.split(",") if m]
+    if int8_modes:
+        fp32_bytes = decode_weight_bytes(lm)
+        quantize_lm(lm)
+        rows["LM decode weights fp32 (GB)"] = fp32_bytes / 1e9
+        rows["LM decode weights int8 (GB)"] = decode_weight_bytes(lm) / 1e9
+        with torch.inference_mode():
+            lm(x, pos, cache)
+            steps, _ = timed(lambda: lm(step_x, pos[-1:] + 1, cache), 20)
+        rows["LM decode step [int8] (ms)"] = 1000 * statistics.median(steps)
+    for mode in int8_modes:
+        token2wav.mode = mode
+        first_step, first_audio, rtf, _, _ = stream_once(engine, cache, voice, text)
+        streams[f"{mode}+int8"] = first_audio, rtf, first_step
+        rows[f"streaming [{mode}+int8]: first audio (s)"] = first_audio
+        rows[f"streaming [{mode}+int8]: RTF"] = rtf
     rows["peak RSS (GB)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    rows["flow prompt states held (GB)"] = sum(token2wav.prompt_state_bytes().values()) / 1e9
 
     print(f"\n{'measurement':50s} {'ours':>10s} {'official':>10s} {'ratio':>7s}")
     for name, value in rows.items():
@@ -184,6 +233,28 @@ def main() -> None:
         print(f"{name:50s} {value:10.3f} {ref if ref is not None else '':>10} {ratio:>7s}")
     print("\nratio = official / ours (higher is faster). Official figures: shared/specs/cosyvoice2-cpu-baseline.md,"
           " measured on another day; the cores here may be shared.")
+    print_side_by_side(streams, args.size == "released")
+
+
+def print_side_by_side(streams: dict[str, tuple[float, float, float]], released: bool) -> None:
+    """Streaming 5 s of speech: the official figures, our recompute algorithm, and the modes, with targets."""
+    official = {"first audio (s)": OFFICIAL["streaming: first audio (s)"], "RTF": OFFICIAL["streaming: RTF"],
+                "first chunk step (s)": OFFICIAL["first chunk step (s)"]}
+    names = list(official)
+    print(f"\n{'streaming, 5 s of speech':24s} {'official':>9s}" + "".join(f" {c:>12s}" for c in streams))
+    for i, name in enumerate(names):
+        cells = "".join(f" {v[i]:12.2f}" for v in streams.values())
+        print(f"{name:24s} {official[name]:9.2f}{cells}")
+        if released:
+            print(f"{'  official / ours':24s} {'':9s}" + "".join(f" {official[name] / v[i]:11.2f}x" for v in streams.values()))
+        if "recompute" in streams:
+            base = streams["recompute"][i]
+            print(f"{'  recompute / ours':24s} {'':9s}" + "".join(f" {base / v[i]:11.2f}x" for v in streams.values()))
+        targets = {c: TARGETS.get((c, name)) for c in streams}
+        if any(targets.values()):
+            marks = "".join(f" {'' if t is None else ('<= %g ' % t) + ('ok' if streams[c][i] <= t else 'MISS'):>12s}"
+                            for c, t in targets.items())
+            print(f"{'  target':24s} {'':9s}{marks}")
 
 
 if __name__ == "__main__":
