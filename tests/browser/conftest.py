@@ -25,9 +25,11 @@ FLAGS = [
 ]
 # What the fake microphone says: a sentence, a pause long enough to end it, then a second sentence
 # that starts while the reply to the first is still playing (barge-in), then silence for the
-# second reply to play out. Half of espeak_speech's level: Chrome's auto gain then does not clip.
+# second reply to play out. The first 2 s are silent because Chrome's fake capture sometimes slips
+# one 10 ms buffer within its first 1.5 s (measured, more often on a loaded machine); in silence
+# that changes nothing. Half of espeak_speech's level: Chrome's auto gain then does not clip.
 FIRST, BARGE_IN = TEST_PHRASES[1], TEST_PHRASES[2]
-MIC_SCRIPT = (0.6, FIRST, 0.8, BARGE_IN, 4.0)
+MIC_SCRIPT = (2.0, FIRST, 0.8, BARGE_IN, 4.0)
 MIC_LEVEL = 0.5
 
 
@@ -43,9 +45,10 @@ def mic_wav(tmp_path_factory) -> Path:
     return write_wav(tmp_path_factory.mktemp("mic") / "conversation.wav", speech(*MIC_SCRIPT) * MIC_LEVEL)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(mic_wav, live_server):
-    # After live_server: its warm-up runs asyncio.run, which Playwright's loop would forbid.
+    # After live_server: its warm-up runs asyncio.run, which Playwright's loop would forbid. Per
+    # module, not per session: while Playwright's sync API is up, no later test can use asyncio.run.
     if not CHROMIUM.exists():
         pytest.fail("browser tests need Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
