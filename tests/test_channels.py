@@ -98,11 +98,11 @@ def test_speakers_come_and_go_listeners_stay():
 def test_listener_over_the_socket(server):
     async def scenario():
         url = f"{server.ws_url}?role=listener&channel=lobby"
-        async with websockets.connect(url) as listener:
+        async with websockets.connect(url, max_queue=None) as listener:  # see test_obs_plugin.py
             ready = json.loads(await listener.recv())
             await listener.send(json.dumps({"type": "say", "text": "hi"}))  # listeners cannot speak
             refused = json.loads(await listener.recv())
-            async with websockets.connect(server.ws_url) as speaker:
+            async with websockets.connect(server.ws_url, max_queue=None) as speaker:  # it reads nothing
                 await speaker.send(json.dumps({"type": "session.start", "channel": "lobby"}))
                 for i in range(0, len(pcm := speech_pcm("hello there how are you")), 3200):
                     await speaker.send(pcm[i : i + 3200])

@@ -110,7 +110,9 @@ def test_plugin_stream_is_transcribed_on_its_channel(server):
     async def scenario() -> list[dict]:
         mono = speech(0.3, "hello there how are you", 1.2, rate=48000)
         stereo = np.stack([mono, 0.5 * mono], axis=1)
-        async with websockets.connect(f"{server.ws_url}?role=listener&channel=obs-test") as listener:
+        # max_queue=None: the reply's frames keep coming after the test stops reading; a bounded
+        # client queue would stop reading the socket and wait 10 s for the close handshake.
+        async with websockets.connect(f"{server.ws_url}?role=listener&channel=obs-test", max_queue=None) as listener:
             await listener.recv()  # listener.ready
             obs_url = server.ws_url.replace("/v1/voice", "/obs/audio?channel=obs-test")
             async with websockets.connect(obs_url) as plugin:
