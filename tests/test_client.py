@@ -12,7 +12,6 @@ import wave
 import pytest
 import websockets
 
-from tests.audio import to_pcm16
 from tests.browser.support import speech, write_wav
 from tests.conftest import make_settings, running_server, speech_pcm
 from voicebot.client import converse, wav_chunks
