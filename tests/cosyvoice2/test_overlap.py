@@ -1,0 +1,76 @@
+"""LM decoding on a background thread beside flow + HiFT (voicebot/tts/cosyvoice2/overlap.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from voicebot.tts.cosyvoice2.flow import build_flow
+from voicebot.tts.cosyvoice2.hift import build_hift
+from voicebot.tts.cosyvoice2.hparams import load_hparams
+from voicebot.tts.cosyvoice2.loader import load_checkpoint
+from voicebot.tts.cosyvoice2.overlap import overlapped
+from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
+
+pytestmark = pytest.mark.golden
+
+
+@pytest.fixture(scope="module")
+def t2w(cv2_dir: Path) -> Token2Wav:
+    hp = load_hparams(cv2_dir)
+    flow, hift = build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
+    load_checkpoint(flow, cv2_dir / "flow.pt")
+    load_checkpoint(hift, cv2_dir / "hift.pt", strip="generator.")
+    return Token2Wav(flow, hift, mode="fast")
+
+
+@pytest.fixture(scope="module")
+def prompt(cv2_golden: dict) -> FlowPrompt:
+    return FlowPrompt(cv2_golden["flow.prompt_token"], cv2_golden["flow.prompt_feat"], cv2_golden["flow.embedding"])
+
+
+def _slow(tokens: list[int], delay: float = 0.002) -> Iterator[int]:
+    for token in tokens:
+        time.sleep(delay)  # an LM's pace: chunks render while tokens keep arriving
+        yield token
+
+
+def test_overlapped_chunks_equal_the_sequential_ones(cv2_golden: dict, t2w: Token2Wav, prompt: FlowPrompt) -> None:
+    tokens = cv2_golden["flow.token"][0].tolist()
+    stream = t2w.stream(prompt, zero_noise=True)
+    expected = stream.push(tokens) + [stream.finish()]
+    threads = torch.get_num_threads()
+    chunks = list(overlapped(_slow(tokens), t2w.stream(prompt, zero_noise=True)))
+    assert torch.get_num_threads() == threads
+    assert len(chunks) == len(expected)
+    for chunk, want in zip(chunks, expected):
+        torch.testing.assert_close(chunk, want, rtol=0, atol=1e-6)
+
+
+def test_decoding_errors_reach_the_consumer(t2w: Token2Wav, prompt: FlowPrompt) -> None:
+    def failing() -> Iterator[int]:
+        yield 1
+        raise RuntimeError("lm failed")
+
+    with pytest.raises(RuntimeError, match="lm failed"):
+        list(overlapped(failing(), t2w.stream(prompt, zero_noise=True)))
+
+
+def test_closing_early_stops_the_decoder(cv2_golden: dict, t2w: Token2Wav, prompt: FlowPrompt) -> None:
+    consumed = []
+
+    def tokens() -> Iterator[int]:
+        for token in _slow(cv2_golden["flow.token"][0].tolist() * 10):
+            consumed.append(token)
+            yield token
+
+    chunks = overlapped(tokens(), t2w.stream(prompt, zero_noise=True))
+    next(chunks)
+    chunks.close()
+    n = len(consumed)
+    time.sleep(0.05)
+    assert len(consumed) == n < 1200
