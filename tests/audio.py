@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import functools
-import threading
+import subprocess
+import sys
 
 import numpy as np
 
 from voicebot.audio.resample import StreamResampler
+from voicebot.config import REPO_ROOT
 
 
 @functools.lru_cache(maxsize=64)
 def espeak_speech(text: str, voice: str = "en-us", rate: int = 16000) -> np.ndarray:
-    """espeak-ng speech as float32 at `rate`, peak-normalised to 0.5."""
-    from voicebot.tts.espeak import _Library
+    """espeak-ng speech as float32 at `rate`, peak-normalised to 0.5.
 
-    library = _Library.get()
-    native = library.synthesize(text, voice, 175, threading.Event())
-    resampler = StreamResampler(library.rate, rate)
+    Synthesized in a fresh process: espeak-ng carries state from one synthesis to the next (the
+    same sentence comes out a little different each time), so test audio made in-process would
+    depend on what ran before it.
+    """
+    script = (
+        "import sys, threading; from voicebot.tts.espeak import _Library; lib = _Library.get(); "
+        "sys.stdout.write(str(lib.rate) + '\\n'); sys.stdout.flush(); "
+        "sys.stdout.buffer.write(lib.synthesize(sys.argv[1], sys.argv[2], 175, threading.Event()).tobytes())"
+    )
+    out = subprocess.run([sys.executable, "-c", script, text, voice], capture_output=True, check=True, cwd=REPO_ROOT).stdout
+    header, _, body = out.partition(b"\n")
+    native = np.frombuffer(body, np.float32)
+    resampler = StreamResampler(int(header), rate)
     audio = np.concatenate([resampler.process(native), resampler.flush()])
     return (audio * (0.5 / max(1e-9, np.abs(audio).max()))).astype(np.float32)
 

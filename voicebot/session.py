@@ -184,6 +184,8 @@ class Session:
         if self.state is State.STARTING:
             await self.error(ErrorCode.NOT_STARTED, "audio before session.start: send session.start first")
             return
+        if not data:
+            return  # an empty frame carries nothing (and b"" in audio_in means input.end)
         try:
             protocol.check_audio(len(data), self.sample_rate)
         except ProtocolError as exc:

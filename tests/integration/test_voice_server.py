@@ -126,9 +126,12 @@ def test_barge_in_stops_the_reply_and_trims_history(server):
 
     async def talk():
         async with VoiceClient.connect(server.ws_url) as client:
-            await client.stream(speech_pcm(long_reply))
+            # Like a live microphone: silence keeps flowing after the question until the user
+            # speaks again, the moment the reply starts.
+            question = asyncio.create_task(client.stream(speech_pcm(long_reply, tail_s=5.0)))
             start = await client.wait_for("audio.start")
-            await client.stream(speech_pcm("stop talking now", lead_s=0.1))
+            question.cancel()
+            await client.stream(speech_pcm("stop talking now", lead_s=0.0))
             interrupted = await client.wait_for("audio.interrupted")
             frames_at_interrupt = len(client.reply_frames(start["reply_id"]))
             await client.wait_for("asr.final", count=2)
