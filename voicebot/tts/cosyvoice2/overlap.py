@@ -7,8 +7,10 @@ that the tokens complete, each with its own share of torch's intra-op threads (s
 the machine runs as many busy threads as it has cores. The official code instead runs a 2-thread LM
 beside a 2-thread flow on 2 cores, which doubles its first chunk's time (baseline spec).
 
-Once the LM has finished, the rendering thread takes all the threads back for what remains (the
-final chunk, which in `exact` mode re-runs the whole utterance).
+The prompt frames that the voice's prompt state lacks (its last chunk reads the first target
+tokens through the lookahead) are rendered as soon as those tokens exist, while the LM decodes the
+rest of the first hop. Once the LM has finished, the rendering thread takes all the threads back
+for what remains (the final chunk, which in `exact` mode re-runs the whole utterance).
 """
 
 from __future__ import annotations
@@ -65,7 +67,10 @@ def overlapped(tokens: Iterable[int], stream: Token2WavStream, lm_threads: int =
                     raise item
             if ended:
                 torch.set_num_threads(total)  # the LM is done: all cores for the rest
-            yield from stream.push(batch)
+            chunks = stream.push(batch)
+            if not ended:
+                stream.render_prompt_tail()  # a no-op unless it is due: the LM decodes the first hop meanwhile
+            yield from chunks
             if ended:
                 yield stream.finish()
                 return
