@@ -366,6 +366,8 @@ class Session:
         m.asr_final.observe(final_at - endpoint_at)
         used_model = hyp.model
         m.utterances.labels(used_model).inc()
+        if hyp.fallback is not None:
+            m.dialect_fallbacks.labels("dialect" if hyp.model == hyp.fallback.model else "primary").inc()
         if hyp.confidence is not None:
             m.asr_confidence.labels(used_model).observe(hyp.confidence)
         muted_ms = round(getattr(self, "_muted_in_utterance", 0) * 1000 / ASR_RATE)
