@@ -7,7 +7,7 @@ step, time to the first 200 ms of audio and the real-time factor streaming (thro
 own step loop, in each token2wav mode: the official "recompute", "exact", "fast") and non-streaming,
 the voice's flow prompt state, and peak memory; then the int8 LM (voicebot/tts/cosyvoice2/quant.py)
 in the exact and fast modes, each mode also with LM decoding overlapped with flow + HiFT on two
-threads (overlap.py, column "+ovl"), the fast mode's final-chunk deviation from exact, and one
+threads (overlap.py, column "+ovl", which also reuses the voice's LM prompt prefix), the fast mode's final-chunk deviation from exact, and one
 table of the modes side by side with the issue's targets.
 
     python -m bench.cosyvoice2                 # released sizes: minutes of 2 busy cores; run it rarely
@@ -34,7 +34,7 @@ from voicebot.tts.cosyvoice2.engine import _Utterance, flow_prompt
 from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.hift import build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
-from voicebot.tts.cosyvoice2.lm import build_lm, build_lm_input, generate
+from voicebot.tts.cosyvoice2.lm import PromptPrefix, build_lm, build_lm_input, generate, prompt_prefix
 from voicebot.tts.cosyvoice2.overlap import overlapped
 from voicebot.tts.cosyvoice2.quant import decode_weight_bytes, quantize_lm
 from voicebot.tts.cosyvoice2.sampling import RasSampler
@@ -121,14 +121,14 @@ def stream_once(engine: SimpleNamespace, cache, voice: Voice, text: list[int]
     return first_step, first_audio, rtf, list(utterance.stream.tokens), np.concatenate(last)
 
 
-def stream_overlapped(engine: SimpleNamespace, cache, voice: Voice, text: list[int], mode: str
-                      ) -> tuple[float, float, float]:
+def stream_overlapped(engine: SimpleNamespace, cache, voice: Voice, text: list[int], mode: str,
+                      prefix: PromptPrefix) -> tuple[float, float, float]:
     """One utterance with the LM on a background thread (overlap.py): (first chunk s, first 200 ms s, RTF).
 
     The sampler and the vocoder noise get their own generators: the two threads draw concurrently.
     """
     sampler = fixed_length_ras(engine.hparams, engine.lm.eos, torch.Generator().manual_seed(1))
-    tokens = generate(engine.lm, cache, sampler, text, voice.prompt_text, voice.lm_prompt_speech)
+    tokens = generate(engine.lm, cache, sampler, text, voice.prompt_text, voice.lm_prompt_speech, prefix=prefix)
     stream = engine.token2wav.stream(flow_prompt(voice, engine.device, engine.dtype),
                                      generator=torch.Generator().manual_seed(2), mode=mode)
     start, first_chunk, first_audio, audio = time.perf_counter(), None, None, 0
@@ -189,6 +189,10 @@ def main() -> None:
         step_x = lm.speech_embedding.weight[:1].reshape(1, 1, -1)
         steps, _ = timed(lambda: lm(step_x, pos[-1:] + 1, cache), 20)
         rows["LM decode step (ms)"] = 1000 * statistics.median(steps)
+        prefix = prompt_prefix(lm, voice.prompt_text)
+        n = prefix.length
+        prefill, _ = timed(lambda: lm(x[:, n:], pos[n:], cache), 3)
+        rows[f"LM prefill after the voice's {n}-token prefix (s)"] = statistics.median(prefill)
         hift_1s, _ = timed(lambda: hift.inference(torch.randn(1, 80, 50, generator=g), generator=g), 2)
         rows["HiFT, 1 s of mel (s)"] = min(hift_1s)
 
@@ -216,7 +220,7 @@ def main() -> None:
         rows[f"streaming [{mode}]: RTF"] = rtf
     overlap_modes = [m for m in args.overlap_modes.split(",") if m]
     for mode in overlap_modes:
-        first_step, first_audio, rtf = stream_overlapped(engine, cache, voice, text, mode)
+        first_step, first_audio, rtf = stream_overlapped(engine, cache, voice, text, mode, prefix)
         streams[f"{mode}+ovl"] = first_audio, rtf, first_step
         rows[f"streaming [{mode}+ovl]: first audio (s)"] = first_audio
         rows[f"streaming [{mode}+ovl]: RTF"] = rtf
@@ -255,7 +259,7 @@ def main() -> None:
         rows[f"streaming [{mode}+int8]: first audio (s)"] = first_audio
         rows[f"streaming [{mode}+int8]: RTF"] = rtf
     for mode in overlap_modes if int8_modes else []:
-        first_step, first_audio, rtf = stream_overlapped(engine, cache, voice, text, mode)
+        first_step, first_audio, rtf = stream_overlapped(engine, cache, voice, text, mode, prefix)
         streams[f"{mode}+int8+ovl"] = first_audio, rtf, first_step
         rows[f"streaming [{mode}+int8+ovl]: first audio (s)"] = first_audio
         rows[f"streaming [{mode}+int8+ovl]: RTF"] = rtf

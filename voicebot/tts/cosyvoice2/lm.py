@@ -251,16 +251,44 @@ def build_lm_input(lm: CosyVoice2LM, text: Tensor, prompt_text: Tensor, prompt_s
     return torch.cat([sos, text_emb, task_id, lm.embed_speech(prompt_speech)], dim=1)  # (1, L, D)
 
 
+@dataclass(frozen=True)
+class PromptPrefix:
+    """A voice's reusable LM state: the keys/values of [sos | prompt_text], the leading part of every
+    request's input (spec §6.1: the reply text comes after the prompt text, so nothing else is)."""
+
+    prompt_text: Tensor  # (n,) long: the ids it was computed for
+    k: Tensor  # (layers, 1, kv_heads, 1 + n, head_dim)
+    v: Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[3]
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@torch.inference_mode()
+def prompt_prefix(lm: CosyVoice2LM, prompt_text: Tensor | Sequence[int] | None) -> PromptPrefix:
+    ids = token_ids(prompt_text, lm.llm_decoder.weight.device)
+    x = torch.cat([lm.sos_task()[0], lm.embed_text(ids)], dim=1)  # (1, 1 + n, D)
+    cache = lm.new_cache(x.shape[1])
+    lm.qwen(x, torch.arange(x.shape[1], device=x.device), cache)
+    return PromptPrefix(ids, cache.k, cache.v)
+
+
 @torch.inference_mode()
 def generate(lm: CosyVoice2LM, cache: KVCache, sample: Sampler, text: Tensor | Sequence[int],
              prompt_text: Tensor | Sequence[int] | None = None,
              prompt_speech: Tensor | Sequence[int] | None = None,
              min_token_text_ratio: float = MIN_TOKEN_TEXT_RATIO,
-             max_token_text_ratio: float = MAX_TOKEN_TEXT_RATIO) -> Iterator[int]:
+             max_token_text_ratio: float = MAX_TOKEN_TEXT_RATIO,
+             prefix: PromptPrefix | None = None) -> Iterator[int]:
     """Decode speech tokens one at a time (official Qwen2LM.inference, unistream).
 
     Limits count only the tts text: at least int(n·min_ratio) tokens (eos alone is masked until
-    then), at most int(n·max_ratio), and never past the end of `cache`.
+    then), at most int(n·max_ratio), and never past the end of `cache`. A `prefix` (the voice's
+    `prompt_prefix` for this prompt_text) is copied into the cache instead of being prefilled.
     """
     device = lm.llm_decoder.weight.device
     text, prompt_text, prompt_speech = (token_ids(t, device) for t in (text, prompt_text, prompt_speech))
@@ -271,6 +299,12 @@ def generate(lm: CosyVoice2LM, cache: KVCache, sample: Sampler, text: Tensor | S
         raise ValueError(f"KV cache of {cache.max_seq_len} cannot hold a {x.shape[1]}-token prefix "
                          f"plus {min_len} speech tokens; split the text")
     pos = torch.arange(x.shape[1], device=device)
+    if prefix is not None:
+        if not torch.equal(prefix.prompt_text, prompt_text):
+            raise ValueError("the LM prompt prefix was computed for another prompt text")
+        cache.k[:, :, :, : prefix.length] = prefix.k
+        cache.v[:, :, :, : prefix.length] = prefix.v
+        x, pos = x[:, prefix.length :], pos[prefix.length :]
     out: list[int] = []
     for i in range(max_len):
         logp = lm(x, pos, cache)
