@@ -27,6 +27,10 @@ def build_synthesizer(settings: Settings) -> Synthesizer:
         from voicebot.tts.espeak import EspeakSynthesizer
 
         return EspeakSynthesizer(settings.tts.espeak, settings.tts.voice)
+    if engine == "cosyvoice2":
+        from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer
+
+        return CosyVoice2Synthesizer(settings.tts.cosyvoice2, settings.tts.voice)
     raise ValueError(f"tts.engine: unknown engine {engine!r}")
 
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from voicebot.config import Settings, load_settings
 
-# A directory holding these is a complete FunASR/ModelScope model snapshot.
-_REQUIRED_FILES = ("config.yaml", "model.pt")
+# A directory holding these is a complete model snapshot of its kind.
+FUNASR_FILES = ("config.yaml", "model.pt")
+COSYVOICE2_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt")
 
 
 class ModelNotAvailable(RuntimeError):
@@ -31,26 +32,27 @@ class ModelRef:
     key: str  # the config key naming it, e.g. "asr.paraformer.model"
     ref: str  # a local directory or a ModelScope id
     cache: Path
+    files: tuple[str, ...] = FUNASR_FILES  # what a complete snapshot holds
 
     @property
     def cached_dir(self) -> Path:
         return self.cache / self.ref
 
 
-def is_complete(path: Path) -> bool:
-    return path.is_dir() and all((path / name).is_file() for name in _REQUIRED_FILES)
+def is_complete(path: Path, files: tuple[str, ...] = FUNASR_FILES) -> bool:
+    return path.is_dir() and all((path / name).is_file() for name in files)
 
 
 def resolve(model: ModelRef) -> Path:
     """The local directory of `model`; never touches the network."""
     local = Path(model.ref).expanduser()
-    if is_complete(local):
+    if is_complete(local, model.files):
         return local
-    if is_complete(model.cached_dir):
+    if is_complete(model.cached_dir, model.files):
         return model.cached_dir
     if local.is_dir():
         raise ModelNotAvailable(
-            f"{model.key} = {model.ref!r} is a directory without {' and '.join(_REQUIRED_FILES)}: not a model"
+            f"{model.key} = {model.ref!r} is a directory without {' and '.join(model.files)}: not a model"
         )
     raise ModelNotAvailable(
         f"{model.key} = {model.ref!r}: no such local directory and not downloaded into {model.cache}. "
@@ -72,6 +74,9 @@ def required_models(settings: Settings) -> list[ModelRef]:
             "asr.paraformer.vad_model": conf.vad_model,
         }
         refs += [ModelRef(key, ref, conf.model_cache) for key, ref in named.items() if ref]
+    if settings.tts.engine == "cosyvoice2":
+        conf = settings.tts.cosyvoice2
+        refs.append(ModelRef("tts.cosyvoice2.model", conf.model, conf.model_cache, COSYVOICE2_FILES))
     return refs
 
 
@@ -82,15 +87,15 @@ def _size(path: Path) -> int:
 def fetch(model: ModelRef) -> Path:
     """Download `model` into its cache unless it is local already (resumes a partial download)."""
     local = Path(model.ref).expanduser()
-    if is_complete(local):
+    if is_complete(local, model.files):
         return local
     from modelscope import snapshot_download  # heavy, and only needed here
 
     model.cached_dir.mkdir(parents=True, exist_ok=True)
     # ModelScope shows a progress bar per file.
     snapshot_download(model.ref, local_dir=str(model.cached_dir))
-    if not is_complete(model.cached_dir):
-        raise ModelNotAvailable(f"{model.key} = {model.ref!r}: download finished without {_REQUIRED_FILES}")
+    if not is_complete(model.cached_dir, model.files):
+        raise ModelNotAvailable(f"{model.key} = {model.ref!r}: download finished without {model.files}")
     return model.cached_dir
 
 
