@@ -51,9 +51,11 @@ def test_a_directory_that_is_not_a_model_is_refused(tmp_path):
         models.resolve(models.ModelRef("asr.paraformer.model", str(tmp_path), tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("name, count", [("cpu", 1), ("a10", 4)])
+@pytest.mark.parametrize("name, count", [("cpu", 1), ("a10", 5), ("cpu-cosyvoice", 2)])
 def test_shipped_configs_name_their_models(name, count):
     settings = load_settings(REPO_ROOT / "configs" / f"{name}.yaml")
     refs = models.required_models(settings)
     assert len(refs) == count and refs[0].key == "asr.paraformer.model"
+    if settings.tts.engine == "cosyvoice2":
+        assert refs[-1].key == "tts.cosyvoice2.model" and "llm.pt" in refs[-1].files
     assert settings.asr.paraformer.chunk_size == (0, 10, 5)
