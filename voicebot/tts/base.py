@@ -60,6 +60,30 @@ class SynthesisContext(ABC):
     async def close(self) -> None: ...
 
 
+class SentenceSynthesisContext(SynthesisContext):
+    """For engines that speak a sentence at a time: the reply's text deltas are cut into sentences
+    as they arrive (voicebot/tts/segmenter.py), and each sentence is one segment of the reply."""
+
+    async def stream(self, text: AsyncIterator[str]) -> AsyncIterator[SpeechChunk]:
+        from voicebot.tts.segmenter import SentenceSegmenter
+
+        segmenter = SentenceSegmenter()
+        segment = 0
+        async for delta in text:
+            for sentence in segmenter.push(delta):
+                async for chunk in self.speak(sentence, segment):
+                    yield chunk
+                segment += 1
+        rest = segmenter.flush()
+        if rest:
+            async for chunk in self.speak(rest, segment):
+                yield chunk
+
+    @abstractmethod
+    def speak(self, sentence: str, segment: int) -> AsyncIterator[SpeechChunk]:
+        """The audio of one sentence; an async generator."""
+
+
 class Synthesizer(ABC):
     name: str
 

@@ -20,8 +20,7 @@ from voicebot.audio.resample import StreamResampler
 from voicebot.config import EspeakConfig
 from voicebot.engine import EngineInfo, ResetReport
 from voicebot.serving.worker import Worker
-from voicebot.tts.base import SAMPLE_RATE, SpeechChunk, SynthesisContext, Synthesizer, VoiceInfo
-from voicebot.tts.segmenter import SentenceSegmenter
+from voicebot.tts.base import SAMPLE_RATE, SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
 
 AUDIO_OUTPUT_SYNCHRONOUS = 2
 ESPEAK_CHARS_UTF8 = 1
@@ -120,7 +119,7 @@ class EspeakSynthesizer(Synthesizer):
         return self.library.synthesize(text, self.config.voices[voice], self.config.rate_wpm, cancel)
 
 
-class EspeakContext(SynthesisContext):
+class EspeakContext(SentenceSynthesisContext):
     """espeak keeps no state between sentences; a reset only advances the generation."""
 
     def __init__(self, engine: EspeakSynthesizer, voice: str) -> None:
@@ -131,20 +130,7 @@ class EspeakContext(SynthesisContext):
     def set_voice(self, voice: str) -> None:
         self.voice = self.engine._check_voice(voice)
 
-    async def stream(self, text: AsyncIterator[str]) -> AsyncIterator[SpeechChunk]:
-        segmenter = SentenceSegmenter()
-        segment = 0
-        async for delta in text:
-            for sentence in segmenter.push(delta):
-                async for chunk in self._speak(sentence, segment):
-                    yield chunk
-                segment += 1
-        rest = segmenter.flush()
-        if rest:
-            async for chunk in self._speak(rest, segment):
-                yield chunk
-
-    async def _speak(self, sentence: str, segment: int) -> AsyncIterator[SpeechChunk]:
+    async def speak(self, sentence: str, segment: int) -> AsyncIterator[SpeechChunk]:
         cancel = threading.Event()
         try:
             native = await self.engine.worker.run(self.engine.synthesize, sentence, self.voice, cancel)

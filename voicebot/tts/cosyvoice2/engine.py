@@ -23,14 +23,13 @@ import torch
 from voicebot.config import Cosyvoice2Config
 from voicebot.engine import EngineInfo, ResetReport
 from voicebot.serving.worker import Worker
-from voicebot.tts.base import SpeechChunk, SynthesisContext, Synthesizer, VoiceInfo
+from voicebot.tts.base import SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
 from voicebot.tts.cosyvoice2.frontend import Frontend
 from voicebot.tts.cosyvoice2.lm import KVCache, generate
 from voicebot.tts.cosyvoice2.loader import load_cosyvoice2, resolve_device, resolve_dtype, resolve_model_dir
 from voicebot.tts.cosyvoice2.sampling import RasSampler
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav, Token2WavStream
 from voicebot.tts.cosyvoice2.voices import Voice, VoiceLibrary
-from voicebot.tts.segmenter import SentenceSegmenter
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +150,7 @@ class _Utterance:
         return [c.reshape(-1).float().cpu().numpy() for c in chunks if c.numel()], done
 
 
-class CosyVoice2Context(SynthesisContext):
+class CosyVoice2Context(SentenceSynthesisContext):
     def __init__(self, engine: CosyVoice2Synthesizer, voice: str) -> None:
         self.engine = engine
         self.voice = voice
@@ -164,20 +163,7 @@ class CosyVoice2Context(SynthesisContext):
     def set_voice(self, voice: str) -> None:
         self.voice = self.engine._check_voice(voice)
 
-    async def stream(self, text: AsyncIterator[str]) -> AsyncIterator[SpeechChunk]:
-        segmenter = SentenceSegmenter()
-        segment = 0
-        async for delta in text:
-            for sentence in segmenter.push(delta):
-                async for chunk in self._speak(sentence, segment):
-                    yield chunk
-                segment += 1
-        rest = segmenter.flush()
-        if rest:
-            async for chunk in self._speak(rest, segment):
-                yield chunk
-
-    async def _speak(self, sentence: str, segment: int) -> AsyncIterator[SpeechChunk]:
+    async def speak(self, sentence: str, segment: int) -> AsyncIterator[SpeechChunk]:
         engine = self.engine
         text_frontend = engine.library.frontend.text
         voice = engine.library[self.voice]
