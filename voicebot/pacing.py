@@ -82,7 +82,15 @@ class HeardText:
                 fraction = (played_samples - seg.start) / max(1, seg.end - seg.start)
                 parts.append(_prefix(seg.text, fraction))
             break
-        return " ".join(p for p in parts if p)
+        text = ""
+        for part in filter(None, parts):
+            # Chinese sentences join without a space; English ones with one.
+            text += part if not text or _is_cjk(text[-1]) or _is_cjk(part[0]) else " " + part
+        return text
+
+
+def _is_cjk(ch: str) -> bool:
+    return "\u3000" <= ch <= "\u9fff" or "\uff00" <= ch <= "\uffef"
 
 
 def _prefix(text: str, fraction: float) -> str:

@@ -315,7 +315,8 @@ class Session:
                     events = await self.rt.audio_worker.run(self._front_end, data, arrived)
                 for ev in events:
                     utterance = await self._on_vad_event(ev, utterance)
-            if self.state is State.SPEAKING and self.endpointer.speech_run_ms >= self.barge_in_min_ms:
+            # While the reply is still being prepared too: the user has more to say.
+            if self.state in (State.THINKING, State.SPEAKING) and self.endpointer.speech_run_ms >= self.barge_in_min_ms:
                 await self.interrupt("barge_in")
 
     def _front_end(self, data: bytes, arrived: float) -> list:

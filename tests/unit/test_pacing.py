@@ -56,7 +56,8 @@ def test_heard_text_keeps_whole_sentences_and_the_played_part_of_the_current_one
     assert heard.heard(10**9) == "Hello there. How are you doing today?"
 
 
-def test_heard_text_cuts_chinese_by_characters():
+def test_heard_text_cuts_chinese_by_characters_and_joins_without_spaces():
     heard = HeardText()
-    heard.add("你好世界", 0, 0, 4000)
-    assert heard.heard(2000) == "你好"
+    heard.add("你好。", 0, 0, 3000)
+    heard.add("我是主播。", 1, 3000, 5000)
+    assert heard.heard(3000 + 2000) == "你好。我是"
