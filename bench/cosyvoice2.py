@@ -83,6 +83,8 @@ def timed(fn, n: int = 1) -> tuple[list[float], object]:
     for _ in range(n):
         start = time.perf_counter()
         out = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # CUDA work is asynchronous: time it to its end
         times.append(time.perf_counter() - start)
     return times, out
 
@@ -102,7 +104,7 @@ def stream_once(engine: SimpleNamespace, cache, voice: Voice, text: list[int]
                 ) -> tuple[float, float, float, list[int], np.ndarray]:
     """One utterance through the engine's step loop: (first chunk step s, first 200 ms of audio s, RTF, tokens,
     the audio of the last step)."""
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator(engine.device).manual_seed(1)
     utterance = _Utterance(engine, cache, voice, text, generator)
     utterance.tokens = generate(engine.lm, cache, fixed_length_ras(engine.hparams, engine.lm.eos, generator), text,
                                 voice.prompt_text, voice.lm_prompt_speech)
@@ -127,10 +129,10 @@ def stream_overlapped(engine: SimpleNamespace, cache, voice: Voice, text: list[i
 
     The sampler and the vocoder noise get their own generators: the two threads draw concurrently.
     """
-    sampler = fixed_length_ras(engine.hparams, engine.lm.eos, torch.Generator().manual_seed(1))
+    sampler = fixed_length_ras(engine.hparams, engine.lm.eos, torch.Generator(engine.device).manual_seed(1))
     tokens = generate(engine.lm, cache, sampler, text, voice.prompt_text, voice.lm_prompt_speech, prefix=prefix)
     stream = engine.token2wav.stream(flow_prompt(voice, engine.device, engine.dtype),
-                                     generator=torch.Generator().manual_seed(2), mode=mode)
+                                     generator=torch.Generator(engine.device).manual_seed(2), mode=mode)
     start, first_chunk, first_audio, audio = time.perf_counter(), None, None, 0
     for chunk in overlapped(tokens, stream):
         audio += chunk.shape[1]
@@ -155,7 +157,11 @@ def main() -> None:
     parser.add_argument("--int8-modes", default="exact,fast", help="modes to run again with the int8 LM ('' for none)")
     parser.add_argument("--overlap-modes", default="exact,fast",
                         help="modes to run again, fp32 and int8, with the LM overlapped ('' for none)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine (bench/gpu_check.sh)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="LM and flow precision (HiFT always runs in float32)")
     args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
@@ -163,26 +169,28 @@ def main() -> None:
         hp = released_hparams(args.fixtures, Path(tmp)) if args.size == "released" else load_hparams(args.fixtures)
         start = time.perf_counter()
         lm, flow, hift = build_lm(hp).eval(), build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
+        lm, flow, hift = lm.to(device, dtype), flow.to(device, dtype), hift.to(device)
     print(f"built {args.size} modules with random weights in {time.perf_counter() - start:.1f} s, "
-          f"{args.threads} threads")
+          f"{args.threads} threads, {device} {args.dtype}")
     token2wav = Token2Wav(flow, hift)
     n_speech, vocab = lm.speech_token_size, lm.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     voice = Voice(
         name="bench", source="random", transcript="",
-        prompt_text=torch.randint(0, vocab, (1, N_PROMPT_TEXT), generator=g, dtype=torch.int32),
-        lm_prompt_speech=(prompt_speech := torch.randint(0, n_speech, (1, N_PROMPT_SPEECH), generator=g, dtype=torch.int32)),
+        prompt_text=torch.randint(0, vocab, (1, N_PROMPT_TEXT), generator=g, dtype=torch.int32).to(device),
+        lm_prompt_speech=(prompt_speech := torch.randint(0, n_speech, (1, N_PROMPT_SPEECH), generator=g,
+                                                         dtype=torch.int32).to(device)),
         flow_prompt_speech=prompt_speech,
-        prompt_feat=torch.randn(1, 2 * N_PROMPT_SPEECH, 80, generator=g),
-        embedding=torch.randn(1, 192, generator=g),
+        prompt_feat=torch.randn(1, 2 * N_PROMPT_SPEECH, 80, generator=g).to(device),
+        embedding=torch.randn(1, 192, generator=g).to(device),
     )
     text = torch.randint(0, vocab, (N_TEXT,), generator=g).tolist()
     cache = lm.new_cache(1024)
     rows: dict[str, float] = {}
 
     with torch.inference_mode():
-        x = build_lm_input(lm, torch.tensor(text), voice.prompt_text[0].long(), prompt_speech[0].long())
-        pos = torch.arange(x.shape[1])
+        x = build_lm_input(lm, torch.tensor(text, device=device), voice.prompt_text[0].long(), prompt_speech[0].long())
+        pos = torch.arange(x.shape[1], device=device)
         lm(x, pos, cache)  # warm-up
         prefill, _ = timed(lambda: lm(x, pos, cache), 3)
         prefill_time = rows[f"LM prefill, L={x.shape[1]} (s)"] = statistics.median(prefill)
@@ -193,12 +201,12 @@ def main() -> None:
         n = prefix.length
         prefill, _ = timed(lambda: lm(x[:, n:], pos[n:], cache), 3)
         rows[f"LM prefill after the voice's {n}-token prefix (s)"] = statistics.median(prefill)
-        hift_1s, _ = timed(lambda: hift.inference(torch.randn(1, 80, 50, generator=g), generator=g), 2)
+        hift_1s, _ = timed(lambda: hift.inference(torch.randn(1, 80, 50, device=device)), 2)
         rows["HiFT, 1 s of mel (s)"] = min(hift_1s)
 
     # Streaming, through the engine's own step loop (LM steps and flow/HiFT chunks on one thread),
     # in each token2wav mode; exact and fast share the voice's flow prompt state, made once up front.
-    engine = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, hparams=hp, lm=lm, token2wav=token2wav,
+    engine = SimpleNamespace(device=device, dtype=dtype, hparams=hp, lm=lm, token2wav=token2wav,
                              config=Cosyvoice2Config())
     prompt = flow_prompt(voice, engine.device, engine.dtype)
     # the last HiFT input of each run: the final chunk's mel (with the 8 overlap frames before it)
@@ -226,11 +234,11 @@ def main() -> None:
         rows[f"streaming [{mode}+ovl]: RTF"] = rtf
 
     # Non-streaming: the same tokens (the sampler is seeded), one flow and one HiFT pass.
-    tokens = torch.tensor([tokens])
+    tokens = torch.tensor([tokens], device=device)
     flow_time, mel = timed(lambda: flow.inference(tokens, prompt.token, prompt.feat, prompt.embedding,
                                                   streaming=False, finalize=True))
     with torch.inference_mode():
-        hift_time, _ = timed(lambda: hift.inference(mel, generator=g))
+        hift_time, _ = timed(lambda: hift.inference(mel.float()))
     rows["non-streaming flow, 5 s (s)"] = flow_time[0]
     lm_time = prefill_time + N_GENERATED * rows["LM decode step (ms)"] / 1000
     rows["non-streaming: RTF (LM + flow + HiFT)"] = (lm_time + flow_time[0] + hift_time[0]) / AUDIO_SECONDS
@@ -264,6 +272,8 @@ def main() -> None:
         rows[f"streaming [{mode}+int8+ovl]: first audio (s)"] = first_audio
         rows[f"streaming [{mode}+int8+ovl]: RTF"] = rtf
     rows["peak RSS (GB)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    if device.type == "cuda":
+        rows["peak GPU memory (GB)"] = torch.cuda.max_memory_allocated() / 1e9
     rows["flow prompt states held (GB)"] = sum(token2wav.prompt_state_bytes().values()) / 1e9
 
     print(f"\n{'measurement':50s} {'ours':>10s} {'official':>10s} {'ratio':>7s}")
