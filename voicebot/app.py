@@ -90,7 +90,7 @@ class Runtime:
         self.audio_worker.shutdown()
 
     def replies_in_progress(self) -> int:
-        return sum(1 for s in self.sessions.values() if s._reply is not None or not s.turns.empty())
+        return sum(1 for s in self.sessions.values() if s.replying)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

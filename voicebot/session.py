@@ -133,6 +133,11 @@ class Session:
 
     # ---- lifecycle ------------------------------------------------------------------------
 
+    @property
+    def replying(self) -> bool:
+        """A reply is being made or played, or one is queued."""
+        return self._reply is not None or not self.turns.empty()
+
     async def run_sender(self) -> None:
         """Drain the outbox to the socket; a None entry ends it."""
         while (item := await self.outbox.get()) is not None:
