@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -40,18 +42,24 @@ def test_attention_selection(monkeypatch):
     assert select_attention(torch.device("cuda")) == "sdpa"
 
 
-@pytest.fixture(scope="module")
-def synth(tmp_path_factory, cv2_dir) -> CosyVoice2Synthesizer:
-    root = tmp_path_factory.mktemp("cv2")
+def make_synth(root: Path, cv2_dir: Path, **config: Any) -> CosyVoice2Synthesizer:
+    """A loaded engine on the tiny model with one wav voice, "anna"; `config` overrides fields."""
     voices = root / "voices"
     voices.mkdir()
     t = np.arange(2 * 24000) / 24000  # 2 s: 50 prompt tokens, one flow chunk the prompt state can keep
     sf.write(voices / "anna.wav", (0.3 * np.sin(2 * np.pi * 200 * t)).astype(np.float32), 24000, subtype="FLOAT")
     (voices / "anna.txt").write_text("Hello world.")
     config = Cosyvoice2Config(model=str(make_model_dir(root / "model", cv2_dir)), voices_dir=voices,
-                              voice_cache_dir=root / "cache", device="cpu", dtype="auto", kv_cache_tokens=512)
+                              voice_cache_dir=root / "cache", device="cpu", dtype="auto", kv_cache_tokens=512,
+                              **config)
     engine = CosyVoice2Synthesizer(config, default_voice="anna")
     engine.load()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory, cv2_dir) -> CosyVoice2Synthesizer:
+    engine = make_synth(tmp_path_factory.mktemp("cv2"), cv2_dir)
     yield engine
     engine.close()
 
@@ -181,9 +189,20 @@ def test_reset_rebuilds_session_state(synth, fixed_length):
     assert asyncio.run(run())
 
 
-def test_engine_audio_equals_the_model_run_directly(synth, fixed_length):
-    """The wiring: the same voice prompt, text ids and noise seed through generate + Token2WavStream."""
+def test_engine_audio_equals_the_model_run_directly(synth, fixed_length, monkeypatch):
+    """The wiring: the same voice prompt, text ids and noise seed through generate + Token2WavStream.
+    The engine starts the LM from the voice's cached prompt prefix; run directly, it prefills all."""
     text = "Hello world."
+    engine_tokens, prefixes = [], []
+    original_generate = engine_mod.generate
+
+    def spy(*args, **kwargs):
+        prefixes.append(kwargs.get("prefix"))
+        for token in original_generate(*args, **kwargs):
+            engine_tokens.append(token)
+            yield token
+
+    monkeypatch.setattr(engine_mod, "generate", spy)
 
     async def run():
         context = synth.open("tiny_zero_shot_spk")
@@ -198,13 +217,16 @@ def test_engine_audio_equals_the_model_run_directly(synth, fixed_length):
     ids = synth.library.frontend.text.encode(synth.library.frontend.text.normalize(text))
     generator = torch.Generator().manual_seed(7)
     sampler = engine_mod.RasSampler.from_hparams(synth.hparams["llm"]["sampling"], generator)
-    tokens = list(engine_mod.generate(synth.lm, synth.new_cache(), sampler, ids, voice.prompt_text, voice.lm_prompt_speech))
+    tokens = list(original_generate(synth.lm, synth.new_cache(), sampler, ids, voice.prompt_text, voice.lm_prompt_speech))
     stream = synth.token2wav.stream(
         engine_mod.FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
     )
     direct = torch.cat([*stream.push(tokens), stream.finish()], dim=1)[0].numpy()
-    assert len(tokens) == N_TOKENS
+    assert len(tokens) == N_TOKENS and engine_tokens == tokens
     np.testing.assert_allclose(streamed, direct, atol=1e-6)
+    # the prefix was used, and it is the voice's one cached copy
+    assert prefixes == [synth.lm_prefix(voice)] and prefixes[0].length == 1 + voice.prompt_text.shape[1] > 1
+    assert synth.info().details["lm_prefix_bytes"] >= prefixes[0].nbytes()
 
 
 def test_first_chunk_leaves_as_soon_as_its_tokens_exist(synth, fixed_length, monkeypatch):
@@ -227,3 +249,4 @@ def test_first_chunk_leaves_as_soon_as_its_tokens_exist(synth, fixed_length, mon
     asyncio.run(run())
     decoded, needed, _ = next(s for s in seen if s[2])
     assert decoded == needed  # no LM step was spent past the chunk boundary before its audio
+

@@ -25,7 +25,7 @@ from voicebot.engine import EngineInfo, ResetReport
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
 from voicebot.tts.cosyvoice2.frontend import Frontend
-from voicebot.tts.cosyvoice2.lm import KVCache, generate
+from voicebot.tts.cosyvoice2.lm import KVCache, PromptPrefix, generate, prompt_prefix
 from voicebot.tts.cosyvoice2.loader import load_cosyvoice2, resolve_device, resolve_dtype, resolve_model_dir
 from voicebot.tts.cosyvoice2.sampling import RasSampler
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav, Token2WavStream
@@ -63,6 +63,8 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.library: VoiceLibrary | None = None
         self.contexts: set[CosyVoice2Context] = set()
         self.model_dir: Path | None = None
+        # voice name -> (the Voice it was computed from, its LM prompt prefix); worker thread only
+        self._lm_prefixes: dict[str, tuple[Voice, PromptPrefix]] = {}
 
     def load(self) -> None:
         if self.config.threads:
@@ -103,7 +105,8 @@ class CosyVoice2Synthesizer(Synthesizer):
         if loaded:
             details |= {"model_dir": str(self.model_dir), "voices": self.library.names(),
                         "stream_mode": self.token2wav.mode, "voice_state_bytes": self.library.nbytes(),
-                        "flow_prompt_state_bytes": sum(self.token2wav.prompt_state_bytes().values())}
+                        "flow_prompt_state_bytes": sum(self.token2wav.prompt_state_bytes().values()),
+                        "lm_prefix_bytes": sum(prefix.nbytes() for _, prefix in list(self._lm_prefixes.values()))}
         return EngineInfo("tts", self.name, str(self.device), loaded, details)
 
     def close(self) -> None:
@@ -116,6 +119,15 @@ class CosyVoice2Synthesizer(Synthesizer):
 
     def new_cache(self) -> KVCache:
         return self.lm.new_cache(self.config.kv_cache_tokens)
+
+    def lm_prefix(self, voice: Voice) -> PromptPrefix:
+        """The voice's [sos | prompt text] LM keys/values, computed once per Voice object: a
+        refreshed voice (a new object) gets a new prefix, never the old one's."""
+        cached = self._lm_prefixes.get(voice.name)
+        if cached is None or cached[0] is not voice:
+            cached = (voice, prompt_prefix(self.lm, voice.prompt_text))
+            self._lm_prefixes[voice.name] = cached
+        return cached[1]
 
 
 # --- one session
@@ -130,11 +142,12 @@ class _Utterance:
     """One utterance's blocking work, advanced by `step()` calls on the worker thread."""
 
     def __init__(self, engine: CosyVoice2Synthesizer, cache: KVCache, voice: Voice, text_ids: list[int],
-                 generator: torch.Generator) -> None:
+                 generator: torch.Generator, prefix: PromptPrefix | None = None) -> None:
+        """prefix: the voice's LM prompt prefix (CosyVoice2Synthesizer.lm_prefix); None prefills it too."""
         dev, dtype = engine.device, engine.dtype
         sampler = RasSampler.from_hparams(engine.hparams["llm"]["sampling"], generator)
-        self.tokens: Iterator[int] = generate(engine.lm, cache, sampler, text_ids,
-                                              voice.prompt_text.to(dev), voice.lm_prompt_speech.to(dev))
+        self.tokens: Iterator[int] = generate(engine.lm, cache, sampler, text_ids, voice.prompt_text.to(dev),
+                                              voice.lm_prompt_speech.to(dev), prefix=prefix)
         self.stream: Token2WavStream = engine.token2wav.stream(flow_prompt(voice, dev, dtype), generator=generator)
         self.per_step = engine.config.lm_tokens_per_step
 
@@ -179,7 +192,7 @@ class CosyVoice2Context(SentenceSynthesisContext):
     def _start(self, voice: Voice, text_ids: list[int]) -> _Utterance:
         if self.cache is None:
             self.cache = self.engine.new_cache()
-        return _Utterance(self.engine, self.cache, voice, text_ids, self.generator)
+        return _Utterance(self.engine, self.cache, voice, text_ids, self.generator, self.engine.lm_prefix(voice))
 
     def state_bytes(self) -> int:
         return self.cache.nbytes() if self.cache is not None else 0
