@@ -181,6 +181,17 @@ class Cosyvoice2Config(Section):
     flow_prompt_states: int = Field(4, ge=1)
     # torch intra-op threads (process-wide, like asr.paraformer.threads); 0 leaves torch's default.
     threads: int = Field(0, ge=0)
+    # Int8 LM decode steps (voicebot/tts/cosyvoice2/quant.py): under half the weight reads per
+    # token (down_proj stays fp32), relative logit error <= 2 %. The kernels are CPU-only, so it needs `device: cpu`.
+    lm_int8: bool = False
+
+    @model_validator(mode="after")
+    def _int8_on_cpu(self) -> "Cosyvoice2Config":
+        # "auto" is refused too: it would turn into CUDA on a machine with a GPU.
+        if self.lm_int8 and (self.device != "cpu" or self.dtype not in ("auto", "float32")):
+            raise ValueError(f"lm_int8 needs device: cpu and dtype auto or float32 "
+                             f"(have device {self.device!r}, dtype {self.dtype!r}): its int8 kernels are CPU-only")
+        return self
 
 
 class TtsConfig(Section):

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from pydantic import ValidationError
 
 from tiny_frontend import make_model_dir
 from voicebot.config import Cosyvoice2Config
 from voicebot.tts.base import SAMPLE_RATE
 from voicebot.tts.cosyvoice2 import engine as engine_mod
 from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer, select_attention
+from voicebot.tts.cosyvoice2.quant import DynamicInt8Linear
 
 SAMPLES_PER_TOKEN = 2 * 480  # two mel frames of 480 samples
 N_TOKENS = 60  # speech tokens per utterance with the fixed-length sampler
@@ -250,3 +252,33 @@ def test_first_chunk_leaves_as_soon_as_its_tokens_exist(synth, fixed_length, mon
     decoded, needed, _ = next(s for s in seen if s[2])
     assert decoded == needed  # no LM step was spent past the chunk boundary before its audio
 
+
+def test_int8_lm_engine_streams(tmp_path, cv2_dir, monkeypatch):
+    eos = None
+
+    def sample(logp, history):  # as the fixed_length fixture, for this engine's LM
+        return int(logp[:eos].argmax()) if len(history) < N_TOKENS else eos
+
+    monkeypatch.setattr(engine_mod.RasSampler, "from_hparams", lambda *args: sample)
+    engine = make_synth(tmp_path, cv2_dir, lm_int8=True)
+    eos = engine.lm.eos
+
+    async def run():
+        context = engine.open("anna")
+        chunks = [c.audio async for c in context.stream(_deltas("Hello world."))]
+        await context.close()
+        return chunks
+
+    try:
+        chunks = asyncio.run(run())
+    finally:
+        engine.close()
+    assert engine.info().details["lm_int8"] is True
+    assert isinstance(engine.lm.qwen.layers[0].self_attn.q_proj, DynamicInt8Linear)
+    assert sum(map(len, chunks)) == N_TOKENS * SAMPLES_PER_TOKEN and np.isfinite(np.concatenate(chunks)).all()
+
+
+@pytest.mark.parametrize("device, dtype", [("cuda", "auto"), ("auto", "auto"), ("cpu", "float16")])
+def test_int8_lm_is_refused_off_cpu_float32(device, dtype):
+    with pytest.raises(ValidationError, match="lm_int8 needs device: cpu"):
+        Cosyvoice2Config(lm_int8=True, device=device, dtype=dtype)

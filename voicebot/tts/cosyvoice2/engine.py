@@ -27,6 +27,7 @@ from voicebot.tts.base import SentenceSynthesisContext, SpeechChunk, Synthesizer
 from voicebot.tts.cosyvoice2.frontend import Frontend
 from voicebot.tts.cosyvoice2.lm import KVCache, PromptPrefix, generate, prompt_prefix
 from voicebot.tts.cosyvoice2.loader import load_cosyvoice2, resolve_device, resolve_dtype, resolve_model_dir
+from voicebot.tts.cosyvoice2.quant import quantize_lm
 from voicebot.tts.cosyvoice2.sampling import RasSampler
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav, Token2WavStream
 from voicebot.tts.cosyvoice2.voices import Voice, VoiceLibrary
@@ -72,6 +73,8 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.model_dir = resolve_model_dir(self.config.model, self.config.model_cache, CONFIG_KEY)
         modules = load_cosyvoice2(self.model_dir, self.device, self.dtype)
         self.hparams, self.lm = modules.hparams, modules.lm
+        if self.config.lm_int8:  # after the strict checkpoint load: the wrappers change the module tree
+            quantize_lm(self.lm)
         self.token2wav = Token2Wav(modules.flow, modules.hift, mode=self.config.stream_mode,
                                    max_prompt_states=self.config.flow_prompt_states)
         library = VoiceLibrary(Frontend.from_model_dir(self.model_dir, cuda=self.device.type == "cuda"),
@@ -100,8 +103,8 @@ class CosyVoice2Synthesizer(Synthesizer):
     def info(self) -> EngineInfo:
         loaded = self.library is not None
         details = {"dtype": str(self.dtype).removeprefix("torch."), "attention": self.attention,
-                   "kv_cache_tokens": self.config.kv_cache_tokens, "sessions": len(self.contexts),
-                   "pending_steps": self.worker.pending}
+                   "lm_int8": self.config.lm_int8, "kv_cache_tokens": self.config.kv_cache_tokens,
+                   "sessions": len(self.contexts), "pending_steps": self.worker.pending}
         if loaded:
             details |= {"model_dir": str(self.model_dir), "voices": self.library.names(),
                         "stream_mode": self.token2wav.mode, "voice_state_bytes": self.library.nbytes(),
