@@ -6,6 +6,7 @@
 Weight norm uses torch's parametrizations, so parameter names match hift.pt
 (`<m>.parametrizations.weight.original0/1`). The source has random parts (initial harmonic phases
 and additive noise); `SourceNoise` makes them explicit so tests can zero or inject them.
+`HiFTStream` vocodes a mel that arrives in pieces with the same result as one call over all of it.
 """
 
 from __future__ import annotations
@@ -67,20 +68,31 @@ class SineSource(nn.Module):
         self.sine_amp, self.noise_std, self.voiced_threshold = sine_amp, noise_std, voiced_threshold
         self.l_linear = nn.Linear(self.n_harmonics, 1)
 
-    def forward(self, f0: Tensor, noise: SourceNoise) -> Tensor:
+    def forward(self, f0: Tensor, noise: SourceNoise, start_cycles: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """f0 (1, L, 1) -> (source (1, L, 1), cycles (1, H, L/480) float64: the running phase, in
+        cycles, through each frame).
+
+        start_cycles (1, H, 1) float64: the running phase before the first frame, when this is a
+        later piece of a streamed utterance; None at the utterance's start.
+        """
         harmonics = torch.arange(1, self.n_harmonics + 1, device=f0.device, dtype=f0.dtype)
         rad = (f0 * harmonics / self.sampling_rate) % 1  # (1, L, H) phase increment in cycles per sample
-        rand_ini = noise.rand_ini.clone()
-        rand_ini[:, 0] = 0
-        rad[:, 0, :] = rad[:, 0, :] + rand_ini
+        if start_cycles is None:  # the utterance's first sample gets the random initial phase
+            rand_ini = noise.rand_ini.clone()
+            rand_ini[:, 0] = 0
+            rad[:, 0, :] = rad[:, 0, :] + rand_ini
+            start_cycles = torch.zeros(1, self.n_harmonics, 1, device=f0.device, dtype=torch.float64)
         rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample_scale, mode="linear")  # (1, H, T)
-        phase = torch.cumsum(rad, dim=2) * 2 * math.pi
+        # A float32 cumsum accumulates in float64 on CPU and rounds each step; continuing a float64
+        # running sum therefore gives a streamed utterance the same phases as one whole call.
+        cycles = torch.cumsum(torch.cat([start_cycles, rad.double()], dim=2), dim=2)[:, :, 1:]
+        phase = cycles.to(f0.dtype) * 2 * math.pi
         phase = F.interpolate(phase * self.upsample_scale, scale_factor=self.upsample_scale, mode="linear")
         sines = torch.sin(phase).transpose(1, 2) * self.sine_amp  # (1, L, H)
         uv = (f0 > self.voiced_threshold).to(f0.dtype)  # (1, L, 1)
         noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
         sines = sines * uv + noise_amp * noise.sine_noise
-        return torch.tanh(self.l_linear(sines))
+        return torch.tanh(self.l_linear(sines)), cycles
 
 
 class F0Predictor(nn.Module):
@@ -220,10 +232,42 @@ class HiFT(nn.Module):
         wav = self._istft(torch.exp(x[:, :half]), torch.sin(x[:, half:]))
         return torch.clamp(wav, -self.audio_limit, self.audio_limit)
 
-    def source(self, f0: Tensor, noise: SourceNoise) -> Tensor:
-        """f0 (1, T) in Hz -> NSF source (1, 1, 480T)."""
+    def source(self, f0: Tensor, noise: SourceNoise, start_cycles: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """f0 (1, T) in Hz -> (NSF source (1, 1, 480T), running phase (1, H, T), see SineSource)."""
         f0 = F.interpolate(f0[:, None], scale_factor=float(self.samples_per_frame), mode="nearest")  # (1, 1, L)
-        return self.m_source(f0.transpose(1, 2), noise).transpose(1, 2)
+        source, cycles = self.m_source(f0.transpose(1, 2), noise, start_cycles)
+        return source.transpose(1, 2), cycles
+
+    def context_frames(self) -> tuple[int, int]:
+        """(decode, f0): mel frames on either side of an output sample that it depends on.
+
+        decode covers conv_pre, the up-sampling stages with their ResBlocks, conv_post and the
+        iSTFT, and also the source branch (STFT, source_downs, source ResBlocks) plus the one frame
+        the source's phase interpolation reaches; f0 is what the f0 predictor adds to that for mel
+        frames, since the source depends on the mel only through f0. Computed from the layer
+        shapes, in audio samples, rounded up to whole frames.
+        """
+        def resblock_reach(block: ResBlock) -> int:  # in samples of its own rate
+            return sum(c1.dilation[0] * (c1.kernel_size[0] // 2) + c2.kernel_size[0] // 2
+                       for c1, c2 in zip(block.convs1, block.convs2))
+
+        stft_reach = self.n_fft // 2  # an STFT frame's window, either side of its centre
+        spacing = self.hop_len  # audio samples between two samples of the current stage
+        reach = stft_reach + self.conv_post.kernel_size[0] // 2 * spacing
+        source_reach = 0
+        for i in reversed(range(len(self.ups))):
+            blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
+            reach += max(resblock_reach(b) for b in blocks) * spacing
+            down = self.source_downs[i]  # over STFT frames; its kernel spans it either side
+            source_reach = max(source_reach, reach + resblock_reach(self.source_resblocks[i]) * spacing
+                               + down.kernel_size[0] * self.hop_len + stft_reach)
+            up = self.ups[i]
+            reach += math.ceil((up.kernel_size[0] + up.stride[0]) / 2) * spacing
+            spacing *= up.stride[0]
+        reach += self.conv_pre.kernel_size[0] // 2 * spacing
+        source_reach += self.samples_per_frame  # phase interpolation between frame centres
+        f0_reach = sum(m.kernel_size[0] // 2 for m in self.f0_predictor.condnet if isinstance(m, nn.Conv1d))
+        return math.ceil(max(reach, source_reach) / self.samples_per_frame), f0_reach
 
     @torch.inference_mode()
     def inference(
@@ -242,10 +286,78 @@ class HiFT(nn.Module):
         n_samples = mel.shape[2] * self.samples_per_frame
         if noise is None:
             noise = SourceNoise.draw(n_samples, self.m_source.n_harmonics, generator, mel.device)
-        source = self.source(self.f0_predictor(mel), noise)
+        source, _ = self.source(self.f0_predictor(mel), noise)
         if cache_source is not None and cache_source.shape[2] > 0:
             source[:, :, : cache_source.shape[2]] = cache_source
         return self.decode(mel, source), source
+
+
+class HiFTStream:
+    """One utterance's mel, vocoded piece by piece so that the audio equals one `HiFT.inference`
+    over the whole mel (with zero source noise: to float rounding).
+
+    HiFT's convolutions are centred, so a sample needs `context` mel frames on both sides (see
+    `HiFT.context_frames`). Each `push` runs HiFT on [context | unvoiced | lookahead] frames and
+    keeps only the unvoiced samples whose context is complete: the last `lookahead` frames wait for
+    the next push (or `final`), which is the latency this costs (20 ms a frame). The f0 predictor
+    gets `f0_context` more frames on the left so that the source is exact across the whole decode
+    window. The sine phase is a running sum over all earlier frames, so it is carried across pushes
+    instead of being recomputed or cached as audio. Source noise, when on, is drawn once per sample
+    and kept for the frames voiced again as context.
+    """
+
+    def __init__(self, hift: HiFT, zero_noise: bool = False, generator: torch.Generator | None = None) -> None:
+        self.hift, self.zero_noise, self.generator = hift, zero_noise, generator
+        self.context, self.f0_context = hift.context_frames()
+        self.lookahead = self.context + self.f0_context  # the source reaches the mel through f0
+        self.n_harmonics = hift.m_source.n_harmonics
+        self.n_frames = 0  # mel frames pushed
+        self.voiced = 0  # frames whose audio has been returned
+        self.mel: Tensor | None = None  # frames from `mel_start` on: the next push's left context
+        self.mel_start = 0
+        self.start_cycles: Tensor | None = None  # running phase before the next window; None at frame 0
+        self.rand_ini: Tensor | None = None
+        self.sine_noise: Tensor | None = None  # (1, n, H) from the next window's first sample on
+
+    def _noise(self, start: int, end: int, device: torch.device) -> SourceNoise:
+        """The source noise of frames [start, end), drawing the samples not drawn before."""
+        spf, h = self.hift.samples_per_frame, self.n_harmonics
+        if self.zero_noise:
+            return SourceNoise.zeros((end - start) * spf, h, device)
+        if self.rand_ini is None:
+            self.rand_ini = torch.rand(1, h, generator=self.generator, device=device)
+            self.sine_noise = torch.zeros(1, 0, h, device=device)
+        missing = (end - start) * spf - self.sine_noise.shape[1]
+        new = torch.randn(1, missing, h, generator=self.generator, device=device)
+        self.sine_noise = torch.cat([self.sine_noise, new], dim=1)
+        return SourceNoise(self.rand_ini, self.sine_noise)
+
+    @torch.inference_mode()
+    def push(self, mel: Tensor, final: bool = False) -> Tensor:
+        """Add the next mel frames (1, 80, n); returns the audio (1, 480k) that is now final, all
+        of the rest when `final`."""
+        self.mel = mel if self.mel is None else torch.cat([self.mel, mel], dim=2)
+        self.n_frames += mel.shape[2]
+        done = self.n_frames if final else max(self.voiced, self.n_frames - self.lookahead)
+        if done == self.voiced:
+            return mel.new_zeros(1, 0)
+        start = max(0, self.voiced - self.context)  # the decode window is [start, n_frames)
+        window = self.mel[:, :, start - self.mel_start :]
+        f0 = self.hift.f0_predictor(self.mel)[:, start - self.mel_start :]
+        source, cycles = self.hift.source(f0, self._noise(start, self.n_frames, mel.device), self.start_cycles)
+        wav = self.hift.decode(window, source)
+        spf = self.hift.samples_per_frame
+        audio = wav[:, (self.voiced - start) * spf : (done - start) * spf]
+        # Move the state to the next window; its f0 there was exact (well inside this window).
+        next_start = max(0, done - self.context)
+        if next_start > start:
+            self.start_cycles = cycles[:, :, next_start - start - 1 : next_start - start]
+            if self.sine_noise is not None:
+                self.sine_noise = self.sine_noise[:, (next_start - start) * spf :]
+        keep_from = max(0, next_start - self.f0_context)
+        self.mel = self.mel[:, :, keep_from - self.mel_start :]
+        self.mel_start, self.voiced = keep_from, done
+        return audio
 
 
 def build_hift(hp: dict[str, Any]) -> HiFT:

@@ -11,7 +11,11 @@ the shared model (the official wrapper leaks the grown hop into later requests, 
   first 3840 samples are cross-faded with the previous chunk's held-back tail;
 - the last chunk uses `finalize=True` and full attention, as the official code does.
 
-Three modes differ only in how the flow gets those frames:
+That vocoding leaves audible seams (HiFT sees no right context and restarts its sine phase each
+chunk), so "fast" vocodes with `HiFTStream` instead, which holds back enough mel frames that its
+audio equals one HiFT call over the whole mel.
+
+Three modes differ in how the flow gets those frames (and "fast" in how they are vocoded):
 
 - "recompute": the official algorithm, every chunk re-runs the flow over all tokens, prompt included
   (kept as the reference for tests and the benchmark);
@@ -19,7 +23,9 @@ Three modes differ only in how the flow gets those frames:
   starts from the voice's cached prompt state; the final chunk still re-runs everything with full
   attention, as the official code does;
 - "fast": as "exact", but the final chunk too is chunk-causal and cached (the official
-  `streaming=True, finalize=True` flow output), so no chunk re-runs the prefix. Its last chunk
+  `streaming=True, finalize=True` flow output), so no chunk re-runs the prefix, and the mel goes
+  through `HiFTStream`: the audio is one HiFT call over the chunk-causal mel, cut differently into
+  chunks (each holds back `HiFTStream.lookahead` frames instead of the official 8). Its audio
   differs from "exact" (tests/cosyvoice2/test_speed_modes.py bounds and documents by how much).
 """
 
@@ -37,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from voicebot.tts.cosyvoice2.flow import Flow, FlowCache
-from voicebot.tts.cosyvoice2.hift import HiFT, SourceNoise
+from voicebot.tts.cosyvoice2.hift import HiFT, HiFTStream, SourceNoise
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,7 @@ class Token2WavStream:
         self.source_cache: Tensor | None = None  # (1, 1, 3840) source tail of the previous chunk
         self.speech_tail: Tensor | None = None  # (1, 3840) held back for the cross-fade
         self.finished = False
+        self.vocoder = HiFTStream(t2w.hift, zero_noise, generator) if mode == "fast" else None
         # this request's flow frames so far, from a copy of the voice's prompt state with room for
         # the first two chunks (later ones double the buffers, so growth copies stay amortised)
         self.flow_cache: FlowCache | None = None
@@ -224,6 +231,8 @@ class Token2WavStream:
             mel = mel[:, :, self.offset * flow.token_mel_ratio :]  # (1, 80, new frames)
         if finalize:
             self.flow_cache = None  # the request's largest state: free it with the last chunk
+        if self.vocoder is not None:
+            return self.vocoder.push(mel, final=finalize)
         if self.mel_cache is not None:
             mel = torch.cat([self.mel_cache, mel], dim=2)
         speech, source = self.t2w._vocode(mel, self.source_cache, self.zero_noise, self.generator)
