@@ -96,6 +96,11 @@ def running_server(settings: Settings) -> Iterator[RunningServer]:
     running = RunningServer(settings, server, thread, app)
     try:
         asyncio.run(_warm_up(running))
+        # The warm-up session is released once the server has seen the close: wait for it, so a
+        # test's sessions are the only ones (max_sessions tests count on it).
+        deadline = time.monotonic() + 10
+        while running.runtime.sessions and time.monotonic() < deadline:
+            time.sleep(0.02)
         yield running
     finally:
         server.should_exit = True
