@@ -177,11 +177,25 @@ def test_reset_rebuilds_session_state(synth, fixed_length):
         context = synth.open("anna")
         [c async for c in context.stream(_deltas("Hello world."))]
         cache, voice = context.cache, synth.library["anna"]
+        prefix = synth.lm_prefix(voice)
+        flow_state = synth.token2wav.prompt_state(engine_mod.flow_prompt(voice, synth.device, synth.dtype))
         report = await context.reset()
         assert report.engine == "cosyvoice2" and report.generation == 1
         assert report.bytes_freed == cache.nbytes() > 0
         assert context.cache is not cache and context.cache.k.data_ptr() != cache.k.data_ptr()
-        assert synth.library["anna"] is not voice  # the voice's prompt state was re-derived
+        # The voice's prompt state was re-derived, every part of it into new buffers (already
+        # rebuilt by the reset, not on the next reply), with the same values: the source is unchanged.
+        fresh = synth.library["anna"]
+        assert fresh is not voice and fresh.prompt_feat.data_ptr() != voice.prompt_feat.data_ptr()
+        assert synth._lm_prefixes["anna"][0] is fresh
+        new_prefix = synth.lm_prefix(fresh)
+        assert new_prefix.k.data_ptr() != prefix.k.data_ptr()
+        torch.testing.assert_close(new_prefix.k, prefix.k, rtol=0, atol=0)
+        fresh_prompt = engine_mod.flow_prompt(fresh, synth.device, synth.dtype)
+        assert fresh_prompt.key() in synth.token2wav.prompt_state_bytes()  # rebuilt, not left for the next reply
+        new_state = synth.token2wav.prompt_state(fresh_prompt)
+        assert new_state is not flow_state and new_state.n_frames == flow_state.n_frames > 0
+        assert new_state.steps[0].keys[0].data_ptr() != flow_state.steps[0].keys[0].data_ptr()
         assert (await context.reset()).generation == 2
         out = [c async for c in context.stream(_deltas("Hello world."))]
         await context.close()

@@ -86,9 +86,7 @@ class CosyVoice2Synthesizer(Synthesizer):
         if self.default_voice not in library:
             raise ValueError(f"tts.voice {self.default_voice!r} is not a CosyVoice 2 voice; have {library.names()}")
         self.library = library
-        if self.config.stream_mode != "recompute":
-            # The flow's prompt state takes seconds on CPU: pay it now, not in the first reply.
-            self.token2wav.prompt_state(flow_prompt(library[self.default_voice], self.device, self.dtype))
+        self._warm_flow_prompt_state(library[self.default_voice])
         log.info("cosyvoice2 loaded from %s on %s/%s, %d voices", self.model_dir, self.device, self.dtype,
                  len(library.names()))
 
@@ -131,6 +129,24 @@ class CosyVoice2Synthesizer(Synthesizer):
             cached = (voice, prompt_prefix(self.lm, voice.prompt_text))
             self._lm_prefixes[voice.name] = cached
         return cached[1]
+
+    def rederive_voice(self, name: str) -> Voice:
+        """Drop everything cached for a voice and rebuild it from its source (the periodic reset):
+        its features, its LM prompt prefix and its flow prompt state. Worker thread only."""
+        stale = flow_prompt(self.library[name], self.device, self.dtype)
+        voice = self.library.refresh(name)
+        self.lm_prefix(voice)  # a new Voice object, so a new prefix
+        # Token2Wav keys prompt states by content, which a refresh from an unchanged source keeps,
+        # so the entry must go or it would be found again. Token2Wav has no public eviction yet:
+        # this is the one place that reaches into it.
+        self.token2wav._prompt_states.pop(stale.key(), None)
+        self._warm_flow_prompt_state(voice)
+        return voice
+
+    def _warm_flow_prompt_state(self, voice: Voice) -> None:
+        if self.token2wav.mode != "recompute":
+            # The flow's prompt state takes seconds on CPU: pay it now, not in the next reply.
+            self.token2wav.prompt_state(flow_prompt(voice, self.device, self.dtype))
 
 
 # --- one session
@@ -206,7 +222,7 @@ class CosyVoice2Context(SentenceSynthesisContext):
         self.cache = None
         self.cache = await engine.worker.run(engine.new_cache)
         # The voice's prompt state is shared, so a reset re-derives it for every session using it.
-        await engine.worker.run(engine.library.refresh, self.voice)
+        await engine.worker.run(engine.rederive_voice, self.voice)
         self.generation += 1
         return ResetReport(engine.name, self.generation, freed)
 
