@@ -40,3 +40,27 @@ def cv2_meta(cv2_dir: Path) -> dict:
 @pytest.fixture(scope="session")
 def cv2_manifest(cv2_dir: Path) -> dict:
     return json.loads((cv2_dir / "manifest_full.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def t2w(cv2_dir: Path) -> "Token2Wav":
+    """Flow and HiFT of the fixture directory, loaded strictly; one per test module (it caches
+    voices' prompt states)."""
+    from voicebot.tts.cosyvoice2.flow import build_flow
+    from voicebot.tts.cosyvoice2.hift import build_hift
+    from voicebot.tts.cosyvoice2.hparams import load_hparams
+    from voicebot.tts.cosyvoice2.loader import load_checkpoint
+    from voicebot.tts.cosyvoice2.token2wav import Token2Wav
+
+    hp = load_hparams(cv2_dir)
+    flow, hift = build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
+    load_checkpoint(flow, cv2_dir / "flow.pt")
+    load_checkpoint(hift, cv2_dir / "hift.pt", strip="generator.")
+    return Token2Wav(flow, hift)
+
+
+@pytest.fixture(scope="module")
+def prompt(cv2_golden: dict) -> "FlowPrompt":
+    from voicebot.tts.cosyvoice2.token2wav import FlowPrompt
+
+    return FlowPrompt(cv2_golden["flow.prompt_token"], cv2_golden["flow.prompt_feat"], cv2_golden["flow.embedding"])

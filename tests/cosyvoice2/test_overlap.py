@@ -4,33 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from voicebot.tts.cosyvoice2.flow import build_flow
-from voicebot.tts.cosyvoice2.hift import build_hift
-from voicebot.tts.cosyvoice2.hparams import load_hparams
-from voicebot.tts.cosyvoice2.loader import load_checkpoint
 from voicebot.tts.cosyvoice2.overlap import overlapped
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 
 pytestmark = pytest.mark.golden
-
-
-@pytest.fixture(scope="module")
-def t2w(cv2_dir: Path) -> Token2Wav:
-    hp = load_hparams(cv2_dir)
-    flow, hift = build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
-    load_checkpoint(flow, cv2_dir / "flow.pt")
-    load_checkpoint(hift, cv2_dir / "hift.pt", strip="generator.")
-    return Token2Wav(flow, hift, mode="fast")
-
-
-@pytest.fixture(scope="module")
-def prompt(cv2_golden: dict) -> FlowPrompt:
-    return FlowPrompt(cv2_golden["flow.prompt_token"], cv2_golden["flow.prompt_feat"], cv2_golden["flow.embedding"])
 
 
 def _slow(tokens: list[int], delay: float = 0.002) -> Iterator[int]:
@@ -41,10 +22,10 @@ def _slow(tokens: list[int], delay: float = 0.002) -> Iterator[int]:
 
 def test_overlapped_chunks_equal_the_sequential_ones(cv2_golden: dict, t2w: Token2Wav, prompt: FlowPrompt) -> None:
     tokens = cv2_golden["flow.token"][0].tolist()
-    stream = t2w.stream(prompt, zero_noise=True)
+    stream = t2w.stream(prompt, zero_noise=True, mode="fast")
     expected = stream.push(tokens) + [stream.finish()]
     threads = torch.get_num_threads()
-    chunks = list(overlapped(_slow(tokens), t2w.stream(prompt, zero_noise=True)))
+    chunks = list(overlapped(_slow(tokens), t2w.stream(prompt, zero_noise=True, mode="fast")))
     assert torch.get_num_threads() == threads
     assert len(chunks) == len(expected)
     for chunk, want in zip(chunks, expected):
@@ -57,7 +38,7 @@ def test_decoding_errors_reach_the_consumer(t2w: Token2Wav, prompt: FlowPrompt) 
         raise RuntimeError("lm failed")
 
     with pytest.raises(RuntimeError, match="lm failed"):
-        list(overlapped(failing(), t2w.stream(prompt, zero_noise=True)))
+        list(overlapped(failing(), t2w.stream(prompt, zero_noise=True, mode="fast")))
 
 
 def test_closing_early_stops_the_decoder(cv2_golden: dict, t2w: Token2Wav, prompt: FlowPrompt) -> None:
@@ -68,7 +49,7 @@ def test_closing_early_stops_the_decoder(cv2_golden: dict, t2w: Token2Wav, promp
             consumed.append(token)
             yield token
 
-    chunks = overlapped(tokens(), t2w.stream(prompt, zero_noise=True))
+    chunks = overlapped(tokens(), t2w.stream(prompt, zero_noise=True, mode="fast"))
     next(chunks)
     chunks.close()
     n = len(consumed)

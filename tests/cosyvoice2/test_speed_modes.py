@@ -16,15 +16,10 @@ released sizes (random weights). Trained weights may differ; those cannot be mea
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 
 import pytest
 import torch
 
-from voicebot.tts.cosyvoice2.flow import build_flow
-from voicebot.tts.cosyvoice2.hift import build_hift
-from voicebot.tts.cosyvoice2.hparams import load_hparams
-from voicebot.tts.cosyvoice2.loader import load_checkpoint
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 
 pytestmark = pytest.mark.golden
@@ -35,20 +30,6 @@ FAST_SPEECH_REL_L2 = 0.15
 
 def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
-
-
-@pytest.fixture(scope="module")
-def t2w(cv2_dir: Path) -> Token2Wav:
-    hp = load_hparams(cv2_dir)
-    flow, hift = build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
-    load_checkpoint(flow, cv2_dir / "flow.pt")
-    load_checkpoint(hift, cv2_dir / "hift.pt", strip="generator.")
-    return Token2Wav(flow, hift)
-
-
-@pytest.fixture(scope="module")
-def prompt(cv2_golden: dict) -> FlowPrompt:
-    return FlowPrompt(cv2_golden["flow.prompt_token"], cv2_golden["flow.prompt_feat"], cv2_golden["flow.embedding"])
 
 
 def test_fast_mode_differs_from_exact_by_the_final_chunk_and_the_seams(cv2_golden: dict, t2w: Token2Wav,

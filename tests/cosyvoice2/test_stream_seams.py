@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.hift import HiFT, HiFTStream, SourceNoise, build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.loader import load_checkpoint
@@ -23,20 +22,6 @@ from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 SPEECH_ATOL = 2e-4  # README "Suggested fp32 acceptance thresholds", speech
 LAST_100_MS = 2400  # samples at 24 kHz
 SEAM = 480  # samples either side of a chunk boundary checked on their own
-
-
-@pytest.fixture(scope="module")
-def t2w(cv2_dir: Path) -> Token2Wav:
-    hp = load_hparams(cv2_dir)
-    flow, hift = build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
-    load_checkpoint(flow, cv2_dir / "flow.pt")
-    load_checkpoint(hift, cv2_dir / "hift.pt", strip="generator.")
-    return Token2Wav(flow, hift)
-
-
-@pytest.fixture(scope="module")
-def prompt(cv2_golden: dict) -> FlowPrompt:
-    return FlowPrompt(cv2_golden["flow.prompt_token"], cv2_golden["flow.prompt_feat"], cv2_golden["flow.embedding"])
 
 
 @pytest.fixture(scope="module")

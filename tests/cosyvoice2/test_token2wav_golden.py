@@ -8,15 +8,10 @@ it against golden_meta.json's `tts.stream.calls` and the per-call tensors. Max e
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
-from voicebot.tts.cosyvoice2.flow import build_flow
-from voicebot.tts.cosyvoice2.hift import build_hift
-from voicebot.tts.cosyvoice2.hparams import load_hparams
-from voicebot.tts.cosyvoice2.loader import load_checkpoint
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 
 pytestmark = pytest.mark.golden
@@ -25,20 +20,6 @@ pytestmark = pytest.mark.golden
 MEL_ATOL = 1e-4
 SOURCE_ATOL = 1e-3
 SPEECH_ATOL = 2e-4
-
-
-@pytest.fixture(scope="module")
-def t2w(cv2_dir: Path) -> Token2Wav:
-    hp = load_hparams(cv2_dir)
-    flow, hift = build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
-    load_checkpoint(flow, cv2_dir / "flow.pt")
-    load_checkpoint(hift, cv2_dir / "hift.pt", strip="generator.")
-    return Token2Wav(flow, hift)
-
-
-@pytest.fixture(scope="module")
-def prompt(cv2_golden: dict) -> FlowPrompt:
-    return FlowPrompt(cv2_golden["flow.prompt_token"], cv2_golden["flow.prompt_feat"], cv2_golden["flow.embedding"])
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
