@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
-import numpy as np
 
 from voicebot import protocol
 from voicebot.audio.endpoint import Endpointer, EventKind
