@@ -15,6 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from voicebot.tts.cosyvoice2.flow import build_flow
+from voicebot.tts.cosyvoice2.hift import build_hift
+from voicebot.tts.cosyvoice2.hparams import load_hparams
+from voicebot.tts.cosyvoice2.loader import load_checkpoint
+from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(os.environ.get("VOICEBOT_CV2_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures" / "cosyvoice2"))
 
@@ -43,15 +49,9 @@ def cv2_manifest(cv2_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def t2w(cv2_dir: Path) -> "Token2Wav":
+def t2w(cv2_dir: Path) -> Token2Wav:
     """Flow and HiFT of the fixture directory, loaded strictly; one per test module (it caches
     voices' prompt states)."""
-    from voicebot.tts.cosyvoice2.flow import build_flow
-    from voicebot.tts.cosyvoice2.hift import build_hift
-    from voicebot.tts.cosyvoice2.hparams import load_hparams
-    from voicebot.tts.cosyvoice2.loader import load_checkpoint
-    from voicebot.tts.cosyvoice2.token2wav import Token2Wav
-
     hp = load_hparams(cv2_dir)
     flow, hift = build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
     load_checkpoint(flow, cv2_dir / "flow.pt")
@@ -60,7 +60,5 @@ def t2w(cv2_dir: Path) -> "Token2Wav":
 
 
 @pytest.fixture(scope="module")
-def prompt(cv2_golden: dict) -> "FlowPrompt":
-    from voicebot.tts.cosyvoice2.token2wav import FlowPrompt
-
+def prompt(cv2_golden: dict) -> FlowPrompt:
     return FlowPrompt(cv2_golden["flow.prompt_token"], cv2_golden["flow.prompt_feat"], cv2_golden["flow.embedding"])
