@@ -16,7 +16,8 @@ from tiny_frontend import make_model_dir
 from voicebot.config import Cosyvoice2Config
 from voicebot.tts.base import SAMPLE_RATE
 from voicebot.tts.cosyvoice2 import engine as engine_mod
-from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer, select_attention
+from voicebot.tts.cosyvoice2 import lm as lm_mod
+from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer
 from voicebot.tts.cosyvoice2.quant import DynamicInt8Linear
 
 SAMPLES_PER_TOKEN = 2 * 480  # two mel frames of 480 samples
@@ -35,13 +36,13 @@ def fixed_length(monkeypatch, synth):
     monkeypatch.setattr(engine_mod.RasSampler, "from_hparams", lambda *args: sample)
 
 
-def test_attention_selection(monkeypatch):
-    have_flash = {"flash_attn": object()}
-    monkeypatch.setattr(engine_mod.importlib.util, "find_spec", lambda name: have_flash.get(name))
-    assert select_attention(torch.device("cuda")) == "flash_attention_2"
-    assert select_attention(torch.device("cpu")) == "sdpa"  # flash-attn is CUDA-only
-    have_flash.clear()
-    assert select_attention(torch.device("cuda")) == "sdpa"
+def test_reported_attention_is_the_one_the_lm_calls(synth, monkeypatch):
+    calls = []
+    sdpa = lm_mod.F.scaled_dot_product_attention
+    monkeypatch.setattr(lm_mod.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    with torch.inference_mode():
+        synth.lm(synth.lm.speech_embedding.weight[:1].reshape(1, 1, -1), torch.tensor([0]), synth.new_cache())
+    assert len(calls) == synth.lm.cfg.num_hidden_layers and synth.info().details["attention"] == "sdpa"
 
 
 def make_synth(root: Path, cv2_dir: Path, **config: Any) -> CosyVoice2Synthesizer:

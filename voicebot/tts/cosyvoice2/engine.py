@@ -11,7 +11,6 @@ new reply's first step always runs after the cancelled reply's last one.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import logging
 from pathlib import Path
@@ -39,13 +38,10 @@ CONFIG_KEY = "tts.cosyvoice2.model"
 
 # --- kernels
 
-
-def select_attention(device: torch.device) -> str:
-    """FlashAttention-2 when the flash-attn package is importable on CUDA, else torch's SDPA
-    (which itself dispatches to its built-in flash or memory-efficient kernels on CUDA)."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+# Every attention of the LM and the flow is torch's scaled_dot_product_attention, which on CUDA
+# dispatches to its own flash or memory-efficient kernel. The flash-attn package is never called,
+# so it is not reported even when it is installed.
+ATTENTION = "sdpa"
 
 
 # --- the shared engine
@@ -59,7 +55,6 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.default_voice = default_voice
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.attention = select_attention(self.device)
         self.worker = Worker(f"cosyvoice2-{self.device}", threads=1)
         self.library: VoiceLibrary | None = None
         self.contexts: set[CosyVoice2Context] = set()
@@ -100,7 +95,7 @@ class CosyVoice2Synthesizer(Synthesizer):
 
     def info(self) -> EngineInfo:
         loaded = self.library is not None
-        details = {"dtype": str(self.dtype).removeprefix("torch."), "attention": self.attention,
+        details = {"dtype": str(self.dtype).removeprefix("torch."), "attention": ATTENTION,
                    "lm_int8": self.config.lm_int8, "kv_cache_tokens": self.config.kv_cache_tokens,
                    "sessions": len(self.contexts), "pending_steps": self.worker.pending}
         if loaded:
