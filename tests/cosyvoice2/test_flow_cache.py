@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from voicebot.tts.cosyvoice2.flow import Flow, build_flow
+from voicebot.tts.cosyvoice2.flow import Flow, FlowCache, build_flow
 from voicebot.tts.cosyvoice2.hift import build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.loader import load_checkpoint
@@ -53,6 +53,11 @@ def _boundaries(n_prompt: int, n_tokens: int, hops: list[int], chunk: int, looka
     return ends
 
 
+def _buffer_frames(cache: FlowCache) -> set[int]:
+    """The frame capacities of a cache's key/value buffers."""
+    return {t.shape[2] for step in cache.steps for t in (*step.keys, *step.values) if t is not None}
+
+
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
     assert actual.shape == expected.shape
     err = (actual - expected).abs().max().item()
@@ -74,10 +79,12 @@ def test_cached_chunks_equal_the_recompute(flow: Flow, n_prompt: int, hops: list
         mel = flow.inference(tokens[:, : end + lookahead], *args, streaming=True, finalize=False, cache=cache)
         full = flow.inference(tokens[:, : end + lookahead], *args, streaming=True, finalize=False)
         _assert_close(mel, full[:, :, offset * ratio :], MEL_ATOL)
+        assert _buffer_frames(cache) == {cache.n_frames}  # grown chunk by chunk, nothing held unused
         offset = end
     last = flow.inference(tokens, *args, streaming=True, finalize=True, cache=cache)
     full = flow.inference(tokens, *args, streaming=True, finalize=True)
     _assert_close(last, full[:, :, offset * ratio :], MEL_ATOL)
+    assert _buffer_frames(cache) == {cache.n_frames}
     assert state.n_frames == cached_frames, "a request wrote into the voice's prompt state"
 
 
