@@ -132,9 +132,8 @@ class CosyVoice2Synthesizer(Synthesizer):
         voice = self.library.refresh(name)
         self.lm_prefix(voice)  # a new Voice object, so a new prefix
         # Token2Wav keys prompt states by content, which a refresh from an unchanged source keeps,
-        # so the entry must go or it would be found again. Token2Wav has no public eviction yet:
-        # this is the one place that reaches into it.
-        self.token2wav._prompt_states.pop(stale.key(), None)
+        # so the entry must go or it would be found again.
+        self.token2wav.evict_prompt_state(stale)
         self._warm_flow_prompt_state(voice)
         return voice
 

@@ -101,6 +101,10 @@ class Token2Wav:
         self._prompt_states.move_to_end(key)
         return state
 
+    def evict_prompt_state(self, prompt: FlowPrompt) -> None:
+        """Forget a voice's prompt state, so the next use recomputes it (the periodic reset)."""
+        self._prompt_states.pop(prompt.key(), None)
+
     def prompt_state_bytes(self) -> dict[str, int]:
         """Bytes held per cached voice prompt state (keyed by prompt content hash)."""
         return {key: state.nbytes() for key, state in self._prompt_states.items()}
@@ -162,8 +166,8 @@ class Token2WavStream:
         self.speech_tail: Tensor | None = None  # (1, 3840) held back for the cross-fade
         self.finished = False
         self.vocoder = HiFTStream(t2w.hift, zero_noise, generator) if mode == "fast" else None
-        # this request's flow frames so far, from a copy of the voice's prompt state with room for
-        # the first two chunks (later ones double the buffers, so growth copies stay amortised)
+        # this request's flow frames so far, from a copy of the voice's prompt state; the buffers
+        # grow by each chunk's frames (estimator.py), so they hold exactly the frames computed
         self.flow_cache: FlowCache | None = None
         # tokens: the prompt's last chunk boundary, and how many target tokens its lookahead reads
         self.prompt_boundary = n_prompt // flow.encoder.chunk_size * flow.encoder.chunk_size
