@@ -83,3 +83,15 @@ def tiny_models(tmp_path_factory, socket_guard) -> dict[str, Path]:
         "offline-unsure": ("paraformer", "low"),
     }
     return {name: build_model_dir(root / name, kind, confidence=conf) for name, (kind, conf) in specs.items()}
+
+
+@pytest.fixture(scope="module")
+def recognizer(tiny_models):
+    """The streaming tiny model through the real recognizer, one per test module."""
+    from voicebot.asr.paraformer import ParaformerRecognizer
+    from voicebot.config import ParaformerConfig
+
+    rec = ParaformerRecognizer(ParaformerConfig(model=str(tiny_models["streaming"])))
+    rec.load()
+    yield rec
+    rec.close()

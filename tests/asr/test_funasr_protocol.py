@@ -9,11 +9,9 @@ import numpy as np
 import pytest
 
 from voicebot.asr.funasr_protocol import FunasrSession, ProtocolError
-from voicebot.asr.paraformer import ParaformerRecognizer
 from voicebot.asr.testing import synthetic_speech
 from voicebot.audio.endpoint import EventKind, VadEvent
 from voicebot.audio.resample import float_to_pcm16
-from voicebot.config import ParaformerConfig
 
 FRAME = 1920  # bytes: the 60 ms frames FunASR clients send
 
@@ -39,14 +37,6 @@ class ScriptedSegmenter:
             return []
         self.in_speech = 0
         return [VadEvent(EventKind.END, np.zeros(0, np.float32))]
-
-
-@pytest.fixture(scope="module")
-def recognizer(tiny_models):
-    rec = ParaformerRecognizer(ParaformerConfig(model=str(tiny_models["streaming"])))
-    rec.load()
-    yield rec
-    rec.close()
 
 
 def converse(recognizer, mode: str, pcm: bytes, frame: int = FRAME, segmenter=None) -> list[dict]:

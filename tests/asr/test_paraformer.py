@@ -16,14 +16,6 @@ from voicebot.config import ParaformerConfig
 from voicebot.models import ModelNotAvailable
 
 
-@pytest.fixture(scope="module")
-def recognizer(tiny_models):
-    rec = ParaformerRecognizer(ParaformerConfig(model=str(tiny_models["streaming"])))
-    rec.load()
-    yield rec
-    rec.close()
-
-
 async def stream_utterance(stream, audio: np.ndarray, piece: int) -> tuple[list[str], object]:
     partials = []
     for start in range(0, len(audio), piece):

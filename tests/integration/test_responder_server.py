@@ -106,6 +106,15 @@ def test_a_reply_is_streamed_spoken_and_remembered_across_a_reset(voice, sse):
     assert voice.metric("voicebot_reply_total_seconds_count") >= 2
 
 
+async def ask_and_expect_an_error(voice):
+    """Ask one question; return the client, its first error event and the history afterwards."""
+    async with VoiceClient.connect(voice.ws_url) as c:
+        await c.stream(SPEECH, speed=4)
+        error = await c.wait_for("error")
+        await c.wait_for("audio.end")
+        return c, error, history(voice, c)
+
+
 @pytest.mark.parametrize(
     "behaviour, failure",
     [
@@ -119,14 +128,7 @@ def test_a_failing_endpoint_gives_an_error_and_the_fallback_line(voice, sse, beh
     sse.reset(default=behaviour)
     errors_before = voice.metric("voicebot_reply_errors_total", f'kind="{failure}"')
 
-    async def scenario():
-        async with VoiceClient.connect(voice.ws_url) as c:
-            await c.stream(SPEECH, speed=4)
-            error = await c.wait_for("error")
-            await c.wait_for("audio.end")
-            return c, error, history(voice, c)
-
-    c, error, messages = run(scenario())
+    c, error, messages = run(ask_and_expect_an_error(voice))
     assert error["code"] == "reply_failed" and error["failure"] == failure
     assert [e["text"] for e in c.of_type("reply.done")] == [FALLBACK]
     assert c.frames
@@ -138,14 +140,7 @@ def test_a_failing_endpoint_gives_an_error_and_the_fallback_line(voice, sse, beh
 def test_a_stream_dropped_mid_reply_keeps_what_was_said(voice, sse):
     sse.reset(default=Behaviour(chunks=["Once upon a time.", " There was", " a fox."], drop_after=2))
 
-    async def scenario():
-        async with VoiceClient.connect(voice.ws_url) as c:
-            await c.stream(SPEECH, speed=4)
-            error = await c.wait_for("error")
-            await c.wait_for("audio.end")
-            return c, error, history(voice, c)
-
-    c, error, messages = run(scenario())
+    c, error, messages = run(ask_and_expect_an_error(voice))
     assert error["code"] == "reply_failed" and error["failure"] == "dropped"
     assert [e["text"] for e in c.of_type("reply.done")] == ["Once upon a time. There was"]
     assert len(sse.requests) == 1  # no retry once words were spoken
