@@ -9,6 +9,7 @@ import threading
 import httpx
 import numpy as np
 import pytest
+import scipy.signal
 import soundfile
 
 from tests.browser.conftest import BARGE_IN, FIRST, MIC_SCRIPT
@@ -72,26 +73,44 @@ def test_unprocessed_microphone_reaches_the_server_unchanged(page, live_server, 
     reference = soundfile.read(str(mic_wav), dtype="float32")[0]
     resampler = StreamResampler(16000, rate)
     reference = np.concatenate([resampler.process(reference), resampler.flush()])
-    correlation = normalized_correlation(received, reference, max_lag=rate)
-    print(f"normalized correlation of received and played audio: {correlation:.4f} at {rate} Hz")
-    assert correlation >= 0.95
+    windows = windowed_correlations(received, reference, window=rate // 4, max_lag=rate)
+    lags = sorted({lag for lag, _ in windows})
+    correlations = np.array([c for _, c in windows])
+    print(f"{len(windows)} speech windows at {rate} Hz: correlation median {np.median(correlations):.4f},"
+          f" min {correlations.min():.4f}; lags {lags}")
+    # Chrome's fake capture slips a 10 ms buffer now and then on a loaded machine (the lag steps),
+    # which costs the window it falls in; anything the page did to the sound would cost them all.
+    assert np.median(correlations) >= 0.98
+    assert np.mean(correlations >= 0.95) >= 0.9
 
 
-def normalized_correlation(received: np.ndarray, reference: np.ndarray, max_lag: int) -> float:
-    """Cosine similarity of the reference and the received audio, aligned at the best lag.
+def windowed_correlations(received: np.ndarray, reference: np.ndarray, window: int, max_lag: int) -> list[tuple[int, float]]:
+    """(lag, cosine similarity) of each window of the reference that holds speech, each aligned at
+    its own best lag in the received audio.
 
     The page starts sending when its session is ready, which may be before or after the fake
     microphone starts the file, so the received audio may lead or trail the reference.
     """
-    n = 1 << int(np.ceil(np.log2(len(received) + len(reference))))
-    xcorr = np.fft.irfft(np.fft.rfft(received, n) * np.conj(np.fft.rfft(reference, n)), n)
-    lags = np.r_[0 : max_lag + 1, -max_lag:0]  # xcorr[k]: received[t + k] against reference[t]
-    lag = int(lags[np.argmax(xcorr[lags])])
-    a = reference[max(0, -lag) :]
-    b = received[max(0, lag) :]
-    length = min(len(a), len(b))
-    a, b = a[:length], b[:length]
-    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12))
+    threshold = 0.1 * np.max(np.abs(reference))
+    results = []
+    for start in range(0, len(reference) - window + 1, window):
+        piece = reference[start : start + window]
+        if np.max(np.abs(piece)) < threshold:
+            continue
+        lo, hi = max(0, start - max_lag), min(len(received), start + window + max_lag)
+        span = received[lo:hi]
+        if len(span) < window:
+            results.append((0, 0.0))
+            continue
+        dots = scipy.signal.correlate(span.astype(np.float64), piece.astype(np.float64), mode="valid")
+        cumulative = np.cumsum(np.r_[0.0, span.astype(np.float64) ** 2])
+        piece_energy = float(np.dot(piece, piece))
+        # Floored so that near-silent stretches, where the FFT's rounding dominates, never win.
+        energies = np.maximum(cumulative[window:] - cumulative[:-window], 1e-3 * piece_energy)
+        scores = dots / np.sqrt(piece_energy * energies)
+        best = int(np.argmax(scores))
+        results.append((lo + best - start, float(scores[best])))
+    return results
 
 
 def test_the_page_reconnects_and_says_so(page):
