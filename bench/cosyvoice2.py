@@ -78,6 +78,22 @@ def released_hparams(fixtures: Path, qwen_dir: Path) -> dict:
     return h
 
 
+class Rows(dict):
+    """Measurements by name, each printed beside the official figure as soon as it is taken: a
+    released-size run takes many minutes, and a partial run should still say something."""
+
+    def __init__(self, released: bool) -> None:
+        super().__init__()
+        self.released = released
+        print(f"\n{'measurement':50s} {'ours':>10s} {'official':>10s} {'ratio':>7s}", flush=True)
+
+    def __setitem__(self, name: str, value: float) -> None:
+        super().__setitem__(name, value)
+        ref = OFFICIAL.get(re.sub(r" \[\w+\]", "", re.sub(r"L=\d+", "L=202", name)))
+        ratio = f"{ref / value:6.2f}x" if ref and self.released else ""
+        print(f"{name:50s} {value:10.3f} {ref if ref is not None else '':>10} {ratio:>7s}", flush=True)
+
+
 def timed(fn, n: int = 1) -> tuple[list[float], object]:
     times, out = [], None
     for _ in range(n):
@@ -186,7 +202,7 @@ def main() -> None:
     )
     text = torch.randint(0, vocab, (N_TEXT,), generator=g).tolist()
     cache = lm.new_cache(1024)
-    rows: dict[str, float] = {}
+    rows = Rows(args.size == "released")
 
     with torch.inference_mode():
         x = build_lm_input(lm, torch.tensor(text, device=device), voice.prompt_text[0].long(), prompt_speech[0].long())
@@ -279,11 +295,6 @@ def main() -> None:
         rows["peak GPU memory (GB)"] = torch.cuda.max_memory_allocated() / 1e9
     rows["flow prompt states held (GB)"] = sum(token2wav.prompt_state_bytes().values()) / 1e9
 
-    print(f"\n{'measurement':50s} {'ours':>10s} {'official':>10s} {'ratio':>7s}")
-    for name, value in rows.items():
-        ref = OFFICIAL.get(re.sub(r" \[\w+\]", "", name.replace(f"L={x.shape[1]}", "L=202")))
-        ratio = f"{ref / value:6.2f}x" if ref and args.size == "released" else ""
-        print(f"{name:50s} {value:10.3f} {ref if ref is not None else '':>10} {ratio:>7s}")
     print("\nratio = official / ours (higher is faster). Official figures: shared/specs/cosyvoice2-cpu-baseline.md,"
           " measured on another day; the cores here may be shared.")
     print_side_by_side(streams, args.size == "released")
