@@ -5,12 +5,17 @@ preallocated and written at explicit positions, so a decode step always has the 
 token against the whole cache, masked) and can later be batched or captured in a CUDA graph. The
 Qwen text lm_head is never built: CosyVoice reads hidden states through its own `llm_decoder`.
 
+Attention runs on the flash-attn package where it can (CUDA, fp16/bf16, installed), else on torch
+SDPA; see `attention_backend`. The flash path attends over exactly the written prefix, so its shapes
+grow with each step instead of staying fixed.
+
 Module names follow the official Qwen2LM so llm.pt loads strictly (`llm.model.model.layers.N...`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -21,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from voicebot.tts.cosyvoice2.sampling import Sampler
+
+log = logging.getLogger(__name__)
 
 # Official Qwen2LM.inference defaults; the yaml does not set them.
 MIN_TOKEN_TEXT_RATIO = 2.0
@@ -57,6 +64,22 @@ class Qwen2Config:
     def from_json(cls, path: str | Path) -> Qwen2Config:
         """Read CosyVoice-BlankEN/config.json."""
         return cls.from_hf(json.loads(Path(path).read_text()))
+
+
+def attention_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """"flash_attn" where flash-attn 2 can run the model's attention (a CUDA device of compute
+    capability 8.0 or newer, fp16/bf16, the package importable), else "sdpa"."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "sdpa"
+    if torch.cuda.get_device_capability(device) < (8, 0):  # flash-attn 2 refuses older GPUs at the first call
+        return "sdpa"
+    try:
+        import flash_attn
+    except Exception as exc:  # a broken install (e.g. built for another torch) must not stop the model loading
+        if not (isinstance(exc, ModuleNotFoundError) and exc.name == "flash_attn"):  # not merely absent
+            log.warning("flash_attn does not import (%s: %s); attention runs on torch SDPA", type(exc).__name__, exc)
+        return "sdpa"
+    return "flash_attn" if hasattr(flash_attn, "flash_attn_func") else "sdpa"
 
 
 class KVCache:
@@ -116,9 +139,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, n_keys: int, input_pos: Tensor,
                 k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        # x: (B, T, D); mask: (T, S) bool; k_cache/v_cache: (B, n_kv, S, hd), updated in place
+        # x: (B, T, D); k_cache/v_cache: (B, n_kv, S, hd), updated in place. Queries attend over the
+        # first n_keys slots under mask (T, n_keys) bool, or with flash-attn when mask is None.
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -126,10 +150,19 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache.index_copy_(2, input_pos, k)
         v_cache.index_copy_(2, input_pos, v)
-        n_keys = mask.shape[1]  # the written prefix, bucketed (Qwen2.forward)
-        y = F.scaled_dot_product_attention(q, k_cache[:, :, :n_keys], v_cache[:, :, :n_keys], attn_mask=mask,
-                                           enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        k, v = k_cache[:, :, :n_keys], v_cache[:, :, :n_keys]
+        if mask is None:
+            # Optional dependency, importable since Qwen2.attention chose it.
+            from flash_attn import flash_attn_func
+
+            # flash-attn takes (B, T, heads, hd) views as they are (it only needs hd contiguous) and
+            # shares kv heads itself. causal=True aligns the mask bottom-right: query i sees keys up to
+            # n_keys - T + i, which is its own position because input_pos is always the T consecutive
+            # positions ending at n_keys - 1 (a prefill, or one decode step).
+            y = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        return self.o_proj(y.reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -151,9 +184,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, n_keys: int, input_pos: Tensor,
                 k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, k_cache, v_cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, n_keys, input_pos, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -166,17 +199,31 @@ class Qwen2(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._attention: tuple[torch.device, torch.dtype, str] | None = None  # see `attention`
+
+    @property
+    def attention(self) -> str:
+        """The attention kernel forward runs, "flash_attn" or "sdpa" (`attention_backend`), chosen
+        for where the weights are now: moving the model to another device or dtype chooses again."""
+        w = self.embed_tokens.weight
+        if self._attention is None or self._attention[:2] != (w.device, w.dtype):
+            self._attention = (w.device, w.dtype, attention_backend(w.device, w.dtype))
+        return self._attention[2]
 
     def forward(self, x: Tensor, input_pos: Tensor, cache: KVCache) -> Tensor:
         # x: (B, T, D) at positions input_pos (T,) -> (B, T, D) after the final norm
         cos, sin = rope_cos_sin(input_pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        # Attend over the written prefix rounded up to KV_BUCKET slots, the rest of the bucket masked:
-        # a handful of fixed shapes (capturable, e.g. as CUDA graphs) instead of the whole cache, whose
-        # unwritten slots cost as much as the step's weights on CPU at 2048 slots.
-        n_keys = min(cache.max_seq_len, -(-(int(input_pos[-1]) + 1) // KV_BUCKET) * KV_BUCKET)
-        mask = torch.arange(n_keys, device=x.device)[None, :] <= input_pos[:, None]  # (T, n_keys)
+        n_written = int(input_pos[-1]) + 1  # the step's one host sync
+        if self.attention == "flash_attn":
+            n_keys, mask = n_written, None  # flash-attn applies the causal mask itself
+        else:
+            # Attend over the written prefix rounded up to KV_BUCKET slots, the rest of the bucket
+            # masked: a handful of fixed shapes (capturable, e.g. as CUDA graphs) instead of the whole
+            # cache, whose unwritten slots cost as much as the step's weights on CPU at 2048 slots.
+            n_keys = min(cache.max_seq_len, -(-n_written // KV_BUCKET) * KV_BUCKET)
+            mask = torch.arange(n_keys, device=x.device)[None, :] <= input_pos[:, None]  # (T, n_keys)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, input_pos, cache.k[i], cache.v[i])
+            x = layer(x, cos, sin, mask, n_keys, input_pos, cache.k[i], cache.v[i])
         return self.norm(x)
 
 
@@ -208,6 +255,11 @@ class CosyVoice2LM(nn.Module):
     @property
     def cfg(self) -> Qwen2Config:
         return self.qwen.cfg
+
+    @property
+    def attention(self) -> str:
+        """"flash_attn" or "sdpa": the attention kernel the model runs where it is now."""
+        return self.qwen.attention
 
     # The checkpoint carries the tied Qwen text head; it is never computed, so it is not a module here.
     @staticmethod
