@@ -121,13 +121,16 @@ def stream_once(engine: SimpleNamespace, cache, voice: Voice, text: list[int]
     """One utterance through the engine's step loop: (first chunk step s, first 200 ms of audio s, RTF, tokens,
     the audio of the last step)."""
     generator = torch.Generator(engine.device).manual_seed(1)
-    utterance = _Utterance(engine, cache, voice, text, generator)
-    utterance.tokens = generate(engine.lm, cache, fixed_length_ras(engine.hparams, engine.lm.eos, generator), text,
-                                voice.prompt_text, voice.lm_prompt_speech)
+    tokens = generate(engine.lm, cache, fixed_length_ras(engine.hparams, engine.lm.eos, generator), text,
+                      voice.prompt_text, voice.lm_prompt_speech)
+    stream = engine.token2wav.stream(flow_prompt(voice, engine.device, engine.dtype), generator=generator)
+    utterance = _Utterance(stream, engine.config.lm_tokens_per_step, tokens)
     start, first_audio, first_step, audio, done, last = time.perf_counter(), None, None, 0, False, []
     while not done:
         t0 = time.perf_counter()
         pieces, done = utterance.step()
+        if done:
+            pieces += utterance.finish()
         last = pieces or last
         if pieces and first_step is None:
             first_step = time.perf_counter() - t0

@@ -177,6 +177,10 @@ class Cosyvoice2Config(Section):
     # official algorithm; "exact" the same output from cached prompt and earlier frames; "fast" also
     # renders the final chunk chunk-causally (slightly different audio there, much cheaper).
     stream_mode: Literal["recompute", "exact", "fast"] = "fast"
+    # How reply text reaches the LM: "bistream" pushes each sentence into one running request as it
+    # arrives (official inference_bistream, one LM context across sentences); "sentences" runs one
+    # official unistream request per sentence (it starts from the voice's cached LM prompt prefix).
+    text_input: Literal["bistream", "sentences"] = "bistream"
     # Voices whose flow prompt state stays cached (released model, fp32: about 230 MB per second of prompt).
     flow_prompt_states: int = Field(4, ge=1)
     # torch intra-op threads (process-wide, like asr.paraformer.threads); 0 leaves torch's default.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Segment:
-    """One sentence of a reply and where its audio lies in the reply (24 kHz samples)."""
+    """One sentence (or utterance) of a reply and where its audio lies in the reply (24 kHz samples)."""
 
     text: str
     start: int
@@ -68,6 +68,9 @@ class HeardText:
 
     def add(self, text: str, segment_index: int, start: int, samples: int) -> None:
         if segment_index < len(self.segments):
+            # A segment's text may grow with its audio (CosyVoice 2 bistream voices a whole
+            # utterance, sentence after sentence, as one segment).
+            self.segments[segment_index].text = text
             self.segments[segment_index].end = start + samples
         else:
             self.segments.append(Segment(text, start, start + samples))

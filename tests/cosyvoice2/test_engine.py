@@ -17,6 +17,7 @@ from voicebot.config import Cosyvoice2Config
 from voicebot.tts.base import SAMPLE_RATE
 from voicebot.tts.cosyvoice2 import engine as engine_mod
 from voicebot.tts.cosyvoice2 import lm as lm_mod
+from voicebot.tts.cosyvoice2.bistream import Bistream
 from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer
 from voicebot.tts.cosyvoice2.quant import DynamicInt8Linear
 
@@ -86,8 +87,14 @@ def test_load_lists_voices_and_reports(synth):
         synth.open("nobody")
 
 
+@pytest.fixture
+def sentences_mode(monkeypatch, synth):
+    """One official unistream request per sentence instead of the default bistream."""
+    monkeypatch.setattr(synth.config, "text_input", "sentences")
+
+
 @pytest.mark.parametrize("voice", ["anna", "tiny_zero_shot_spk", "tiny_sft_spk"])
-def test_stream_yields_24k_float32_per_sentence(synth, voice, fixed_length):
+def test_stream_yields_24k_float32_per_sentence(synth, voice, fixed_length, sentences_mode):
     async def run():
         context = synth.open(voice)
         chunks = [c async for c in context.stream(_deltas("Hello world. This is a test of the tokenizer!"))]
@@ -106,6 +113,53 @@ def test_stream_yields_24k_float32_per_sentence(synth, voice, fixed_length):
         assert sum(map(len, audio)) == N_TOKENS * SAMPLES_PER_TOKEN and len(audio) >= 2
     assert max(np.abs(c.audio).max() for c in chunks) <= 0.99
     assert SAMPLE_RATE == synth.hparams["sample_rate"]
+
+
+def run_bistream_directly(synth, voice_name: str, sentences: list[str], seed: int) -> tuple[list[int], np.ndarray]:
+    """What the engine should produce: its sentences pushed into Bistream, the tokens through Token2WavStream."""
+    voice, frontend = synth.library[voice_name], synth.library.frontend.text
+    generator = torch.Generator().manual_seed(seed)
+    sampler = engine_mod.RasSampler.from_hparams(synth.hparams["llm"]["sampling"], generator)
+    lm = Bistream(synth.lm, synth.new_cache(), sampler, voice.prompt_text, voice.lm_prompt_speech)
+    tokens = []
+    for i, sentence in enumerate(sentences):
+        tokens += lm.push(frontend.encode((" " if i else "") + frontend.normalize(sentence)))
+    tokens += lm.finish()
+    stream = synth.token2wav.stream(
+        engine_mod.FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
+    )
+    return tokens, torch.cat([*stream.push(tokens), stream.finish()], dim=1)[0].numpy()
+
+
+def test_bistream_reply_is_one_segment_with_the_model_run_directly(synth, fixed_length):
+    text = "Hello world. This is a test of the tokenizer!"
+
+    async def run():
+        context = synth.open("tiny_zero_shot_spk")
+        context.generator.manual_seed(7)
+        chunks = [c async for c in context.stream(_deltas(text))]
+        await context.close()
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert {c.segment for c in chunks} == {0} and chunks[-1].text == text and len(chunks) >= 2
+    tokens, direct = run_bistream_directly(synth, "tiny_zero_shot_spk", ["Hello world.", "This is a test of the tokenizer!"], 7)
+    assert len(tokens) > 25 and sum(len(c.audio) for c in chunks) == len(tokens) * SAMPLES_PER_TOKEN
+    np.testing.assert_allclose(np.concatenate([c.audio for c in chunks]), direct, atol=1e-6)
+
+
+def test_bistream_starts_a_new_request_when_one_is_full(synth, fixed_length, monkeypatch):
+    monkeypatch.setattr(synth.library.frontend.text, "token_min_n", 1)  # every sentence fills a request
+
+    async def run():
+        context = synth.open("anna")
+        chunks = [c async for c in context.stream(_deltas("Hello world. This is a test. Goodbye now!"))]
+        await context.close()
+        return chunks
+
+    chunks = asyncio.run(run())
+    texts = {c.segment: c.text for c in chunks}
+    assert texts == {0: "Hello world.", 1: "This is a test.", 2: "Goodbye now!"}
 
 
 def test_nothing_to_say_yields_nothing(synth):
@@ -206,7 +260,7 @@ def test_reset_rebuilds_session_state(synth, fixed_length):
     assert asyncio.run(run())
 
 
-def test_engine_audio_equals_the_model_run_directly(synth, fixed_length, monkeypatch):
+def test_engine_audio_equals_the_model_run_directly(synth, fixed_length, sentences_mode, monkeypatch):
     """The wiring: the same voice prompt, text ids and noise seed through generate + Token2WavStream.
     The engine starts the LM from the voice's cached prompt prefix; run directly, it prefills all."""
     text = "Hello world."

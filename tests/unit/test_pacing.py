@@ -61,3 +61,11 @@ def test_heard_text_cuts_chinese_by_characters_and_joins_without_spaces():
     heard.add("你好。", 0, 0, 3000)
     heard.add("我是主播。", 1, 3000, 5000)
     assert heard.heard(3000 + 2000) == "你好。我是"
+
+
+def test_a_segment_whose_text_grows_is_heard_by_its_latest_text():
+    heard = HeardText()  # CosyVoice 2 bistream: one segment voices sentence after sentence
+    heard.add("Hello there.", 0, 0, 24000)
+    heard.add("Hello there. How are you?", 0, 24000, 24000)
+    assert heard.heard(10**9) == "Hello there. How are you?"
+    assert heard.heard(24000) == "Hello"  # half its audio: half its text, back to a word boundary

@@ -65,19 +65,13 @@ class SentenceSynthesisContext(SynthesisContext):
     as they arrive (voicebot/tts/segmenter.py), and each sentence is one segment of the reply."""
 
     async def stream(self, text: AsyncIterator[str]) -> AsyncIterator[SpeechChunk]:
-        from voicebot.tts.segmenter import SentenceSegmenter
+        from voicebot.tts.segmenter import sentences
 
-        segmenter = SentenceSegmenter()
         segment = 0
-        async for delta in text:
-            for sentence in segmenter.push(delta):
-                async for chunk in self.speak(sentence, segment):
-                    yield chunk
-                segment += 1
-        rest = segmenter.flush()
-        if rest:
-            async for chunk in self.speak(rest, segment):
+        async for sentence in sentences(text):
+            async for chunk in self.speak(sentence, segment):
                 yield chunk
+            segment += 1
 
     @abstractmethod
     def speak(self, sentence: str, segment: int) -> AsyncIterator[SpeechChunk]:

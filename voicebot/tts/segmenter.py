@@ -12,6 +12,7 @@ sentence does not hold back speech and the buffer stays bounded by `max_chars`.
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 
 ENDERS = set("。！？；!?;…\n")
 CLOSERS = set("\"'”’」』）)]】》")
@@ -80,3 +81,14 @@ class SentenceSegmenter:
             return False  # 3.14, example.com, e.g
         word = _WORD_BEFORE.search(text, 0, i)
         return not (word and word.group().lower() in ABBREVIATIONS)
+
+
+async def sentences(deltas: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The sentences of streamed text, each as soon as it is complete; the unfinished rest at the end."""
+    segmenter = SentenceSegmenter()
+    async for delta in deltas:
+        for sentence in segmenter.push(delta):
+            yield sentence
+    rest = segmenter.flush()
+    if rest:
+        yield rest

@@ -5,6 +5,11 @@ first the prompt speech tokens, then after every 15 generated tokens a forced (o
 token pauses generation until 5 more text tokens have arrived. `push()` takes new text ids and
 yields the speech tokens they unlock; `finish()` feeds the leftover text and task_id and decodes
 until eos.
+
+Where the official code raises on a special id that is not valid at that point (the unused
+speech_token_size + 1 anywhere, a fill after the text has ended), those ids are masked before
+sampling instead: a live reply should not die on one unlikely draw. Greedy outputs are the
+official ones whenever the official code does not raise.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class Bistream:
         self.pos = 0  # next cache position
         self.n_text = 0  # tts text tokens pushed
         self.out: list[int] = []  # every output, fills included: the sampler's history, as official
+        self.truncated = False  # finish() stopped at its length limit or the cache's end, before eos
 
     def push(self, text: Tensor | Sequence[int]) -> Iterator[int]:
         """Add text ids now; the returned generator must be exhausted before the next call."""
@@ -67,14 +73,12 @@ class Bistream:
             if len(self.out) == self.next_fill:
                 token = lm.fill_token
             else:
-                logp[lm.eos] = -float("inf")
+                logp[[lm.eos, lm.eos + 1]] = -float("inf")
                 token = self.sample(logp, self.out)
             self.out.append(token)
             if token == lm.fill_token:
                 self.next_fill = len(self.out) + n_speech
                 return
-            if token >= lm.speech_token_size:
-                raise ValueError(f"LM produced special token {token} while text is still arriving")
             yield token
             self.input = lm.speech_embedding.weight[token].reshape(1, 1, -1)
 
@@ -87,13 +91,15 @@ class Bistream:
         self.text = self.text[:, :0]
         n_speech = sum(t < lm.speech_token_size for t in self.out)
         limit = int(self.n_text * self.max_token_text_ratio)
+        self.truncated = True  # until eos is sampled
         while n_speech < limit and self.pos + self.input.shape[1] <= self.cache.max_seq_len:
-            token = self.sample(self._forward(), self.out)
+            logp = self._forward()
+            logp[[lm.eos + 1, lm.fill_token]] = -float("inf")
+            token = self.sample(logp, self.out)
             self.out.append(token)
             if token == lm.eos:
+                self.truncated = False
                 return
-            if token >= lm.speech_token_size:
-                raise ValueError(f"LM produced special token {token} instead of eos")
             yield token
             n_speech += 1
             self.input = lm.speech_embedding.weight[token].reshape(1, 1, -1)

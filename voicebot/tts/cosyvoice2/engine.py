@@ -1,9 +1,12 @@
 """CosyVoice 2 as the server's Synthesizer: reply text deltas in, 24 kHz audio chunks out.
 
-Text is cut into sentences as it arrives (SentenceSegmenter); each sentence is normalised and, if
-long, split into utterances (frontend), and each utterance is one official unistream request: the
-LM decodes speech tokens into the session's KV cache while Token2WavStream renders them chunk by
-chunk. All model work runs on one Worker thread per device in small steps (a few LM tokens, and at
+Text is cut into sentences as it arrives (SentenceSegmenter) and each sentence is normalised. With
+`text_input: bistream` (the default) the sentences of a reply are pushed one by one into an LM
+request that mixes text and speech tokens (official inference_bistream), a new request every
+60-odd text tokens; with `text_input: sentences` each sentence, split into utterances if long, is
+one official unistream request, which starts from the voice's cached LM prompt prefix. Either way
+the LM decodes speech tokens into the session's KV cache while Token2WavStream renders them chunk
+by chunk. All model work runs on one Worker thread per device in small steps (a few LM tokens, and at
 most the flow/HiFT chunk they complete), so concurrent sessions interleave and a cancelled reply
 stops after the step in flight. One thread also serialises every use of a session's KV cache: a
 new reply's first step always runs after the cancelled reply's last one.
@@ -23,7 +26,9 @@ from voicebot.config import Cosyvoice2Config
 from voicebot.engine import EngineInfo, ResetReport
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
-from voicebot.tts.cosyvoice2.frontend import Frontend
+from voicebot.tts.segmenter import sentences
+from voicebot.tts.cosyvoice2.bistream import Bistream
+from voicebot.tts.cosyvoice2.frontend import Frontend, language, only_punctuation
 from voicebot.tts.cosyvoice2.lm import KVCache, PromptPrefix, generate, prompt_prefix
 from voicebot.tts.cosyvoice2.loader import load_cosyvoice2, resolve_device, resolve_dtype, resolve_model_dir
 from voicebot.tts.cosyvoice2.quant import quantize_lm
@@ -34,14 +39,6 @@ from voicebot.tts.cosyvoice2.voices import Voice, VoiceLibrary
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = "tts.cosyvoice2.model"
-
-
-# --- kernels
-
-# Every attention of the LM and the flow is torch's scaled_dot_product_attention, which on CUDA
-# dispatches to its own flash or memory-efficient kernel. The flash-attn package is never called,
-# so it is not reported even when it is installed.
-ATTENTION = "sdpa"
 
 
 # --- the shared engine
@@ -89,14 +86,16 @@ class CosyVoice2Synthesizer(Synthesizer):
         return self.library.list() if self.library else []
 
     def open(self, voice: str | None = None) -> CosyVoice2Context:
-        context = CosyVoice2Context(self, self._check_voice(voice or self.default_voice))
+        kind = CosyVoice2BistreamContext if self.config.text_input == "bistream" else CosyVoice2Context
+        context = kind(self, self._check_voice(voice or self.default_voice))
         self.contexts.add(context)
         return context
 
     def info(self) -> EngineInfo:
         loaded = self.library is not None
-        details = {"dtype": str(self.dtype).removeprefix("torch."), "attention": ATTENTION,
-                   "lm_int8": self.config.lm_int8, "kv_cache_tokens": self.config.kv_cache_tokens,
+        # The LM's attention kernel; the flow's is always SDPA (its chunk masks are not causal).
+        details = {"dtype": str(self.dtype).removeprefix("torch."), "attention": self.lm.attention if loaded else None,
+                   "lm_int8": self.config.lm_int8, "text_input": self.config.text_input, "kv_cache_tokens": self.config.kv_cache_tokens,
                    "sessions": len(self.contexts), "pending_steps": self.worker.pending}
         if loaded:
             details |= {"model_dir": str(self.model_dir), "voices": self.library.names(),
@@ -152,28 +151,65 @@ def flow_prompt(voice: Voice, device: torch.device, dtype: torch.dtype) -> FlowP
 
 
 class _Utterance:
-    """One utterance's blocking work, advanced by `step()` calls on the worker thread."""
+    """One utterance's blocking work on the worker thread: speech tokens drawn a few at a time from
+    `tokens` (an LM generator), each flow/HiFT chunk rendered as soon as its tokens exist."""
 
-    def __init__(self, engine: CosyVoice2Synthesizer, cache: KVCache, voice: Voice, text_ids: list[int],
-                 generator: torch.Generator, prefix: PromptPrefix | None = None) -> None:
-        """prefix: the voice's LM prompt prefix (CosyVoice2Synthesizer.lm_prefix); None prefills it too."""
-        dev, dtype = engine.device, engine.dtype
-        sampler = RasSampler.from_hparams(engine.hparams["llm"]["sampling"], generator)
-        self.tokens: Iterator[int] = generate(engine.lm, cache, sampler, text_ids, voice.prompt_text.to(dev),
-                                              voice.lm_prompt_speech.to(dev), prefix=prefix)
-        self.stream: Token2WavStream = engine.token2wav.stream(flow_prompt(voice, dev, dtype), generator=generator)
-        self.per_step = engine.config.lm_tokens_per_step
+    def __init__(self, stream: Token2WavStream, per_step: int, tokens: Iterator[int] = iter(())) -> None:
+        self.stream = stream
+        self.per_step = per_step
+        self.tokens = tokens
 
     def step(self) -> tuple[list[np.ndarray], bool]:
-        """Decode a few tokens and render whatever chunk they complete; True once the audio is all out."""
+        """Decode a few tokens and render whatever chunk they complete; True once `tokens` is exhausted."""
         # Never decode past the next chunk's last token: its audio goes out in this very step.
         n = max(1, min(self.per_step, self.stream.tokens_for_next_chunk - len(self.stream.tokens)))
         new = list(itertools.islice(self.tokens, n))
-        chunks = self.stream.push(new)
-        done = len(new) < n
-        if done:
-            chunks.append(self.stream.finish())
-        return [c.reshape(-1).float().cpu().numpy() for c in chunks if c.numel()], done
+        return _numpy(self.stream.push(new)), len(new) < n
+
+    def finish(self) -> list[np.ndarray]:
+        """The utterance's last chunk: call once its tokens are all decoded."""
+        return _numpy([self.stream.finish()])
+
+
+def _numpy(chunks: list[torch.Tensor]) -> list[np.ndarray]:
+    return [c.reshape(-1).float().cpu().numpy() for c in chunks if c.numel()]
+
+
+class _BistreamUtterance(_Utterance):
+    """An utterance whose text arrives sentence by sentence (official inference_bistream): each
+    sentence is pushed into the LM as it comes, and the LM decodes what that text unlocks."""
+
+    def __init__(self, engine: CosyVoice2Synthesizer, cache: KVCache, voice: Voice, generator: torch.Generator) -> None:
+        dev, dtype = engine.device, engine.dtype
+        sampler = RasSampler.from_hparams(engine.hparams["llm"]["sampling"], generator)
+        self.lm = Bistream(engine.lm, cache, sampler, voice.prompt_text.to(dev), voice.lm_prompt_speech.to(dev))
+        super().__init__(engine.token2wav.stream(flow_prompt(voice, dev, dtype), generator=generator),
+                         engine.config.lm_tokens_per_step)
+        self.frontend = engine.library.frontend.text
+        self.text = ""  # what it voices so far
+
+    @property
+    def full(self) -> bool:
+        """Start the next sentence in a new utterance: this one has the official utterance length
+        (token_min_n text tokens), or has used half its KV cache."""
+        return (self.lm.n_text >= self.frontend.token_min_n
+                or 2 * self.lm.pos > self.lm.cache.max_seq_len)
+
+    def push_text(self, sentence: str) -> None:
+        piece = self.frontend.normalize(sentence)
+        if self.text and language(piece) == "en":
+            piece = " " + piece  # the space the sentence split removed: "Hi." + " How" tokenizes as in one text
+        self.text += piece
+        self.tokens = self.lm.push(self.frontend.encode(piece))
+
+    def end_text(self) -> None:
+        self.tokens = self.lm.finish()
+
+    def finish(self) -> list[np.ndarray]:
+        if self.lm.truncated:
+            log.warning("cosyvoice2: utterance cut at the LM's length limit or KV cache end (%d positions): %r",
+                        self.lm.pos, self.text)
+        return super().finish()
 
 
 class CosyVoice2Context(SentenceSynthesisContext):
@@ -195,17 +231,34 @@ class CosyVoice2Context(SentenceSynthesisContext):
         voice = engine.library[self.voice]
         for utterance in text_frontend.split(sentence):
             job = await engine.worker.run(self._start, voice, text_frontend.encode(utterance))
-            done = False
-            while not done:
-                # A cancelled consumer stops here: the step in flight finishes, no further one is queued.
-                audio, done = await engine.worker.run(job.step)
-                for piece in audio:
-                    yield SpeechChunk(piece, sentence, segment)
+            async for piece in self._render(job, finish=True):
+                yield SpeechChunk(piece, sentence, segment)
 
-    def _start(self, voice: Voice, text_ids: list[int]) -> _Utterance:
+    async def _render(self, job: _Utterance, finish: bool) -> AsyncIterator[np.ndarray]:
+        """Step `job` until its tokens run out (then render its last chunk if `finish`). A cancelled
+        consumer stops here: the step in flight finishes, no further one is queued."""
+        exhausted = False
+        while not exhausted:
+            audio, exhausted = await self.engine.worker.run(job.step)
+            for piece in audio:
+                yield piece
+        if finish:
+            for piece in await self.engine.worker.run(job.finish):
+                yield piece
+
+    def _cache(self) -> KVCache:
         if self.cache is None:
             self.cache = self.engine.new_cache()
-        return _Utterance(self.engine, self.cache, voice, text_ids, self.generator, self.engine.lm_prefix(voice))
+        return self.cache
+
+    def _start(self, voice: Voice, text_ids: list[int]) -> _Utterance:
+        engine = self.engine
+        dev = engine.device
+        sampler = RasSampler.from_hparams(engine.hparams["llm"]["sampling"], self.generator)
+        tokens = generate(engine.lm, self._cache(), sampler, text_ids, voice.prompt_text.to(dev),
+                          voice.lm_prompt_speech.to(dev), prefix=engine.lm_prefix(voice))
+        stream = engine.token2wav.stream(flow_prompt(voice, dev, engine.dtype), generator=self.generator)
+        return _Utterance(stream, engine.config.lm_tokens_per_step, tokens)
 
     def state_bytes(self) -> int:
         return self.cache.nbytes() if self.cache is not None else 0
@@ -223,3 +276,43 @@ class CosyVoice2Context(SentenceSynthesisContext):
     async def close(self) -> None:
         self.cache = None
         self.engine.contexts.discard(self)
+
+
+class CosyVoice2BistreamContext(CosyVoice2Context):
+    """Reply text streamed into the LM as it arrives (official inference_bistream, spec §6.4).
+
+    Complete sentences are pushed into one LM request, which decodes whatever the text so far
+    unlocks; a new request starts at a sentence boundary once the current one is `full`. The
+    chunks of one request form one segment whose text grows with it: where inside it the audio
+    is, sentence by sentence, is not known, so an interruption's heard text is a proportion of it.
+    """
+
+    async def stream(self, text: AsyncIterator[str]) -> AsyncIterator[SpeechChunk]:
+        engine = self.engine
+        voice = engine.library[self.voice]
+        job: _BistreamUtterance | None = None
+        segment = -1
+        async for sentence in sentences(text):
+            if only_punctuation(sentence):
+                continue
+            if job is not None and job.full:
+                async for chunk in self._end(job, segment):
+                    yield chunk
+                job = None
+            if job is None:
+                job = await engine.worker.run(self._start_bistream, voice)
+                segment += 1
+            await engine.worker.run(job.push_text, sentence)
+            async for piece in self._render(job, finish=False):
+                yield SpeechChunk(piece, job.text, segment)
+        if job is not None:
+            async for chunk in self._end(job, segment):
+                yield chunk
+
+    async def _end(self, job: _BistreamUtterance, segment: int) -> AsyncIterator[SpeechChunk]:
+        await self.engine.worker.run(job.end_text)
+        async for piece in self._render(job, finish=True):
+            yield SpeechChunk(piece, job.text, segment)
+
+    def _start_bistream(self, voice: Voice) -> _BistreamUtterance:
+        return _BistreamUtterance(self.engine, self._cache(), voice, self.generator)

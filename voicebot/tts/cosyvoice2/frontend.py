@@ -139,7 +139,7 @@ class TextFrontend:
         lang = language(text)
         length: Callable[[str], int] = len if lang == "zh" else (lambda s: len(self.encode(s)))
         return [u for u in _merge(sentences(text, lang), length, self.token_max_n, self.token_min_n, self.merge_len)
-                if not _only_punctuation(u)]
+                if not only_punctuation(u)]
 
 
 def sentences(text: str, lang: str) -> list[str]:
@@ -174,7 +174,7 @@ def _merge(pieces: Iterable[str], length: Callable[[str], int], max_n: int, min_
     return utts
 
 
-def _only_punctuation(text: str) -> bool:
+def only_punctuation(text: str) -> bool:
     return not any(ch.isalnum() for ch in text)
 
 
