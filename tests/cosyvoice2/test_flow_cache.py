@@ -72,20 +72,26 @@ def test_cached_chunks_equal_the_recompute(flow: Flow, n_prompt: int, hops: list
     args = (prompt.token, prompt.feat, prompt.embedding)
     state = flow.prompt_cache(*args)
     cached_frames = state.n_frames
-    cache = state.copy()
+    cache = state.fork()
+    shared = [t.data_ptr() for step in state.steps for t in step.tensors()]
     lookahead, ratio = flow.pre_lookahead_len, flow.token_mel_ratio
     offset = 0
     for end in _boundaries(n_prompt, n_tokens, hops, flow.encoder.chunk_size, lookahead):
         mel = flow.inference(tokens[:, : end + lookahead], *args, streaming=True, finalize=False, cache=cache)
         full = flow.inference(tokens[:, : end + lookahead], *args, streaming=True, finalize=False)
         _assert_close(mel, full[:, :, offset * ratio :], MEL_ATOL)
-        assert _buffer_frames(cache) == {cache.n_frames}  # grown chunk by chunk, nothing held unused
+        # grown chunk by chunk after the shared prompt frames, nothing held unused
+        assert _buffer_frames(cache) == {cache.n_frames - cached_frames}
         offset = end
     last = flow.inference(tokens, *args, streaming=True, finalize=True, cache=cache)
     full = flow.inference(tokens, *args, streaming=True, finalize=True)
     _assert_close(last, full[:, :, offset * ratio :], MEL_ATOL)
-    assert _buffer_frames(cache) == {cache.n_frames}
+    assert _buffer_frames(cache) == {cache.n_frames - cached_frames}
     assert state.n_frames == cached_frames, "a request wrote into the voice's prompt state"
+    # the request read the voice's buffers in place: neither copied nor counted as its own
+    assert [t.data_ptr() for step in state.steps for t in step.tensors()] == shared
+    own = {t.data_ptr() for step in cache.steps for t in step.tensors()}
+    assert not own & set(shared)
 
 
 def test_prompt_state_covers_the_complete_prompt_chunks_out_of_reach_of_the_lookahead(flow: Flow) -> None:

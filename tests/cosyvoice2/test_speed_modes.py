@@ -53,7 +53,7 @@ def test_fast_final_chunk_mel_is_the_official_streaming_finalize(cv2_golden: dic
     """The cached final chunk is the official flow with streaming=True, finalize=True; its distance
     from the full-attention final chunk (`exact`) is the documented deviation."""
     flow, tokens = t2w.flow, cv2_golden["flow.token"]
-    cache = t2w.prompt_state(prompt).copy()
+    cache = t2w.prompt_state(prompt).fork()
     args = (prompt.token, prompt.feat, prompt.embedding)
     offset = 0
     for end in (38, 88):  # the fixture stream's chunk ends

@@ -38,44 +38,43 @@ class EstimatorCache:
     """Left context of one Euler step's estimator across chunked calls (batch = the CFG pair).
 
     Slot i of `keys`/`values` belongs to the attention layer whose `cache_slot` is i and holds its
-    keys/values for every frame so far, in buffers that may have room reserved for coming frames
-    (`copy(reserve)`); `conv[i]` holds causal conv i's last kernel−1 input frames.
+    keys/values for this cache's frames; `conv[i]` holds causal conv i's last kernel−1 input frames.
+    A request's cache is a `fork` of its voice's prompt state: the prompt's frames come first, read
+    from the shared state and never written or copied (about 1.2 GB per voice at released size, fp32).
     """
 
-    def __init__(self, n_attn: int, n_conv: int) -> None:
-        self.n_frames = 0
-        self.keys: list[Tensor | None] = [None] * n_attn
+    def __init__(self, n_attn: int, n_conv: int, base: EstimatorCache | None = None) -> None:
+        if base is not None and base.base is not None:
+            raise ValueError("fork a prompt state, not a fork")
+        self.base = base
+        self.n_frames = base.n_frames if base else 0
+        self.keys: list[Tensor | None] = [None] * n_attn  # (B, H, own frames, d)
         self.values: list[Tensor | None] = [None] * n_attn
-        self.conv: list[Tensor | None] = [None] * n_conv
+        # Replaced, never written in place, so a fork can start from the base's tensors.
+        self.conv: list[Tensor | None] = list(base.conv) if base else [None] * n_conv
 
-    def extend_kv(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append (B, H, T_new, d) keys/values after the cached frames; returns views of all of them."""
-        start, end = self.n_frames, self.n_frames + k.shape[2]
+    def fork(self) -> EstimatorCache:
+        """A request's cache that continues this one (a voice's prompt state) without copying it."""
+        return EstimatorCache(len(self.keys), len(self.conv), base=self)
+
+    def extend_kv(self, slot: int, k: Tensor, v: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Append (B, H, T_new, d) keys/values after the cached frames; returns every frame's
+        keys/values as blocks in frame order: the base's, then this cache's own."""
+        start = self.n_frames - (self.base.n_frames if self.base else 0)
+        end = start + k.shape[2]
         self.keys[slot] = buf_k = _ensure_capacity(self.keys[slot], k, end)
         self.values[slot] = buf_v = _ensure_capacity(self.values[slot], v, end)
         buf_k[:, :, start:end] = k
         buf_v[:, :, start:end] = v
-        return buf_k[:, :, :end], buf_v[:, :, :end]
+        own = (buf_k[:, :, :end], buf_v[:, :, :end])
+        if self.base is None or self.base.keys[slot] is None:
+            return [own]
+        return [(self.base.keys[slot], self.base.values[slot]), own]
 
     def tensors(self) -> list[Tensor]:
-        return [t for t in (*self.keys, *self.values, *self.conv) if t is not None]
-
-    def copy(self, reserve: int = 0) -> EstimatorCache:
-        """A deep copy with room for `reserve` more frames before a buffer has to grow: a per-voice
-        prompt state is copied into each request and never written."""
-        new = EstimatorCache(len(self.keys), len(self.conv))
-        new.n_frames = n = self.n_frames
-
-        def grown(t: Tensor | None) -> Tensor | None:
-            if t is None:
-                return None
-            out = t.new_empty(*t.shape[:2], n + reserve, t.shape[3])
-            out[:, :, :n] = t[:, :, :n]
-            return out
-
-        new.keys, new.values = [grown(t) for t in self.keys], [grown(t) for t in self.values]
-        new.conv = [None if t is None else t.clone() for t in self.conv]
-        return new
+        """This cache's own tensors (a fork's base is counted with the voice)."""
+        shared = set() if self.base is None else {id(t) for t in self.base.conv}
+        return [t for t in (*self.keys, *self.values, *self.conv) if t is not None and id(t) not in shared]
 
 
 def _ensure_capacity(buf: Tensor | None, new: Tensor, length: int) -> Tensor:
@@ -84,8 +83,7 @@ def _ensure_capacity(buf: Tensor | None, new: Tensor, length: int) -> Tensor:
     Each call appends one streaming chunk (a hop: 50, 100, then 200 frames), so growing to fit it
     costs one copy per chunk, a small fraction of the chunk's own estimator work, and holds no
     frames that are never written. Doubling held up to twice what a request used: at released
-    size a frame is 4.6 MB over the 10 Euler steps, and a 5 s reply after a 6 s prompt (550
-    frames) held 900 of them, 4.1 GB instead of 2.5 GB.
+    size a frame is 4.6 MB over the 10 Euler steps.
     """
     if buf is not None and buf.shape[2] >= length:
         return buf
@@ -98,6 +96,23 @@ def _ensure_capacity(buf: Tensor | None, new: Tensor, length: int) -> Tensor:
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     """softmax(q kᵀ / √d + bias) v for (B, H, T, d) inputs; bias is additive or a bool mask."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def attend_blocks(q: Tensor, blocks: list[tuple[Tensor, Tensor]], mask: Tensor | None) -> Tensor:
+    """`attend` over keys/values given as consecutive blocks along the frame axis, without
+    concatenating them (that would copy the voice's shared prompt keys at every call)."""
+    if len(blocks) == 1:
+        return attend(q, *blocks[0], mask)
+    scores = torch.cat([q @ k.transpose(-1, -2) for k, _ in blocks], dim=-1) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -float("inf"))
+    weights = scores.float().softmax(-1).to(q.dtype)  # fp32 softmax: fp16 sums of exps overflow
+    out, start = None, 0
+    for k, v in blocks:
+        part = weights[..., start : start + k.shape[2]] @ v
+        out = part if out is None else out + part
+        start += k.shape[2]
+    return out
 
 
 class CausalConv1d(nn.Conv1d):
@@ -175,9 +190,10 @@ class Attention(nn.Module):
             proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, d)
             for proj in (self.to_q, self.to_k, self.to_v)
         )
-        if cache is not None:
-            k, v = cache.extend_kv(self.cache_slot, k, v)  # (B, H, T_cached + T, d)
-        out = attend(q, k, v, mask)  # (B, H, T, d)
+        if cache is None:
+            out = attend(q, k, v, mask)  # (B, H, T, d)
+        else:
+            out = attend_blocks(q, cache.extend_kv(self.cache_slot, k, v), mask)
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -204,7 +204,7 @@ class FlowCache:
     """A stream's flow state: one EstimatorCache per Euler step, all covering the same frames.
 
     It only ever holds complete 50-frame chunks of a non-final call (their values are final); a
-    per-voice prompt state is one of these, copied for each request (`copy`).
+    per-voice prompt state is one of these, and each request's state a `fork` of it.
     """
 
     def __init__(self, steps: list[EstimatorCache]) -> None:
@@ -217,8 +217,9 @@ class FlowCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for step in self.steps for t in step.tensors())
 
-    def copy(self, reserve: int = 0) -> FlowCache:
-        return FlowCache([step.copy(reserve) for step in self.steps])
+    def fork(self) -> FlowCache:
+        """A request's state continuing this one (a voice's prompt state), which it reads and never copies."""
+        return FlowCache([step.fork() for step in self.steps])
 
 
 class CausalConditionalCFM(nn.Module):

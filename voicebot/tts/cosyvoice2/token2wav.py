@@ -90,7 +90,7 @@ class Token2Wav:
         self._prompt_states: OrderedDict[str, FlowCache] = OrderedDict()
 
     def prompt_state(self, prompt: FlowPrompt) -> FlowCache:
-        """The voice's cached flow prompt state, computed on first use. Callers copy it."""
+        """The voice's cached flow prompt state, computed on first use. Requests `fork` it."""
         key = prompt.key()
         state = self._prompt_states.get(key)
         if state is None:
@@ -166,16 +166,14 @@ class Token2WavStream:
         self.speech_tail: Tensor | None = None  # (1, 3840) held back for the cross-fade
         self.finished = False
         self.vocoder = HiFTStream(t2w.hift, zero_noise, generator) if mode == "fast" else None
-        # this request's flow frames so far, from a copy of the voice's prompt state; the buffers
+        # this request's flow frames so far, after the voice's shared prompt state; the buffers
         # grow by each chunk's frames (estimator.py), so they hold exactly the frames computed
         self.flow_cache: FlowCache | None = None
         # tokens: the prompt's last chunk boundary, and how many target tokens its lookahead reads
         self.prompt_boundary = n_prompt // flow.encoder.chunk_size * flow.encoder.chunk_size
         self.prompt_tail_needs = max(0, self.prompt_boundary + self.lookahead - n_prompt)
         if mode != "recompute":
-            state = t2w.prompt_state(prompt)
-            first_two_chunks = n_prompt + self.first_pad + self.hop + self.hop * sched.hop_growth  # tokens
-            self.flow_cache = state.copy(first_two_chunks * flow.token_mel_ratio - state.n_frames)
+            self.flow_cache = t2w.prompt_state(prompt).fork()
 
     def _next_hop(self) -> int:
         return self.hop + (self.first_pad if self.offset == 0 else 0)
