@@ -98,19 +98,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
-def attend_blocks(q: Tensor, blocks: list[tuple[Tensor, Tensor]], mask: Tensor | None) -> Tensor:
+def attend_blocks(q: Tensor, blocks: list[tuple[Tensor, Tensor]], bias: Tensor | None) -> Tensor:
     """`attend` over keys/values given as consecutive blocks along the frame axis, without
-    concatenating them (that would copy the voice's shared prompt keys at every call)."""
+    concatenating them (that would copy the voice's shared prompt keys at every call); `bias` is
+    additive, (T, all frames)."""
     if len(blocks) == 1:
-        return attend(q, *blocks[0], mask)
-    scores = torch.cat([q @ k.transpose(-1, -2) for k, _ in blocks], dim=-1) * q.shape[-1] ** -0.5
-    if mask is not None:
-        scores = scores.masked_fill(~mask, -float("inf"))
+        return attend(q, *blocks[0], bias)
+    q = q * q.shape[-1] ** -0.5
+    scores = torch.cat([q @ k.transpose(-1, -2) for k, _ in blocks], dim=-1)  # (B, H, T, all frames)
+    if bias is not None:
+        scores += bias
     weights = scores.float().softmax(-1).to(q.dtype)  # fp32 softmax: fp16 sums of exps overflow
     out, start = None, 0
     for k, v in blocks:
         part = weights[..., start : start + k.shape[2]] @ v
-        out = part if out is None else out + part
+        out = part if out is None else out.add_(part)
         start += k.shape[2]
     return out
 
@@ -312,6 +314,9 @@ class CausalConditionalDecoder(nn.Module):
         x = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)  # (B, 320, T)
         # at batch 1 per CFG row there is no padding, so only the chunk structure constrains attention
         attn_mask = chunk_mask(start + x.shape[-1], self.static_chunk_size if streaming else 0, x.device, start)
+        if attn_mask is not None:
+            # Additive, made once for every layer of the call: a bool mask is applied anew at each one.
+            attn_mask = torch.zeros(attn_mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~attn_mask, -torch.inf)
 
         def transformers(h: Tensor, blocks: nn.ModuleList) -> Tensor:  # (B, C, T) -> (B, C, T)
             h = h.transpose(1, 2)
