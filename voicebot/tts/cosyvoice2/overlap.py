@@ -7,10 +7,10 @@ that the tokens complete, each with its own share of torch's intra-op threads (s
 the machine runs as many busy threads as it has cores. The official code instead runs a 2-thread LM
 beside a 2-thread flow on 2 cores, which doubles its first chunk's time (baseline spec).
 
-The prompt frames that the voice's prompt state lacks (its last chunk reads the first target
-tokens through the lookahead) are rendered as soon as those tokens exist, while the LM decodes the
-rest of the first hop. Once the LM has finished, the rendering thread takes all the threads back
-for what remains (the final chunk, which in `exact` mode re-runs the whole utterance).
+Until the first chunk is out, the two run one after the other with every thread each: the first
+audio waits for both anyway, and on two cores splitting them made it later (bench/cosyvoice2.py).
+Once the LM has finished, the rendering thread takes all the threads back for what remains (the
+final chunk, which in `exact` mode re-runs the whole utterance).
 """
 
 from __future__ import annotations
@@ -29,12 +29,21 @@ _END = object()
 
 def overlapped(tokens: Iterable[int], stream: Token2WavStream, lm_threads: int = 1,
                render_threads: int | None = None) -> Iterator[Tensor]:
-    """Yield `stream`'s audio chunks while `tokens` (e.g. lm.generate) is consumed on another thread.
+    """Yield `stream`'s audio chunks; after the first, `tokens` (e.g. lm.generate) is consumed on another thread.
 
     render_threads defaults to what remains of torch's thread count after lm_threads (at least 1).
     The token iterator must not share a torch.Generator with the stream's vocoder noise: the two
     draw concurrently. Closing this generator early stops the decoding after its current token.
     """
+    tokens = iter(tokens)
+    for token in tokens:
+        first = stream.push([token])
+        if first:
+            yield from first
+            break
+    else:
+        yield stream.finish()
+        return
     total = torch.get_num_threads()
     render_threads = render_threads or max(1, total - lm_threads)
     found: queue.SimpleQueue = queue.SimpleQueue()
@@ -67,10 +76,7 @@ def overlapped(tokens: Iterable[int], stream: Token2WavStream, lm_threads: int =
                     raise item
             if ended:
                 torch.set_num_threads(total)  # the LM is done: all cores for the rest
-            chunks = stream.push(batch)
-            if not ended:
-                stream.render_prompt_tail()  # a no-op unless it is due: the LM decodes the first hop meanwhile
-            yield from chunks
+            yield from stream.push(batch)
             if ended:
                 yield stream.finish()
                 return

@@ -169,9 +169,6 @@ class Token2WavStream:
         # this request's flow frames so far, after the voice's shared prompt state; the buffers
         # grow by each chunk's frames (estimator.py), so they hold exactly the frames computed
         self.flow_cache: FlowCache | None = None
-        # tokens: the prompt's last chunk boundary, and how many target tokens its lookahead reads
-        self.prompt_boundary = n_prompt // flow.encoder.chunk_size * flow.encoder.chunk_size
-        self.prompt_tail_needs = max(0, self.prompt_boundary + self.lookahead - n_prompt)
         if mode != "recompute":
             self.flow_cache = t2w.prompt_state(prompt).fork()
 
@@ -182,22 +179,6 @@ class Token2WavStream:
     def tokens_for_next_chunk(self) -> int:
         """How many tokens in total `push` needs before it renders the next chunk."""
         return self.offset + self._next_hop() + self.lookahead
-
-    def render_prompt_tail(self) -> bool:
-        """Render the prompt frames up to its last chunk boundary that the voice's prompt state
-        lacks (its lookahead reads the first target tokens), as soon as those tokens are in.
-
-        The first chunk would render them anyway, with the same result; doing it early only helps
-        when something else runs meanwhile (overlap.py: the LM decoding the rest of the first hop).
-        Returns whether it did any work.
-        """
-        cache, flow, p = self.flow_cache, self.t2w.flow, self.prompt
-        if (cache is None or self.finished or cache.n_frames >= self.prompt_boundary * flow.token_mel_ratio
-                or not self.prompt_tail_needs <= len(self.tokens) < self.tokens_for_next_chunk):
-            return False
-        token = torch.tensor(self.tokens[: self.prompt_tail_needs], dtype=torch.int32, device=p.token.device)[None]
-        flow.inference(token, p.token, p.feat, p.embedding, streaming=True, finalize=False, cache=cache)
-        return True
 
     def push(self, tokens: Iterable[int]) -> list[Tensor]:
         """Add speech tokens; returns the audio chunks that became ready (possibly none)."""
