@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from voicebot.config import REPO_ROOT, Cosyvoice2Config
 from voicebot.tts.cosyvoice2.engine import _Utterance, flow_prompt
@@ -164,6 +165,13 @@ def stream_overlapped(engine: SimpleNamespace, cache, voice: Voice, text: list[i
     return first_chunk, first_audio, (time.perf_counter() - start) / AUDIO_SECONDS
 
 
+def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 1024) -> float:
+    """GFLOP/s of a large square matmul: what the cores can do at best."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    times, _ = timed(lambda: a @ a, 10)
+    return 2 * n**3 / min(times) / 1e9
+
+
 def rel_l2(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
     a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
     return float((a - b).norm() / b.norm())
@@ -256,10 +264,17 @@ def main() -> None:
         rows[f"streaming [{mode}+ovl]: first audio (s)"] = first_audio
         rows[f"streaming [{mode}+ovl]: RTF"] = rtf
 
-    # Non-streaming: the same tokens (the sampler is seeded), one flow and one HiFT pass.
+    # Non-streaming: the same tokens (the sampler is seeded), one flow and one HiFT pass; its
+    # matmul/conv FLOPs (attention's are not counted) against this machine's fp32 GEMM rate give
+    # the flow's floor here.
     tokens = torch.tensor([tokens], device=device)
-    flow_time, mel = timed(lambda: flow.inference(tokens, prompt.token, prompt.feat, prompt.embedding,
-                                                  streaming=False, finalize=True))
+    with FlopCounterMode(display=False) as flops:
+        flow_time, mel = timed(lambda: flow.inference(tokens, prompt.token, prompt.feat, prompt.embedding,
+                                                      streaming=False, finalize=True))
+    n_frames = mel.shape[2] + prompt.feat.shape[1]
+    rows["flow matmul+conv GFLOP per mel frame"] = flops.get_total_flops() / n_frames / 1e9
+    rows["flow GFLOP/s, non-streaming"] = flops.get_total_flops() / flow_time[0] / 1e9
+    rows[f"this machine: {args.dtype} GEMM GFLOP/s"] = gemm_rate(device, dtype)
     with torch.inference_mode():
         hift_time, _ = timed(lambda: hift.inference(mel.float()))
     rows["non-streaming flow, 5 s (s)"] = flow_time[0]
