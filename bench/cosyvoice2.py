@@ -172,6 +172,13 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 1024) -> float:
     return 2 * n**3 / min(times) / 1e9
 
 
+def read_rate(device: torch.device, gigabytes: float = 1.0) -> float:
+    """GB/s of summing a tensor much larger than the caches: the memory bandwidth a decode step can use."""
+    x = torch.ones(int(gigabytes * 1e9) // 4, device=device)
+    times, _ = timed(lambda: x.sum(), 5)
+    return gigabytes / min(times)
+
+
 def rel_l2(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
     a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
     return float((a - b).norm() / b.norm())
@@ -226,6 +233,9 @@ def main() -> None:
         step_x = lm.speech_embedding.weight[:1].reshape(1, 1, -1)
         steps, _ = timed(lambda: lm(step_x, pos[-1:] + 1, cache), 20)
         rows["LM decode step (ms)"] = 1000 * statistics.median(steps)
+        # A decode step streams the decoder weights once: compare its rate with a plain read.
+        rows["LM decode: weights read GB/s"] = decode_weight_bytes(lm) / statistics.median(steps) / 1e9
+        rows["this machine: memory read GB/s"] = read_rate(device)
         prefix = prompt_prefix(lm, voice.prompt_text)
         n = prefix.length
         prefill, _ = timed(lambda: lm(x[:, n:], pos[n:], cache), 3)
@@ -301,6 +311,7 @@ def main() -> None:
             lm(x, pos, cache)
             steps, _ = timed(lambda: lm(step_x, pos[-1:] + 1, cache), 20)
         rows["LM decode step [int8] (ms)"] = 1000 * statistics.median(steps)
+        rows["LM decode [int8]: weights read GB/s"] = decode_weight_bytes(lm) / statistics.median(steps) / 1e9
     for mode in int8_modes:
         token2wav.mode = mode
         first_step, first_audio, rtf, _, _ = stream_once(engine, cache, voice, text, prefix)
