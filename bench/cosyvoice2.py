@@ -36,6 +36,7 @@ from voicebot.tts.cosyvoice2.engine import _Utterance, flow_prompt
 from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.hift import build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
+from voicebot.tts.cosyvoice2.loader import cpu_weight_layout
 from voicebot.tts.cosyvoice2.lm import PromptPrefix, build_lm, build_lm_input, generate, prompt_prefix
 from voicebot.tts.cosyvoice2.overlap import overlapped
 from voicebot.tts.cosyvoice2.quant import decode_weight_bytes, quantize_lm
@@ -205,7 +206,7 @@ def main() -> None:
         hp = released_hparams(args.fixtures, Path(tmp)) if args.size == "released" else load_hparams(args.fixtures)
         start = time.perf_counter()
         lm, flow, hift = build_lm(hp).eval(), build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
-        lm, flow, hift = lm.to(device, dtype), flow.to(device, dtype), hift.to(device)
+        lm, flow, hift = (cpu_weight_layout(m) for m in (lm.to(device, dtype), flow.to(device, dtype), hift.to(device)))
     print(f"built {args.size} modules with random weights in {time.perf_counter() - start:.1f} s, "
           f"{args.threads} threads, {device} {args.dtype}")
     token2wav = Token2Wav(flow, hift)

@@ -108,6 +108,21 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def cpu_weight_layout(module: nn.Module) -> nn.Module:
+    """Store each CPU Linear weight column-major: the same (out, in) tensor, laid out as its (in, out)
+    transpose made contiguous, so x @ weightᵀ runs as a plain GEMM/GEMV over contiguous rows.
+
+    torch's CPU BLAS is markedly faster that way on this machine (2 threads, bench/cosyvoice2.py):
+    the LM's decode-step GEMVs read their weights at 17.7 GB/s instead of 12.8, prefill GEMMs run at
+    122 GFLOP/s instead of 86, the flow's (200 × 256 × 1024) at 101 instead of 77. Values, shapes
+    and state-dict keys are unchanged.
+    """
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and m.weight.device.type == "cpu":
+            m.weight.data = m.weight.data.t().contiguous().t()
+    return module
+
+
 def _load(build: Callable[[], nn.Module], path: Path, strip: str = "") -> nn.Module:
     # Built on the meta device and given the file's tensors: no random init of weights that are
     # overwritten anyway (2 GB for the LM).
@@ -123,7 +138,7 @@ def load_lm(model_dir: str | Path, hparams: dict[str, Any] | None = None,
     device = resolve_device(device)
     hparams = hparams or load_hparams(model_dir)
     lm = _load(lambda: build_lm(hparams), Path(model_dir) / "llm.pt")
-    return lm.to(device=device, dtype=resolve_dtype(dtype, device))
+    return cpu_weight_layout(lm.to(device=device, dtype=resolve_dtype(dtype, device)))
 
 
 @dataclass
@@ -147,4 +162,5 @@ def load_cosyvoice2(model_dir: str | Path, device: str | torch.device = "cpu",
     lm = load_lm(model_dir, hparams, device, dtype)
     flow = _load(lambda: build_flow(hparams["flow"]), model_dir / "flow.pt").to(device=device, dtype=dtype)
     hift = _load(lambda: build_hift(hparams["hift"]), model_dir / "hift.pt", strip="generator.").to(device)
+    flow, hift = cpu_weight_layout(flow), cpu_weight_layout(hift)
     return CosyVoice2Modules(model_dir, hparams, lm, flow, hift, device, dtype)
