@@ -9,8 +9,9 @@ out=${OUT:-/tmp}/gpu_check.txt
   date -u
   nvidia-smi -L
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
-  # CosyVoice 2 at released size, random weights: float16 with SDPA, then the same with the
-  # decode step captured in a CUDA graph where the LM supports it.
+  # Which LM attention kernel fp16 on this GPU gets (flash_attn when flash-attn imports, else sdpa).
+  PYTHONPATH=. python3 -c "import torch; from voicebot.tts.cosyvoice2.lm import attention_backend; print('LM attention:', attention_backend(torch.device('cuda'), torch.float16))"
+  # CosyVoice 2 at released size, random weights, float16.
   PYTHONPATH=. timeout 420 python3 bench/cosyvoice2.py --size released --device cuda --dtype float16 \
       --modes exact,fast --int8-modes '' --overlap-modes ''
 } 2>&1 | tee "$out"
