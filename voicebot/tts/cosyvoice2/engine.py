@@ -186,7 +186,7 @@ class _BistreamUtterance(_Utterance):
         super().__init__(engine.token2wav.stream(flow_prompt(voice, dev, dtype), generator=generator),
                          engine.config.lm_tokens_per_step)
         self.frontend = engine.library.frontend.text
-        self.text = ""  # what it voices so far
+        self.text = ""  # the sentences it voices so far
 
     @property
     def full(self) -> bool:
@@ -196,11 +196,10 @@ class _BistreamUtterance(_Utterance):
                 or 2 * self.lm.pos > self.lm.cache.max_seq_len)
 
     def push_text(self, sentence: str) -> None:
-        piece = self.frontend.normalize(sentence)
-        if self.text and language(piece) == "en":
-            piece = " " + piece  # the space the sentence split removed: "Hi." + " How" tokenizes as in one text
-        self.text += piece
-        self.tokens = self.lm.push(self.frontend.encode(piece))
+        # The space the sentence split removed: "Hi." + " How" tokenizes as the whole text would.
+        joiner = " " if self.text and language(sentence) == "en" else ""
+        self.text += joiner + sentence  # as written: what the pacer reports as heard
+        self.tokens = self.lm.push(self.frontend.encode(joiner + self.frontend.normalize(sentence)))
 
     def end_text(self) -> None:
         self.tokens = self.lm.finish()
