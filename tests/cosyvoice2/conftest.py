@@ -62,3 +62,18 @@ def t2w(cv2_dir: Path) -> Token2Wav:
 @pytest.fixture(scope="module")
 def prompt(cv2_golden: dict) -> FlowPrompt:
     return FlowPrompt(cv2_golden["flow.prompt_token"], cv2_golden["flow.prompt_feat"], cv2_golden["flow.embedding"])
+
+
+@pytest.fixture
+def golden_stream(cv2_golden: dict, t2w: Token2Wav, prompt: FlowPrompt):
+    """The fixture's target tokens streamed through `t2w` `per_push` at a time (zero noise): its chunks."""
+
+    def run(mode: str, per_push: int) -> list[torch.Tensor]:
+        tokens = cv2_golden["flow.token"][0].tolist()
+        stream = t2w.stream(prompt, zero_noise=True, mode=mode)
+        chunks = []
+        for i in range(0, len(tokens), per_push):
+            chunks += stream.push(tokens[i : i + per_push])
+        return [*chunks, stream.finish()]
+
+    return run

@@ -39,14 +39,8 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("tokens_per_push", [1, 7, 25])
-def test_fast_stream_equals_whole_utterance_hift(cv2_golden: dict, t2w: Token2Wav, prompt: FlowPrompt,
-                                                 whole: torch.Tensor, tokens_per_push: int) -> None:
-    tokens = cv2_golden["flow.token"][0].tolist()
-    stream = t2w.stream(prompt, zero_noise=True, mode="fast")
-    chunks = []
-    for i in range(0, len(tokens), tokens_per_push):
-        chunks += stream.push(tokens[i : i + tokens_per_push])
-    chunks.append(stream.finish())
+def test_fast_stream_equals_whole_utterance_hift(golden_stream, whole: torch.Tensor, tokens_per_push: int) -> None:
+    chunks = golden_stream("fast", tokens_per_push)
     streamed = torch.cat(chunks, dim=1)
 
     assert streamed.shape == whole.shape

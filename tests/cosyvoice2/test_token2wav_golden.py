@@ -95,15 +95,9 @@ def test_stream_one_token_at_a_time(cv2_golden: dict, cv2_meta: dict, t2w: Token
 
 
 @pytest.mark.parametrize("push_size", [1, 7, 200])
-def test_stream_exact_mode(cv2_golden: dict, cv2_meta: dict, t2w: Token2Wav, prompt: FlowPrompt,
-                           push_size: int) -> None:
+def test_stream_exact_mode(cv2_golden: dict, cv2_meta: dict, golden_stream, push_size: int) -> None:
     """The cached flow (no prefix recompute) yields the official chunks."""
-    tokens = cv2_golden["flow.token"][0].tolist()
-    stream = t2w.stream(prompt, zero_noise=True, mode="exact")
-    chunks = []
-    for i in range(0, len(tokens), push_size):
-        chunks += stream.push(tokens[i : i + push_size])
-    chunks.append(stream.finish())
+    chunks = golden_stream("exact", push_size)
     assert [c.shape[1] for c in chunks] == cv2_meta["tts.stream"]["chunk_speech_lens"]
     for i, chunk in enumerate(chunks):
         _assert_close(chunk, cv2_golden[f"tts.stream.chunk{i}.speech"], SPEECH_ATOL)
