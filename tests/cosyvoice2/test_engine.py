@@ -227,7 +227,7 @@ def test_sessions_interleave_on_the_worker(synth, monkeypatch, fixed_length):
     assert len(set(order)) == 2 and switches > 2  # not one reply after the other
 
 
-def test_reset_rebuilds_session_state(synth, fixed_length):
+def test_reset_rebuilds_session_state(synth, fixed_length, sentences_mode):
     async def run():
         context = synth.open("anna")
         [c async for c in context.stream(_deltas("Hello world."))]

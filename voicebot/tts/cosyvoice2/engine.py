@@ -126,10 +126,11 @@ class CosyVoice2Synthesizer(Synthesizer):
 
     def rederive_voice(self, name: str) -> Voice:
         """Drop everything cached for a voice and rebuild it from its source (the periodic reset):
-        its features, its LM prompt prefix and its flow prompt state. Worker thread only."""
+        its features, its LM prompt prefix (sentences mode) and its flow prompt state. Worker thread only."""
         stale = flow_prompt(self.library[name], self.device, self.dtype)
         voice = self.library.refresh(name)
-        self.lm_prefix(voice)  # a new Voice object, so a new prefix
+        if self.config.text_input == "sentences":  # the only mode that starts from the LM prefix
+            self.lm_prefix(voice)  # a new Voice object, so a new prefix
         # Token2Wav keys prompt states by content, which a refresh from an unchanged source keeps,
         # so the entry must go or it would be found again.
         self.token2wav.evict_prompt_state(stale)

@@ -313,15 +313,15 @@ class CausalConditionalDecoder(nn.Module):
         temb = self.time_mlp(sinusoidal_time_embedding(t, self.in_channels))  # (B, 4·ch)
         x = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)  # (B, 320, T)
         # at batch 1 per CFG row there is no padding, so only the chunk structure constrains attention
-        attn_mask = chunk_mask(start + x.shape[-1], self.static_chunk_size if streaming else 0, x.device, start)
-        if attn_mask is not None:
-            # Additive, made once for every layer of the call: a bool mask is applied anew at each one.
-            attn_mask = torch.zeros(attn_mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~attn_mask, -torch.inf)
+        allowed = chunk_mask(start + x.shape[-1], self.static_chunk_size if streaming else 0, x.device, start)
+        # Additive, made once for every layer of the call: a bool mask is applied anew at each one.
+        attn_bias = None if allowed is None else torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(
+            ~allowed, -torch.inf)
 
         def transformers(h: Tensor, blocks: nn.ModuleList) -> Tensor:  # (B, C, T) -> (B, C, T)
             h = h.transpose(1, 2)
             for blk in blocks:
-                h = blk(h, attn_mask, cache)
+                h = blk(h, attn_bias, cache)
             return h.transpose(1, 2)
 
         resnet, blocks, conv = self.down_blocks[0]
