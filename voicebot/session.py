@@ -507,6 +507,7 @@ class Reply:
         self.failed = False  # the responder failed (the text may be the fallback line)
         self._remembered = False
         self._produced_samples = 0
+        self.frames_produced = 0  # put on self.frames; less pacer.frames_sent = produced, never sent
 
     async def run(self) -> None:
         s = self.s
@@ -557,6 +558,18 @@ class Reply:
         await self.s.emit(protocol.event("reply.done", reply_id=self.id, text=self.text))
 
     async def _produce(self) -> None:
+        """Synthesize into frames, then put the end marker. The marker is awaited like every frame:
+        with a full queue (synthesis ahead of playback) it waits for room instead of being lost."""
+        try:
+            await self._synthesize()
+        except asyncio.CancelledError:
+            raise  # barge-in or close: the pacer is cancelled with us and reads no marker
+        except Exception:
+            await self.frames.put(None)  # the pacer sends what came before; run() reports the failure
+            raise
+        await self.frames.put(None)
+
+    async def _synthesize(self) -> None:
         deltas = self._text_deltas()
         try:
             async with contextlib.aclosing(self.s.tts.stream(deltas)) as chunks:
@@ -567,28 +580,22 @@ class Reply:
                     self.heard.add(chunk.text, chunk.segment, self._produced_samples, len(chunk.audio))
                     self._produced_samples += len(chunk.audio)
                     for frame in self.framer.push(chunk.audio):
-                        await self.frames.put(float_to_pcm16(frame))
+                        await self._put_frame(frame)
             last = self.framer.flush()
             if last is not None:
-                await self.frames.put(float_to_pcm16(last))
+                await self._put_frame(last)
         finally:
-            # Always tell the pacer the reply is over, even when synthesis failed.
-            with contextlib.suppress(asyncio.QueueFull):
-                self.frames.put_nowait(None)
             # Close the text source now, not when it is garbage collected: on barge-in the
             # responder's HTTP stream must close at once.
             await deltas.aclose()
 
+    async def _put_frame(self, frame) -> None:
+        await self.frames.put(float_to_pcm16(frame))
+        self.frames_produced += 1
+
     async def _send_paced(self) -> None:
         s = self.s
-        prebuffer = s.settings.pacing.prebuffer_ms // protocol.FRAME_MS
-        while True:
-            if self.pacer.frames_sent == 0 and prebuffer:
-                while self.frames.qsize() < prebuffer and not self._producer_done():
-                    await asyncio.sleep(0.01)
-            frame = await self.frames.get()
-            if frame is None:
-                return
+        async for frame in self._frames_prebuffered():
             if self.pacer.frames_sent == 0:
                 s.state = State.SPEAKING
                 await s.emit(protocol.event("audio.start", reply_id=self.id, sample_rate=OUTPUT_RATE, frame_ms=protocol.FRAME_MS))
@@ -601,8 +608,20 @@ class Reply:
                 if self.turn.speech_end is not None:
                     s.rt.metrics.first_audio.observe(self.first_frame_at - self.turn.speech_end)
 
-    def _producer_done(self) -> bool:
-        return any(f is None for f in list(self.frames._queue))  # noqa: SLF001 (peek without taking)
+    async def _frames_prebuffered(self) -> AsyncIterator[bytes]:
+        """The producer's frames in order, the first only once `pacing.prebuffer_ms` of audio (or
+        the whole reply, if shorter) is ready; ends at the producer's end marker."""
+        held: list[bytes] = []
+        while len(held) < self.s.settings.pacing.prebuffer_ms // protocol.FRAME_MS:
+            if (frame := await self.frames.get()) is None:
+                for frame in held:
+                    yield frame
+                return
+            held.append(frame)
+        for frame in held:
+            yield frame
+        while (frame := await self.frames.get()) is not None:
+            yield frame
 
     def timings(self) -> dict:
         def ms(a: float | None, b: float | None) -> float | None:
@@ -632,7 +651,7 @@ class Reply:
 
     def drop_pending(self, reason: str) -> int:
         """Count (and drop) every frame produced but not sent."""
-        dropped = sum(1 for f in list(self.frames._queue) if f is not None)  # noqa: SLF001
+        dropped = self.frames_produced - self.pacer.frames_sent
         if self.framer.clear():
             dropped += 1
         self.s.rt.metrics.frames_dropped.labels(reason).inc(dropped)

@@ -249,3 +249,26 @@ def test_client_gone_mid_reply_leaves_nothing_behind():
         assert srv.metric("voicebot_active_sessions") == 0
         assert srv.runtime.sessions == {}
         assert srv.metric("voicebot_frames_dropped_total", 'reason="client_gone"') >= 1
+
+
+def test_a_reply_longer_than_the_frame_queue_ends_and_the_next_turn_speaks():
+    """Synthesis far ahead of playback fills the 10 s frame queue; the end marker must still arrive
+    (it was dropped once: no audio.end, every later turn silent)."""
+    text = " ".join(["This is a long answer from a chatty character, sentence number %d." % i for i in range(1, 6)])
+    assert len(text) > 276
+
+    async def talk():
+        async with VoiceClient.connect(server_url) as client:
+            await client.send({"type": "say", "text": text})
+            end = await client.wait_for("audio.end", timeout=60)
+            frames = check_reply_frames(client, end)
+            await client.send({"type": "say", "text": "and one more"})
+            second = await client.wait_for("audio.end", count=2, timeout=30)
+            return frames, end, second
+
+    with running_server(make_settings(pacing={"lead_ms": 5000})) as srv:
+        server_url = srv.ws_url
+        frames, end, second = run(talk())
+        assert end["frames"] > 50  # more than the frame queue holds
+        assert second["frames"] >= 1
+        assert srv.metric("voicebot_frames_dropped_total", 'reason="interrupted"') == 0
