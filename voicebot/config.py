@@ -66,6 +66,8 @@ class GateConfig(Section):
     # Time constant of the background statistics (exponential moving average).
     background_tau_s: float = Field(2.0, gt=0)
     warmup_ms: float = Field(200.0, ge=0)
+    # No block taken as background for this long: the room got louder; re-learn its background.
+    relearn_s: float = Field(3.0, gt=0)
 
 
 class EndpointConfig(Section):
