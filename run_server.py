@@ -9,6 +9,7 @@ import sys
 import uvicorn
 
 from voicebot.config import DEFAULT_CONFIG, ConfigError, load_settings
+from voicebot.protocol import MAX_MESSAGE_BYTES
 
 
 def main() -> int:
@@ -35,7 +36,7 @@ def main() -> int:
         log_level=settings.log_level,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
-        ws_max_size=2 * 48000 * 2 + 1024,  # a frame of 1 s at 48 kHz is the largest valid one
+        ws_max_size=MAX_MESSAGE_BYTES,  # over it: close 1009 (docs/protocol.md, Limits)
     )
     return 0
 
