@@ -330,7 +330,8 @@ async def run(url: str, probe: ServerProbe, process: subprocess.Popen, args) -> 
     while (now := time.monotonic()) < deadline and process.poll() is None:
         await asyncio.sleep(min(args.report_s, deadline - now))
         if process.poll() is None:
-            rows.append(report(probe, tally, start))
+            metrics = await asyncio.to_thread(probe.metrics)  # off the clients' loop
+            rows.append(report(probe, metrics, tally, start))
     for task in tasks:  # a turn in progress at the deadline is cut: its reply is not counted
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -349,9 +350,8 @@ async def run(url: str, probe: ServerProbe, process: subprocess.Popen, args) -> 
             "rss_drift_pct_after_warmup": round(drift, 2), "server_alive": process.poll() is None, "rows": rows}
 
 
-def report(probe: ServerProbe, tally: Tally, start: float) -> dict:
-    """One row: the server process, its metrics, and what the clients saw since the last row."""
-    m = probe.metrics()
+def report(probe: ServerProbe, m: dict[str, float], tally: Tally, start: float) -> dict:
+    """One row: the server process, its metrics `m`, and what the clients saw since the last row."""
     lag_mean, lag_max = probe.lag_ms(m)
     server_lost = m.get("voicebot_frames_dropped_total{reason=overload}", 0) + sum(
         v for k, v in m.items() if k.startswith("voicebot_input_dropped_seconds_total"))
@@ -377,6 +377,7 @@ def main() -> int:
     parser.add_argument("--report-s", type=float, default=60)
     parser.add_argument("--reset-s", type=float, default=5)
     parser.add_argument("--short", action="store_true", help="~30 s, 6 sessions, a report every 10 s (for CI)")
+    parser.add_argument("--server-log", type=Path, help="keep the server's output in this file (default: a temporary one)")
     args = parser.parse_args()
     if args.short:
         args.sessions, args.minutes, args.report_s = 6, 0.5, 10
@@ -392,7 +393,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         config_path = Path(tmp) / "soak.yaml"
         config_path.write_text(yaml.safe_dump(config))
-        log = open(Path(tmp) / "server.log", "w+")
+        log = open(args.server_log or Path(tmp) / "server.log", "w+")
         process = subprocess.Popen([sys.executable, str(ROOT / "run_server.py"), "--config", str(config_path)], cwd=ROOT,
                                    stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
@@ -413,6 +414,7 @@ def main() -> int:
                 process.wait(30)
             log.seek(0)
             crashes = [line for line in log.read().splitlines() if "Traceback" in line or "Exception in ASGI" in line]
+            log.close()
         summary["server_tracebacks"] = len(crashes)
     print("note: queue depths are not exposed by the server yet (issue 12, phase 2)")
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
