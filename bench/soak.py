@@ -228,7 +228,8 @@ async def reconnector(url: str, tally: Tally, deadline: float, index: int) -> No
                 resume = ready.get("resume_token") or ready["session_id"]
                 after = len(client.events)
                 await client.speak(TEST_PHRASES[rng.randrange(len(TEST_PHRASES))])
-                await client.wait_for("audio.start", after)
+                if (await client.wait_for("asr.final", after))["text"].strip():
+                    await client.wait_for("audio.start", after)
                 await asyncio.sleep(rng.uniform(0, 0.6))
                 client.vanish()  # mid-reply: the server must clean up and keep the conversation
             except (ConnectionError, TimeoutError, websockets.ConnectionClosed) as exc:
