@@ -24,7 +24,7 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketState
 
 from voicebot.audio.resample import StreamResampler, float_to_pcm16
 from voicebot.metrics import Metrics
@@ -167,6 +167,14 @@ class ObsSocket:
     def _log_summary(self) -> None:
         if self._bad:
             log.warning("obs plugin on channel %r disconnected; messages skipped: %s", self._channel, self._bad)
+
+    @property
+    def client_state(self) -> WebSocketState:
+        return self._ws.client_state
+
+    @property
+    def application_state(self) -> WebSocketState:
+        return self._ws.application_state
 
     async def send_text(self, _text: str) -> None:
         """Dropped: the plugin ignores what the server sends (listeners on the channel get it)."""
