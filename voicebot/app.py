@@ -24,7 +24,7 @@ from voicebot import __version__, auth, protocol
 from voicebot.asr.funasr_ws import funasr_segmenter, serve_funasr
 from voicebot.channels import ChannelHub, run_listener
 from voicebot.config import Settings, load_settings
-from voicebot.debug import InputRecorder
+from voicebot.input_recorder import InputRecorder
 from voicebot.engines import build_recognizer, build_responders, build_synthesizer
 from voicebot.metrics import Metrics
 from voicebot.obs_plugin import ObsSocket
