@@ -17,6 +17,7 @@ from voicebot.config import Settings
 from voicebot.engines import build_recognizer, build_responders, build_synthesizer
 from voicebot.input_recorder import InputRecorder
 from voicebot.metrics import Metrics
+from voicebot.models import fetch_all
 from voicebot.reply.base import Responder
 from voicebot.reply.resume import ConversationStore
 from voicebot.reply.safety import SpeechFilter
@@ -64,6 +65,8 @@ class Runtime:
 
     def load(self) -> None:
         s = self.settings
+        if s.server.download_models:
+            fetch_all(s)
         self.recognizer = build_recognizer(s)
         self.synthesizer = build_synthesizer(s)
         self.responders = build_responders(s)
