@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.engine_reports import EngineInfo, ResetReport
 
 SAMPLE_RATE = 16000
 

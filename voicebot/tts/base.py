@@ -15,7 +15,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.engine_reports import EngineInfo, ResetReport
 
 SAMPLE_RATE = 24000
 
