@@ -16,15 +16,19 @@ from enum import Enum
 from typing import Awaitable, Callable
 
 from voicebot import protocol
+from voicebot.asr.base import RecognizerStream
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.messages import AudioIn, Inbound, InputEnd, Turn, Utterance
 from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
+from voicebot.session.choices import Choices
 from voicebot.session.flood import FloodGuard
 from voicebot.session.listening import FrontEnd, Listening
 from voicebot.session.outbox import Outbox
 from voicebot.session.replying import Reply, Replying
+from voicebot.session.reset import EngineReset
+from voicebot.tts.base import SynthesisContext
 
 # Queue bounds. audio_in: 64 chunks of at most 1 s each (the client's chunk size, typically
 # 20-100 ms, so about 6 s of audio in practice). turns: 8 replies waiting to be made.
@@ -59,9 +63,7 @@ class Session:
         self.id = uuid.uuid4().hex
         self.state = State.STARTING
         self.sample_rate = LISTEN_RATE
-        self.responder_name = runtime.default_responder
-        self.language: str | None = None
-        self.barge_in_min_ms = self.settings.pacing.barge_in_min_ms
+        self.choices = Choices(runtime.default_responder, self.settings.pacing.barge_in_min_ms)
         self.conversation = Conversation(self.settings.reply.max_history_turns, self.settings.reply.max_history_tokens)
         limits = self.settings.limits
         self.flood = FloodGuard(limits.max_messages_per_s, limits.max_audio_realtime_factor, limits.window_s)
@@ -75,12 +77,11 @@ class Session:
         self._reply_task: asyncio.Task | None = None
         self._reply: Reply | None = None
         self._engine_lock = asyncio.Lock()  # held per audio chunk, to start a reply and by a reset
-        self._last_reset = time.monotonic()
-        self.reset_count = 0
-        self.asr = None
-        self.tts = None
-        self.listening: Listening | None = None  # from session.start on
+        self.asr: RecognizerStream | None = None  # this session's engine state, from session.start on
+        self.tts: SynthesisContext | None = None
+        self.listening: Listening | None = None
         self.replies: Replying | None = None
+        self.engine_reset: EngineReset | None = None
 
     def _enter(self, state: State) -> None:
         if state not in TRANSITIONS[self.state]:
@@ -196,13 +197,13 @@ class Session:
 
     async def _start(self, message: protocol.SessionStart) -> None:
         try:
-            self._apply_choices(message.voice, message.responder, message.language, message.endpointing)
+            self._apply_choices(message)
             self.tts = self.rt.synthesizer.open(message.voice)
         except ProtocolError as exc:
             await self.outbox.error(exc.code, exc.message)
             return
         self.sample_rate = message.sample_rate
-        self.asr = self.rt.recognizer.open(self.language)
+        self.asr = self.rt.recognizer.open(self.choices.language)
         front_end = FrontEnd(self.sample_rate, self.settings.gate, self.settings.endpoint)
         if message.endpointing and message.endpointing.endpoint_silence_ms:
             front_end.endpointer.set_silence_ms(message.endpointing.endpoint_silence_ms)
@@ -213,7 +214,8 @@ class Session:
         resumed = self._resume(message.resume)
         self.replies = Replying(self.tts, self.conversation, self.outbox, self.rt.metrics, self.rt.speech_filter,
                                  self.settings.reply, self.settings.pacing)
-        await self.outbox.emit(protocol.session_ready(self.id, self.sample_rate, self.tts.voice, self.responder_name, resumed=resumed))
+        self.engine_reset = EngineReset(self.settings.reset.interval_s, self.asr, self.tts, self.rt.metrics, self.outbox)
+        await self.outbox.emit(protocol.session_ready(self.id, self.sample_rate, self.tts.voice, self.choices.responder, resumed=resumed))
         self._tasks = [
             asyncio.create_task(self._listen(), name=f"listen-{self.id[:8]}"),
             asyncio.create_task(self._speak(), name=f"speak-{self.id[:8]}"),
@@ -228,24 +230,13 @@ class Session:
         self.rt.conversations.register(self.id, self.conversation)
         return conversation is not None
 
-    def _apply_choices(self, voice, responder, language, endpointing) -> None:
-        voices = self.rt.synthesizer.voices()
-        if voice is not None and voice not in {v.name for v in voices}:
-            raise ProtocolError(ErrorCode.UNKNOWN_VOICE, f"unknown voice {voice!r}; available: {', '.join(v.name for v in voices)}")
-        if responder is not None:
-            if responder not in self.rt.responders:
-                raise ProtocolError(
-                    ErrorCode.UNKNOWN_RESPONDER, f"unknown responder {responder!r}; available: {', '.join(self.rt.responders)}"
-                )
-            self.responder_name = responder
-        if language is not None:
-            self.language = language
-        if endpointing is not None and endpointing.barge_in_min_ms is not None:
-            self.barge_in_min_ms = endpointing.barge_in_min_ms
+    def _apply_choices(self, message: protocol.SessionStart | protocol.SessionUpdate) -> None:
+        self.choices.apply(message.voice, message.responder, message.language, message.endpointing,
+                           self.rt.synthesizer.voices(), self.rt.responders)
 
     async def _update(self, message: protocol.SessionUpdate) -> None:
         try:
-            self._apply_choices(message.voice, message.responder, message.language, message.endpointing)
+            self._apply_choices(message)
         except ProtocolError as exc:
             await self.outbox.error(exc.code, exc.message)
             return
@@ -258,10 +249,10 @@ class Session:
             protocol.event(
                 "session.updated",
                 voice=self.tts.voice,
-                responder=self.responder_name,
-                language=self.language,
+                responder=self.choices.responder,
+                language=self.choices.language,
                 endpoint_silence_ms=endpointer.config.endpoint_silence_ms,
-                barge_in_min_ms=self.barge_in_min_ms,
+                barge_in_min_ms=self.choices.barge_in_min_ms,
             )
         )
 
@@ -274,7 +265,7 @@ class Session:
                 for utterance in await self.listening.hear(item):
                     await self._on_utterance(utterance)
             # While the reply is still being prepared too: the user has more to say.
-            if self.state in (State.THINKING, State.SPEAKING) and self.listening.speech_run_ms >= self.barge_in_min_ms:
+            if self.state in (State.THINKING, State.SPEAKING) and self.listening.speech_run_ms >= self.choices.barge_in_min_ms:
                 await self.interrupt("barge_in")
 
     async def _on_utterance(self, utterance: Utterance) -> None:
@@ -299,8 +290,8 @@ class Session:
             # checks self._reply under the lock instead.
             async with self._engine_lock:
                 self._enter(State.THINKING)
-                responder = self.rt.responders[self.responder_name]
-                reply = self.replies.reply(turn, self.responder_name, responder, on_speaking=lambda: self._enter(State.SPEAKING))
+                name = self.choices.responder
+                reply = self.replies.reply(turn, name, self.rt.responders[name], on_speaking=lambda: self._enter(State.SPEAKING))
                 self._reply = reply
                 self._reply_task = asyncio.create_task(reply.run(), name=f"reply-{self.id[:8]}")
             try:
@@ -326,32 +317,11 @@ class Session:
     # ---- periodic reset ---------------------------------------------------------------------
 
     async def _reset_timer(self) -> None:
-        interval = self.settings.reset.interval_s
         while True:
-            await asyncio.sleep(max(0.05, min(1.0, interval / 4)))
-            if time.monotonic() - self._last_reset < interval:
-                continue
+            await asyncio.sleep(self.engine_reset.check_every_s)
             # Only at a turn boundary: nothing being said by either side.
-            if self._reply is not None or self.listening.in_utterance or not self.turns.empty():
+            if not self.engine_reset.due or self._reply is not None or self.listening.in_utterance or not self.turns.empty():
                 continue
             async with self._engine_lock:
-                if self._reply is not None or self.listening.in_utterance:
-                    continue
-                await self.reset("periodic")
-
-    async def reset(self, reason: str) -> None:
-        start = time.perf_counter()
-        reports = [await self.asr.reset(), await self.tts.reset()]
-        duration = time.perf_counter() - start
-        self._last_reset = time.monotonic()
-        self.reset_count += 1
-        self.rt.metrics.resets.inc()
-        self.rt.metrics.reset_duration.observe(duration)
-        await self.outbox.emit(
-            protocol.event(
-                "state.reset",
-                reason=reason,
-                duration_ms=round(duration * 1000, 2),
-                engines=[{"engine": r.engine, "generation": r.generation, "bytes_freed": r.bytes_freed} for r in reports],
-            )
-        )
+                if self._reply is None and not self.listening.in_utterance:
+                    await self.engine_reset.run("periodic")
