@@ -54,6 +54,7 @@ class Replying:
     speech_filter: SpeechFilter
     reply_config: ReplyConfig
     pacing: PacingConfig
+    clock: Callable[[], float] = time.monotonic  # the pacer's; a test passes its event loop's
 
     def reply(self, turn: Turn, responder_name: str, responder: Responder, on_speaking: Callable[[], None]) -> "Reply":
         return Reply(self, turn, responder_name, responder, on_speaking)
@@ -72,7 +73,7 @@ class Reply:
         self.id = uuid.uuid4().hex[:12]
         self.frames: asyncio.Queue[bytes | None] = asyncio.Queue(FRAMES_MAX)  # None: the producer's end
         self.framer = Framer(SPEAK_RATE, protocol.FRAME_MS)
-        self.pacer = Pacer(protocol.FRAME_MS, stage.pacing.lead_ms)
+        self.pacer = Pacer(protocol.FRAME_MS, stage.pacing.lead_ms, clock=stage.clock)
         self.heard = HeardText()
         self.text = ""
         self.started = time.monotonic()
