@@ -141,10 +141,9 @@ async def run_session(ws: Socket, rt: Runtime) -> None:
     rt.metrics.sessions_total.inc()
     sender = asyncio.create_task(session.run_sender())
     close_requested = asyncio.create_task(session.close_requested.wait())
-    # The receive loop also ends when the sender does (the socket failed while sending).
-    stop = asyncio.ensure_future(asyncio.wait({sender, close_requested}, return_when=asyncio.FIRST_COMPLETED))
     try:
-        await receive_loop(ws, session.on_message, until=stop)
+        # Also ended by the sender (the socket failed while sending) and by a close request (flooding).
+        await receive_loop(ws, session.on_message, until=(sender, close_requested))
         if session.close_request is not None:
             code, reason = session.close_request
             await session.outbox.error(ErrorCode.FLOODING, reason)
@@ -156,9 +155,9 @@ async def run_session(ws: Socket, rt: Runtime) -> None:
                 await ws.close(code, reason)
     finally:
         await session.close()
-        for task in (sender, close_requested, stop):
+        for task in (sender, close_requested):
             task.cancel()
-        await asyncio.gather(sender, close_requested, stop, return_exceptions=True)
+        await asyncio.gather(sender, close_requested, return_exceptions=True)
         rt.sessions.pop(session.id, None)
         rt.metrics.active_sessions.dec()
 

@@ -35,8 +35,6 @@ LISTENER_QUEUE_MAX = 64
 # A dropped listener gets this long to take its close frame before the connection is abandoned.
 CLOSE_TIMEOUT_S = 1.0
 
-Outbound = Wire  # what the speaking session's socket was sent, as sent
-
 
 class Listener:
     """One read-only connection following a channel, with its own bounded queue."""
@@ -44,10 +42,10 @@ class Listener:
     def __init__(self, send_text: Callable[[str], Awaitable], send_bytes: Callable[[bytes], Awaitable]) -> None:
         self._send_text = send_text
         self._send_bytes = send_bytes
-        self.queue: asyncio.Queue[Outbound] = asyncio.Queue(LISTENER_QUEUE_MAX)
+        self.queue: asyncio.Queue[Wire] = asyncio.Queue(LISTENER_QUEUE_MAX)
         self.dropped = asyncio.Event()
 
-    def offer(self, item: Outbound) -> bool:
+    def offer(self, item: Wire) -> bool:
         """Queue without waiting; False when the listener has fallen behind."""
         try:
             self.queue.put_nowait(item)
@@ -99,7 +97,7 @@ class ChannelHub:
         self._notify(name, protocol.event("channel.speaker", channel=name, speaking=False))
         self._forget_if_empty(name)
 
-    def mirror(self, session_id: str, item: Outbound) -> None:
+    def mirror(self, session_id: str, item: Wire) -> None:
         """Offer one outbound message of a session to its channel's listeners (never waits)."""
         name = self._speaking.get(session_id)
         if name is None:

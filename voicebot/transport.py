@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable, Collection
+from typing import Protocol
 
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
@@ -37,11 +38,11 @@ def is_closed(ws: Socket) -> bool:
     return WebSocketState.DISCONNECTED in (ws.client_state, ws.application_state)
 
 
-async def receive_loop(ws: Socket, on_message: MessageHandler, *, until: asyncio.Future | None = None) -> None:
+async def receive_loop(ws: Socket, on_message: MessageHandler, *, until: Collection[asyncio.Future] = ()) -> None:
     """Hand each text or binary message to `on_message`, in order, until the client goes away
-    or `until` (e.g. the sender task, or a close request) is done."""
+    or one of `until` (e.g. the sender task, a close request) is done."""
     try:
-        while until is None or not until.done():
+        while not any(f.done() for f in until):
             message = await _next(ws, until)
             if message is None or message["type"] == "websocket.disconnect":
                 return
@@ -57,12 +58,12 @@ async def receive_loop(ws: Socket, on_message: MessageHandler, *, until: asyncio
         raise
 
 
-async def _next(ws: Socket, until: asyncio.Future | None) -> dict | None:
-    """The next ASGI message, or None once `until` is done first."""
-    if until is None:
+async def _next(ws: Socket, until: Collection[asyncio.Future]) -> dict | None:
+    """The next ASGI message, or None once one of `until` is done first."""
+    if not until:
         return await ws.receive()
     receive = asyncio.ensure_future(ws.receive())
-    await asyncio.wait({receive, until}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({receive, *until}, return_when=asyncio.FIRST_COMPLETED)
     if receive.done():
         return receive.result()
     receive.cancel()
