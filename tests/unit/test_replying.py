@@ -128,3 +128,32 @@ def test_a_60_s_reply_plays_every_frame_to_audio_end(realtime_factor):
     else:
         # Synthesis behind real time: the client ran dry and the reply still ended whole.
         assert end["timings"]["underruns"] > 0 and elapsed >= REPLY_S * realtime_factor
+
+
+def test_a_started_reply_holds_its_audio_until_play_and_a_cancel_counts_it():
+    loop = VirtualTimeLoop()
+    metrics, tts = Metrics(), ToneSynthesis(0.05)
+
+    async def scenario():
+        outbox = Outbox(metrics)
+        stage = Replying(tts, Conversation(8), outbox, metrics, SpeechFilter([]), ReplyConfig(), PacingConfig(),
+                         clock=loop.time)
+        reply = stage.reply(Turn("hello there", say=True), "echo", EchoResponder(), on_speaking=lambda: None)
+        reply.start()
+        await asyncio.sleep(30)  # virtual: the producer fills the holding buffer and waits
+        held = reply.frames.qsize()
+        await reply.cancel("turn_changed")
+        sent = []
+        while not sent or sent[-1] != "audio.interrupted":
+            message = await asyncio.wait_for(outbox.get(), 1)
+            sent.append("frame" if isinstance(message, AudioFrame) else message.payload["type"])
+        return reply, held, sent
+
+    try:
+        reply, held, sent = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    assert held == FRAMES_MAX and reply.frames_produced > FRAMES_MAX  # and more waiting for room
+    assert "frame" not in sent and "audio.start" not in sent
+    # Every frame produced is counted as dropped, those waiting for room too, plus the framer's partial one.
+    assert metrics.frames_dropped.labels("interrupted")._value.get() == reply.frames_produced + 1

@@ -2,7 +2,7 @@
 
 The session owns the tasks and the queues between the stages and decides what happens next;
 the stages do the work (voicebot/session/listening.py, replying.py; the path and every bound:
-docs/architecture.md). Input: `on_text` / `on_bytes` from the socket's receive loop. Output:
+docs/architecture.md). Input: `on_message` from the socket's receive loop. Output:
 the outbox, drained to the socket by `run_sender`.
 """
 

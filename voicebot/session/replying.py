@@ -7,8 +7,9 @@ A `Reply` has an owner (the session) that decides its fate: `start()` runs the r
 into the reply's own frame queue (its holding buffer, FRAMES_MAX frames), `play()` sends those
 frames paced and ends the reply, `cancel()` stops it and accounts for every frame not sent.
 `run()` is start-then-play, what a reply to a confirmed turn does. A reply prepared during a pause
-(the turn policy's) calls `start()` early and `play()` or `cancel()` once the turn is decided:
-nothing reaches the outbox before `play()`.
+(the turn policy's) calls `start()` early and `play()` or `cancel()` once the turn is decided: no
+audio reaches the outbox before `play()` (its reply.delta events do today; a prepared reply will
+hold those too, in `_text_deltas`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
+
+import numpy as np
 
 from voicebot import protocol
 from voicebot.audio.framing import Framer
@@ -83,7 +86,7 @@ class Reply:
         self.failed = False  # the responder failed (the text may be the fallback line)
         self._remembered = False
         self._produced_samples = 0
-        self.frames_produced = 0  # put on self.frames; less pacer.frames_sent = produced, never sent
+        self.frames_produced = 0  # framed for self.frames (queued or waiting for room); less pacer.frames_sent: never sent
         self._producer: asyncio.Task | None = None
 
     # ---- the owner's controls -------------------------------------------------------------------
@@ -116,8 +119,12 @@ class Reply:
         await self._finished()
 
     async def cancel(self, reason: str) -> None:
-        """After the task running play() was cancelled: drop and count what was not sent, keep
-        what was heard, and tell the client."""
+        """Stop the reply (its owner cancels a running play() first): stop the producer, drop and
+        count what was not sent, keep what was heard, and tell the client."""
+        if self._producer is not None and not self._producer.done():
+            self._producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._producer
         dropped = self.drop_pending("interrupted")
         played_ms = self.pacer.played_ms()
         heard = self.remember_heard(played_ms)
@@ -202,19 +209,20 @@ class Reply:
                         self.stage.metrics.tts_first_audio.observe(self.first_audio_at - (self.first_text_at or self.started))
                     self.heard.add(chunk.text, chunk.segment, self._produced_samples, len(chunk.audio))
                     self._produced_samples += len(chunk.audio)
-                    for frame in self.framer.push(chunk.audio):
-                        await self._put_frame(frame)
+                    await self._put_frames(self.framer.push(chunk.audio))
             last = self.framer.flush()
             if last is not None:
-                await self._put_frame(last)
+                await self._put_frames([last])
         finally:
             # Close the text source now, not when it is garbage collected: on barge-in the
             # responder's HTTP stream must close at once.
             await deltas.aclose()
 
-    async def _put_frame(self, frame) -> None:
-        await self.frames.put(float_to_pcm16(frame))
-        self.frames_produced += 1
+    async def _put_frames(self, frames: list[np.ndarray]) -> None:
+        # Counted before they wait for room: a reply cancelled meanwhile drops them, and says so.
+        self.frames_produced += len(frames)
+        for frame in frames:
+            await self.frames.put(float_to_pcm16(frame))
 
     # ---- playing: prebuffer ─► pacer ─► outbox --------------------------------------------------
 
