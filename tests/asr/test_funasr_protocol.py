@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import soundfile
 
-from voicebot.asr.funasr_protocol import FILE_FORMATS, FunasrSession
+from voicebot.asr.funasr_protocol import FunasrSession
+from voicebot.audio.files import FILE_FORMATS
 from voicebot.asr.testing import synthetic_speech
 from voicebot.audio.endpoint import EventKind, VadEvent
 from voicebot.audio.resample import float_to_pcm16

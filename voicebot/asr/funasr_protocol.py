@@ -35,16 +35,15 @@ Endpoints come from a `Segmenter` (the server's VAD), the same one the /v1/voice
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
-import soundfile
 
 from voicebot.asr.base import SAMPLE_RATE, Hypothesis, Recognizer, RecognizerStream
 from voicebot.audio.endpoint import EventKind, VadEvent
+from voicebot.audio.files import FILE_FORMATS, UndecodableAudio, decode_file
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
 
 Mode = Literal["online", "offline", "2pass"]
@@ -68,19 +67,13 @@ class Segmenter(Protocol):
     async def force_end(self) -> list[VadEvent]: ...
 
 
-def _file_formats() -> frozenset[str]:
-    # Names as clients send them (funasr-client and the HTML5 page send the file's extension).
-    return frozenset(name.lower() for name in soundfile.available_formats()) - {"raw"}
-
-
-FILE_FORMATS = _file_formats()
-
-
 @dataclass
 class ClientConfig:
     mode: Mode = "2pass"
     wav_name: str = "stream"
-    wav_format: str = "pcm"  # "pcm", or a FILE_FORMATS name (offline mode only)
+    # "pcm", or a FILE_FORMATS name (offline mode only): funasr-client and the HTML5 page send the
+    # file's extension
+    wav_format: str = "pcm"
     audio_fs: int = SAMPLE_RATE
 
     def update(self, message: dict) -> None:
@@ -175,11 +168,9 @@ class FunasrSession:
     async def _end_of_input(self, is_end: bool) -> list[dict]:
         if self.config.wav_format != "pcm":
             try:
-                audio = await asyncio.to_thread(_decode_file, bytes(self._file), self.config.wav_format)
-            except ProtocolError as exc:
-                self._drop(len(self._file))
-                self._file.clear()
-                return await self._refuse(str(exc))
+                audio, _ = await asyncio.to_thread(decode_file, bytes(self._file))
+            except UndecodableAudio as exc:
+                return await self._refuse(f"the {self.config.wav_format} file: {exc}")
             self._file.clear()
             events = []
             for start in range(0, len(audio), _FILE_PIECE):
@@ -255,13 +246,3 @@ class FunasrSession:
             message |= {"confidence": event["confidence"], "asr_model": event["model"], "fallback": event["fallback"]}
         return message
 
-
-def _decode_file(data: bytes, wav_format: str) -> np.ndarray:
-    """A whole audio file as 16 kHz mono float32 (channels averaged), or ProtocolError."""
-    try:
-        audio, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
-        raise ProtocolError(f"could not decode the {wav_format} file ({len(data)} bytes): {exc}") from exc
-    resampler = StreamResampler(rate, SAMPLE_RATE)
-    mono = audio.mean(axis=1)
-    return np.concatenate([resampler.process(mono), resampler.flush()])
