@@ -10,17 +10,14 @@ same transcript.
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import numpy as np
 import pytest
 import soundfile
-import uvicorn
 
+from tests.asr.server import serve
 from tests.audio import espeak_speech, to_pcm16
 from tests.conftest import make_settings
-from voicebot.app import create_app
 
 TOKEN = "funasr-secret"
 FINAL_MODES = {"2pass-online", "2pass-offline"}
@@ -30,17 +27,8 @@ FINAL_MODES = {"2pass-online", "2pass-offline"}
 def server_url(tiny_models):
     settings = make_settings(asr={"engine": "paraformer", "paraformer": {"model": str(tiny_models["streaming"])}},
                              tts={"voice": "zh"}, server={"token": TOKEN})
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.server.port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield f"ws://127.0.0.1:{settings.server.port}/funasr"
-    server.should_exit = True
-    thread.join(10)
+    with serve(settings) as port:
+        yield f"ws://127.0.0.1:{port}/funasr"
 
 
 @pytest.fixture(scope="module")
