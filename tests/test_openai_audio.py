@@ -71,15 +71,21 @@ def test_speech_wav_is_recognized_back(client):
     assert result.text == text
 
 
-def test_speech_sse(client):
+@pytest.mark.parametrize("response_format", ["pcm", "wav"])
+def test_speech_sse(client, response_format):
     text = TEST_PHRASES[1]
     with client.audio.speech.with_streaming_response.create(model="tts-1", voice="en", input=text,
-                                                            response_format="pcm", stream_format="sse") as response:
+                                                            response_format=response_format,
+                                                            stream_format="sse") as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line.startswith("data: ")]
     assert [e["type"] for e in events] == ["speech.audio.delta"] * (len(events) - 1) + ["speech.audio.done"]
     assert len(events) > 2  # one delta per synthesized chunk, sent as they come
-    speech_like(pcm_float(b"".join(base64.b64decode(e["audio"]) for e in events[:-1])), text)
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    if response_format == "wav":  # the same bytes as the audio stream: the header first
+        assert audio[:4] == b"RIFF" and audio[36:40] == b"data"
+        audio = audio[44:]
+    speech_like(pcm_float(audio), text)
 
 
 def test_every_voice(client, server):

@@ -4,7 +4,7 @@
 is synthesized: `response_format` pcm (24 kHz s16le mono, as OpenAI's) or wav (the same after a
 header whose sizes say "unknown length", since the length is not known when it is sent; wav is
 also the default here, where OpenAI's is mp3, which we do not encode); `stream_format` audio (the
-bytes) or sse (`speech.audio.delta` events with base64 audio, then `speech.audio.done`). `voice`
+bytes) or sse (the same bytes, base64 in `speech.audio.delta` events, then `speech.audio.done`). `voice`
 is any configured voice; `model` is accepted and not used (the server has one synthesizer).
 `speed` other than 1 and `instructions` are refused: no engine here takes them per request.
 
@@ -69,7 +69,7 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
-def _runtime(request: Request):
+def _authorized_runtime(request: Request):
     rt = request.app.state.runtime
     token = rt.settings.server.token
     presented = auth.presented_token(request)  # type: ignore[arg-type]  # an HTTP request has the same fields
@@ -138,7 +138,7 @@ async def _one(text: str) -> AsyncIterator[str]:
 @router.post("/speech", response_model=None)
 async def speech(request: Request) -> Response:
     try:
-        rt = _runtime(request)
+        rt = _authorized_runtime(request)
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -159,9 +159,11 @@ async def speech(request: Request) -> Response:
             raise ApiError(500, f"synthesis failed: {exc}", kind="server_error") from exc
     except ApiError as exc:
         return exc.response()
-    body = _sse(first, audio) if req.stream_format == "sse" else _bytes(first, audio, req.response_format)
-    media_type = {"sse": "text/event-stream", "pcm": "audio/pcm", "wav": "audio/wav"}
-    return StreamingResponse(body, media_type=media_type["sse" if req.stream_format == "sse" else req.response_format])
+    if req.response_format == "wav":
+        first = wav_header(TTS_RATE) + first
+    if req.stream_format == "sse":
+        return StreamingResponse(_sse(first, audio), media_type="text/event-stream")
+    return StreamingResponse(_bytes(first, audio), media_type=f"audio/{req.response_format}")
 
 
 async def _pcm(context, text: str) -> AsyncIterator[bytes]:
@@ -177,14 +179,16 @@ async def _pcm(context, text: str) -> AsyncIterator[bytes]:
         log.debug("speech: %.2f s synthesized", samples / TTS_RATE)
 
 
-async def _bytes(first: bytes, rest: AsyncIterator[bytes], response_format: str) -> AsyncIterator[bytes]:
+async def _bytes(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     async with contextlib.aclosing(rest):
-        yield (wav_header(TTS_RATE) if response_format == "wav" else b"") + first
+        yield first
         async for pcm in rest:
             yield pcm
 
 
 async def _sse(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The same bytes as the audio stream, base64 in `speech.audio.delta` events."""
+
     def event(body: dict) -> bytes:
         return f"data: {json.dumps(body)}\n\n".encode()
 
@@ -246,7 +250,7 @@ async def _form(request: Request):
 @router.post("/transcriptions", response_model=None)
 async def transcriptions(request: Request) -> Response:
     try:
-        rt = _runtime(request)
+        rt = _authorized_runtime(request)
         data, fields = await _form(request)
         if not isinstance(fields.get("model"), str) or not fields["model"]:
             raise ApiError(400, "model is required (any name: the server has one recognizer)", "model")
