@@ -14,10 +14,10 @@ from voicebot.config import Settings
 
 
 @contextlib.contextmanager
-def serve(settings: Settings) -> Iterator[int]:
-    """Run the app in a thread until the block ends; yields its port."""
+def serve(settings: Settings, **uvicorn_options) -> Iterator[int]:
+    """Run the app in a thread until the block ends; yields its port. Options go to uvicorn.Config."""
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.server.port,
-                                           log_level="warning"))
+                                           log_level="warning", **uvicorn_options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -10,6 +10,7 @@ same transcript.
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import numpy as np
 import pytest
@@ -154,3 +155,16 @@ def test_without_the_token_refused(server_url, audio_file):
     with pytest.raises(ConnectionClosedError) as refused:
         asyncio.run(asyncio.wait_for(run(), 30))
     assert refused.value.rcvd.code == 4401 and refused.value.rcvd.reason == "unauthorized"
+
+
+def test_wss_with_a_self_signed_certificate(tiny_models, audio_file, transcript, tmp_path):
+    # docs/funasr.md's set-up: the openssl command, uvicorn serving TLS; funasr-client does not verify
+    key, cert = tmp_path / "server.key", tmp_path / "server.crt"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=voicebot",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    settings = make_settings(asr={"engine": "paraformer", "paraformer": {"model": str(tiny_models["streaming"])}},
+                             tts={"voice": "zh"}, server={"token": TOKEN})
+    with serve(settings, ssl_keyfile=str(key), ssl_certfile=str(cert)) as port:
+        result = merged(f"wss://127.0.0.1:{port}/funasr", audio_file("wav"), "2pass")
+    assert result["text"] == transcript and result["is_final"]
