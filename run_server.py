@@ -26,11 +26,18 @@ def main() -> int:
     except ConfigError as exc:
         print(f"voicebot: {exc}", file=sys.stderr)
         return 2
+    # voicebot.app builds its module-level app from these at import: the same settings as ours.
     os.environ["VOICEBOT_CONFIG"] = args.config
-    from voicebot.app import create_app
+    os.environ.update({f"VOICEBOT_SERVER__{k.upper()}": str(v) for k, v in overrides["server"].items()})
+    try:
+        from voicebot.app import create_app
 
+        app = create_app(settings)
+    except ConfigError as exc:  # e.g. exposed to the network with no token (docs/security.md)
+        print(f"voicebot: {exc}", file=sys.stderr)
+        return 2
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.server.host,
         port=settings.server.port,
         log_level=settings.log_level,

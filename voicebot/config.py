@@ -42,6 +42,14 @@ class ServerConfig(Section):
     # Download missing models (with progress) at start-up, as `python -m voicebot.models fetch`
     # does; off: start-up never touches the network and names what is missing.
     download_models: bool = False
+    # Bound to anything but loopback without a token, the server refuses to start unless this is
+    # set (then it warns): an open voice server on a network is anyone's (docs/security.md).
+    allow_anonymous: bool = False
+    # Web pages (Origin header) allowed to open a WebSocket, e.g. ["https://show.example.com"];
+    # the server's own pages (same origin) always are, clients that send no Origin too. "*": any.
+    allowed_origins: list[str] = []
+    # A connection that has not sent session.start by then is closed (1008, start_timeout).
+    start_timeout_s: float = Field(10.0, gt=0)
 
 
 class LimitsConfig(Section):

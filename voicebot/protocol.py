@@ -67,6 +67,8 @@ class ErrorCode:
     FLOODING = "flooding"  # sent just before the close with CloseCode.FLOODING
     SHUTTING_DOWN = "shutting_down"
     UNAUTHORIZED = "unauthorized"  # missing or wrong token; sent just before CloseCode.UNAUTHORIZED
+    FORBIDDEN_ORIGIN = "forbidden_origin"  # a web page not in server.allowed_origins; then CloseCode.POLICY
+    START_TIMEOUT = "start_timeout"  # no session.start within server.start_timeout_s; then CloseCode.POLICY
     READ_ONLY = "read_only"  # a listener sent something other than ping
 
 

@@ -1,0 +1,118 @@
+"""Safe defaults (issue 12, items 3 and 4): no open server on a network by accident, no cross-site
+WebSocket, no token in the logs, no idle socket holding a place, /funasr counted in max_sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import pytest
+import websockets
+
+from tests.conftest import make_settings, running_server
+from voicebot import auth
+from voicebot.config import ConfigError, ServerConfig
+from voicebot.protocol import CloseCode, ErrorCode
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.20", "::", "show.example.com"])
+def test_a_server_on_the_network_without_a_token_refuses_to_start(host):
+    with pytest.raises(ConfigError, match="server.token"):
+        auth.check_exposure(ServerConfig(host=host))
+
+
+@pytest.mark.parametrize("server", [ServerConfig(host="127.0.0.1"), ServerConfig(host="::1"), ServerConfig(host="localhost"),
+                                    ServerConfig(host="0.0.0.0", token="a-long-secret")])
+def test_loopback_or_a_token_starts(server):
+    auth.check_exposure(server)
+
+
+def test_allow_anonymous_starts_and_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="voicebot.auth"):
+        auth.check_exposure(ServerConfig(host="0.0.0.0", allow_anonymous=True))
+    assert "open to anyone" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "origin, host, allowed, ok",
+    [
+        (None, "127.0.0.1:8000", [], True),  # not a browser
+        ("http://127.0.0.1:8000", "127.0.0.1:8000", [], True),  # the server's own pages
+        ("https://evil.example", "127.0.0.1:8000", [], False),
+        ("http://127.0.0.1:8001", "127.0.0.1:8000", [], False),
+        ("https://show.example.com", "voice.internal:8000", ["https://show.example.com/"], True),
+        ("https://evil.example", "voice.internal:8000", ["*"], True),
+    ],
+)
+def test_origin_policy(origin, host, allowed, ok):
+    assert auth.origin_allowed(origin, host, allowed) is ok
+
+
+def test_tokens_never_reach_the_logs(caplog):
+    auth.hide_tokens_in_logs()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("uvicorn.error").info('%s - "WebSocket %s" [accepted]', "127.0.0.1:5", "/obs/audio?channel=main&token=s3cret-token")
+        logging.getLogger("uvicorn.access").info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", "/static/obs.html?token=s3cret-token", "1.1", 200)
+    assert "s3cret-token" not in caplog.text
+    assert caplog.text.count("token=<hidden>") == 2 and "channel=main" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def guarded_server():
+    with running_server(make_settings(server={"max_sessions": 2, "start_timeout_s": 1.0})) as server:
+        yield server
+
+
+async def _first_event_and_close(url: str, **connect) -> tuple[dict | None, int | None]:
+    async with websockets.connect(url, open_timeout=10, **connect) as ws:
+        event = None
+        try:
+            event = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            await asyncio.wait_for(ws.recv(), 10)
+        except websockets.ConnectionClosed:
+            pass
+        return event, ws.close_code
+
+
+def test_a_page_from_another_site_cannot_connect(guarded_server):
+    url = guarded_server.ws_url
+    event, code = asyncio.run(_first_event_and_close(url, origin="https://evil.example"))
+    assert event["code"] == ErrorCode.FORBIDDEN_ORIGIN and code == CloseCode.POLICY
+
+    async def same_origin() -> str:
+        async with websockets.connect(url, origin=guarded_server.http_url) as ws:
+            await ws.send(json.dumps({"type": "session.start"}))
+            return json.loads(await asyncio.wait_for(ws.recv(), 10))["type"]
+
+    assert asyncio.run(same_origin()) == "session.ready"
+
+
+def test_idle_sockets_are_closed_and_free_their_places(guarded_server):
+    """Two sockets that never send session.start held both places for ever; now each is closed
+    after server.start_timeout_s and the next client gets in."""
+    async def scenario() -> tuple[list, str, float]:
+        started = time.monotonic()
+        idle = await asyncio.gather(*(_first_event_and_close(guarded_server.ws_url) for _ in range(2)))
+        waited = time.monotonic() - started
+        async with websockets.connect(guarded_server.ws_url) as ws:
+            await ws.send(json.dumps({"type": "session.start"}))
+            return idle, json.loads(await asyncio.wait_for(ws.recv(), 10))["type"], waited
+
+    idle, next_client, waited = asyncio.run(scenario())
+    assert all(event["code"] == ErrorCode.START_TIMEOUT and code == CloseCode.POLICY for event, code in idle)
+    assert waited < 8
+    assert next_client == "session.ready"
+
+
+def test_funasr_connections_count_toward_max_sessions(guarded_server):
+    base = guarded_server.ws_url.removesuffix("/v1/voice")
+
+    async def scenario() -> tuple[dict, int]:
+        async with websockets.connect(base + "/funasr"), websockets.connect(base + "/funasr"):
+            await asyncio.sleep(0.3)
+            return await _first_event_and_close(guarded_server.ws_url)
+
+    event, code = asyncio.run(scenario())
+    assert event["code"] == ErrorCode.BUSY and code == CloseCode.TRY_AGAIN_LATER
