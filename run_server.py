@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import uvicorn
@@ -36,6 +37,9 @@ def main() -> int:
     except ConfigError as exc:  # e.g. exposed to the network with no token (docs/security.md)
         print(f"voicebot: {exc}", file=sys.stderr)
         return 2
+    # uvicorn re-raises the SIGTERM it handled once it has stopped gracefully: a drained stop is a
+    # success, so the re-raised signal exits 0 instead of killing the process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(
         app,
         host=settings.server.host,

@@ -191,6 +191,12 @@ def _drain_on_sigterm(rt: Runtime) -> None:
         while rt.replies_in_progress() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         log.info("drained: %d replies still in progress", rt.replies_in_progress())
+        # Closed here with 1001 and an error event, as documented; uvicorn's own stop would use 1012.
+        for session in list(rt.sessions.values()):
+            session.request_close(CloseCode.GOING_AWAY, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        deadline = time.monotonic() + 2
+        while rt.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         loop.remove_signal_handler(signal.SIGTERM)
         if callable(previous):
             previous(signal.SIGTERM, None)
