@@ -116,3 +116,20 @@ def test_funasr_connections_count_toward_max_sessions(guarded_server):
 
     event, code = asyncio.run(scenario())
     assert event["code"] == ErrorCode.BUSY and code == CloseCode.TRY_AGAIN_LATER
+
+
+def test_listeners_never_learn_the_session_id(guarded_server):
+    """It resumes the speaker's conversation: an overlay on stream showed it to anyone (item 2)."""
+    async def scenario() -> tuple[dict, dict]:
+        async with websockets.connect(guarded_server.ws_url + "?role=listener&channel=secret") as listener:
+            await asyncio.wait_for(listener.recv(), 10)  # listener.ready
+            async with websockets.connect(guarded_server.ws_url) as speaker:
+                await speaker.send(json.dumps({"type": "session.start", "channel": "secret"}))
+                own = json.loads(await asyncio.wait_for(speaker.recv(), 10))
+                while (mirrored := json.loads(await asyncio.wait_for(listener.recv(), 10)))["type"] != "session.ready":
+                    pass
+                return own, mirrored
+
+    own, mirrored = asyncio.run(scenario())
+    assert own["session_id"] and "session_id" not in mirrored
+    assert {k: v for k, v in own.items() if k != "session_id"} == mirrored

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 from voicebot import protocol
 from voicebot.asr.base import RecognizerStream
 from voicebot.audio.rates import LISTEN_RATE
-from voicebot.messages import AudioIn, Inbound, InputEnd, Turn, Utterance
+from voicebot.messages import AudioIn, Event, Inbound, InputEnd, Turn, Utterance
 from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
@@ -99,7 +99,7 @@ class Session:
         """Drain the outbox to the socket; a None entry ends it."""
         while (message := await self.outbox.get()) is not None:
             wire = message.wire
-            self.rt.channels.mirror(self.id, wire)  # never waits: listeners can't slow the session
+            self.rt.channels.mirror(self.id, _for_listeners(message))  # never waits: listeners can't slow the session
             if isinstance(wire, bytes):
                 await self._send_bytes(wire)
             else:
@@ -336,3 +336,11 @@ class Session:
             async with self._engine_lock:
                 if self._reply is None and not self.listening.in_utterance:
                     await self.engine_reset.run("periodic")
+
+
+def _for_listeners(message) -> str | bytes:
+    """What a channel's listeners get of an outbound message: all of it but the session id (in
+    session.ready), which is what resumes the session's conversation."""
+    if isinstance(message, Event) and "session_id" in message.payload:
+        return Event({k: v for k, v in message.payload.items() if k != "session_id"}).wire
+    return message.wire
