@@ -52,6 +52,9 @@ class LimitsConfig(Section):
     max_audio_realtime_factor: float = Field(4.0, gt=1)
     # Rates are averaged over this window, so a burst after a network stall is not abuse.
     window_s: float = Field(2.0, gt=0)
+    # A new session is refused (busy) when an engine thread pool that cannot batch would be busier
+    # than this share of its threads' time with it (voicebot/serving/capacity.py).
+    max_worker_load: float = Field(0.85, gt=0, le=1)
 
 
 class GateConfig(Section):

@@ -21,6 +21,7 @@ from voicebot.models import fetch_all
 from voicebot.reply.base import Responder
 from voicebot.reply.resume import ConversationStore
 from voicebot.reply.safety import SpeechFilter
+from voicebot.serving.capacity import Admission
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import Synthesizer
 
@@ -55,6 +56,7 @@ class Runtime:
     input_recorder: InputRecorder = field(init=False)
     conversations: ConversationStore = field(init=False)  # for sessions that resume
     speech_filter: SpeechFilter = field(init=False)  # blocklist and max length of what is spoken
+    admission: Admission | None = None  # the thread pools' load; built by load()
 
     def __post_init__(self) -> None:
         self.channels = ChannelHub(self.metrics, self.settings.server.max_listeners)
@@ -76,6 +78,8 @@ class Runtime:
         silero_session()
         for engine in (self.recognizer, self.synthesizer, *self.responders.values()):
             engine.load()
+        pools = [self.audio_worker, *self.recognizer.workers(), *self.synthesizer.workers()]
+        self.admission = Admission(pools, s.limits.max_worker_load)
         self.ready = True
 
     async def close(self) -> None:
