@@ -41,6 +41,10 @@ class ConversationStore:
     def take(self, session_id: str) -> Conversation | None:
         """The conversation of that session, if it is live or was released less than ttl_s ago.
         A still-live session is one whose client came back before its old socket was seen closed."""
+        return self.pop(session_id)
+
+    def pop(self, session_id: str) -> Conversation | None:
+        """What `take` returns; the shared store (voicebot.cluster.conversations) uses it for its own bookkeeping."""
         self._expire()
         if session_id in self._live:
             return self._live.pop(session_id)
