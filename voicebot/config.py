@@ -279,10 +279,12 @@ class ClusterConfig(Section):
     """
 
     redis_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
-    # Prefix of every key and pub/sub channel, so several shows can share one Redis.
-    key_prefix: str = Field("voicebot:", min_length=1)
-    # Each Redis call gives up after this long: a Redis on the same network answers in well under 1 ms.
-    timeout_s: float = Field(0.5, gt=0)
+    # Prefix of every key and pub/sub channel, so several shows can share one Redis (no glob
+    # characters: servers subscribe to the pattern {prefix}ch:*).
+    key_prefix: str = Field("voicebot:", pattern=r"^[A-Za-z0-9_.:-]+$")
+    # A Redis call that takes longer counts as Redis lost. Redis on the same network answers in
+    # well under 1 ms; this only has to outlast a stall of this server's own event loop.
+    timeout_s: float = Field(2.0, gt=0)
     # A resumed conversation still held by a session on another server (its old socket not yet seen
     # closed, or that server draining) is waited for this long before the session starts without it.
     resume_wait_s: float = Field(3.0, ge=0)

@@ -9,8 +9,10 @@ speaking channel publishes its reply audio (48 KB/s) and events once, whoever li
     {prefix}ch:{name}     what the channel's speaker is sent: instance id (32 hex) + b"t" text | b"b" audio + payload
     {prefix}speakers      JSON {channel, instance, speaking}: who speaks where, so the newest speaker wins cluster-wide
 
-Listeners on the speaker's own server are served directly, as on a single server; the server
-subscribes to a channel only while it has listeners on it. Publishing never waits: messages queue
+Listeners on the speaker's own server are served directly, as on a single server. Every server
+subscribes to every channel (one pattern subscription, made at start-up), so a listener hears the
+channel from its first moment, and drops what it has no listeners for: each server receives all
+speaking channels, 48 KB/s each (20 channels on 8 servers: 8 MB/s out of Redis). Publishing never waits: messages queue
 (bounded) for one publisher task; what cannot be published (queue full, Redis lost) is counted in
 voicebot_cluster_relay_dropped_total{reason}. While Redis is lost each server's channels are local.
 """
@@ -24,7 +26,7 @@ import logging
 from prometheus_client import Counter
 
 from voicebot import protocol
-from voicebot.channels import ChannelHub, Listener, Outbound
+from voicebot.channels import ChannelHub, Outbound
 from voicebot.cluster.link import CLUSTER_UNAVAILABLE, RedisLink, RedisLost
 from voicebot.metrics import Metrics
 
@@ -54,7 +56,9 @@ class ClusterChannelHub(ChannelHub):
                                ["direction"], registry=metrics.registry)
         for reason in ("queue_full", "redis_lost"):
             self.relay_dropped.labels(reason)
+        self._channel_prefix = link.key("ch", "")
         link.subscribe(link.key("speakers"), self._on_speaker)
+        link.subscribe(self._channel_prefix + "*", self._on_channel)
         link.on_change(self._on_link_change)
 
     def start(self) -> None:
@@ -126,20 +130,8 @@ class ClusterChannelHub(ChannelHub):
 
     # ---- the listeners' side ---------------------------------------------------------------------
 
-    def add_listener(self, name: str, listener: Listener) -> bool:
-        if not super().add_listener(name, listener):
-            return False
-        if len(self._channels[name].listeners) == 1:
-            self.link.subscribe(self.link.key("ch", name), lambda data, name=name: self._on_channel(name, data))
-        return True
-
-    def remove_listener(self, name: str, listener: Listener) -> None:
-        super().remove_listener(name, listener)
-        channel = self._channels.get(name)
-        if channel is None or not channel.listeners:
-            self.link.unsubscribe(self.link.key("ch", name))
-
-    def _on_channel(self, name: str, data: bytes) -> None:
+    def _on_channel(self, redis_channel: str, data: bytes) -> None:
+        name = redis_channel[len(self._channel_prefix):]
         if data[:INSTANCE_LEN] == self._me:
             return  # ours: local listeners already have it
         channel = self._channels.get(name)
@@ -152,7 +144,7 @@ class ClusterChannelHub(ChannelHub):
             if not listener.offer(item):
                 self._drop(name, listener)
 
-    def _on_speaker(self, data: bytes) -> None:
+    def _on_speaker(self, _: str, data: bytes) -> None:
         claim = json.loads(data)
         name, instance = claim["channel"], claim["instance"]
         if instance == self.link.instance:

@@ -45,6 +45,18 @@ if excess > 0 then
 end
 """
 
+# Take a released conversation, or say that a server still holds it live (1), or nothing (nil),
+# in one step: a release between two separate calls would otherwise be missed.
+# KEYS: conv, live, released. ARGV: id.
+TAKE = """
+local data = redis.call('GETDEL', KEYS[1])
+if data then
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  return data
+end
+return redis.call('EXISTS', KEYS[2]) == 1 and 1 or nil
+"""
+
 
 class RedisConversationStore:
     def __init__(self, link: RedisLink, ttl_s: float, max_entries: int, resume_wait_s: float,
@@ -56,6 +68,7 @@ class RedisConversationStore:
         self._new_conversation = new_conversation
         self.local = ConversationStore(ttl_s, max_entries)
         self._release = link.redis.register_script(RELEASE)
+        self._take = link.redis.register_script(TAKE)
         # Redis writes in flight: one per register or release, so at most a few per live session.
         self._writes: set[asyncio.Task] = set()
         link.subscribe(link.key("takeover"), self._on_takeover)
@@ -78,16 +91,16 @@ class RedisConversationStore:
             self._in_background(self._call("take", lambda r: r.delete(self.link.key("live", session_id))))
             return conversation
         try:
-            data = await self._getdel(session_id)
-            if data is None and await self.link.call("take", lambda r: r.exists(self.link.key("live", session_id))):
+            found = await self._take_released(session_id)
+            if found == 1:  # live on another server: ask it to let go, and wait (bounded)
                 await self.link.call("takeover", lambda r: r.publish(self.link.key("takeover"), session_id))
                 deadline = time.monotonic() + self.resume_wait_s
-                while data is None and time.monotonic() < deadline:
+                while found == 1 and time.monotonic() < deadline:
                     await asyncio.sleep(TAKEOVER_POLL_S)
-                    data = await self._getdel(session_id)
+                    found = await self._take_released(session_id)
         except RedisLost:
             return None
-        return self._decode(data) if data is not None else None
+        return self._decode(found) if isinstance(found, bytes) else None
 
     async def flush(self) -> None:
         """Wait for the writes in flight (shutdown: the last sessions' conversations reach Redis)."""
@@ -99,8 +112,9 @@ class RedisConversationStore:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    async def _getdel(self, session_id: str) -> bytes | None:
-        return await self.link.call("take", lambda r: r.getdel(self.link.key("conv", session_id)))
+    async def _take_released(self, session_id: str) -> bytes | int | None:
+        keys = [self.link.key("conv", session_id), self.link.key("live", session_id), self.link.key("released")]
+        return await self.link.call("take", lambda r: self._take(keys=keys, args=[session_id], client=r))
 
     async def _mark_live(self, session_id: str) -> None:
         await self._call("register", lambda r: r.set(self.link.key("live", session_id), self.link.instance, ex=LIVE_MARK_TTL_S))
@@ -121,7 +135,7 @@ class RedisConversationStore:
         except RedisLost:
             pass  # counted by the link; a live mark or its removal only speeds up a resume
 
-    def _on_takeover(self, data: bytes) -> None:
+    def _on_takeover(self, _: str, data: bytes) -> None:
         session_id = data.decode()
         conversation = self.local.pop(session_id)
         if conversation is not None:

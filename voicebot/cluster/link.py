@@ -5,7 +5,8 @@ round trip each) and turns any failure into `RedisLost`. The first failure takes
 (voicebot_cluster_redis_up 0, voicebot_cluster_redis_errors_total{op}, the `on_change` callbacks):
 callers then work with what this process holds, and a PING is tried every
 `cluster.reconnect_interval_s` until one answers. Subscriptions live here, so a new connection
-makes them again; their handlers run on the event loop and must not wait.
+makes them again (pattern subscriptions, made once before start: no per-channel subscribe to race
+with the first messages); their handlers run on the event loop and must not wait.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ log = logging.getLogger("voicebot.cluster")
 CLUSTER_UNAVAILABLE = "cluster_unavailable"
 
 T = TypeVar("T")
-Handler = Callable[[bytes], None]
+Handler = Callable[[str, bytes], None]  # (channel, data)
 
 
 class ClusterUnavailable(Exception):
@@ -58,7 +59,6 @@ class RedisLink:
         self._pubsub = None
         self._reader: asyncio.Task | None = None
         self._reconnecting: asyncio.Task | None = None
-        self._pending: set[asyncio.Task] = set()  # (un)subscribe commands in flight
         self._on_change: list[Callable[[bool], None]] = []
         self.up_gauge = Gauge("voicebot_cluster_redis_up", "1 while this server reaches its Redis", registry=registry)
         self.calls = Counter("voicebot_cluster_redis_calls_total", "Redis round trips, by operation", ["op"], registry=registry)
@@ -82,10 +82,10 @@ class RedisLink:
         self._set_up(True)
 
     async def close(self) -> None:
-        for task in (self._reader, self._reconnecting, *self._pending):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in (self._reader, self._reconnecting, *self._pending) if t), return_exceptions=True)
+        tasks = [t for t in (self._reader, self._reconnecting) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             if self._pubsub is not None:
                 await self._pubsub.aclose()
@@ -105,27 +105,11 @@ class RedisLink:
 
     # ---- pub/sub ---------------------------------------------------------------------------------
 
-    def subscribe(self, channel: str, handler: Handler) -> None:
-        """Deliver every message published on `channel` to `handler` (from now on, and after reconnects)."""
-        self._handlers[channel] = handler
-        if self.up:
-            self._in_background("subscribe", lambda: self._pubsub.subscribe(channel))
-
-    def unsubscribe(self, channel: str) -> None:
-        if self._handlers.pop(channel, None) is not None and self.up:
-            self._in_background("subscribe", lambda: self._pubsub.unsubscribe(channel))
-
-    def _in_background(self, op: str, command: Callable[[], Awaitable]) -> None:
-        async def run() -> None:
-            self.calls.labels(op).inc()
-            try:
-                await asyncio.wait_for(command(), self.timeout_s)
-            except (RedisError, OSError, asyncio.TimeoutError) as exc:
-                self._lost(op, exc)
-
-        task = asyncio.create_task(run())
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+    def subscribe(self, pattern: str, handler: Handler) -> None:
+        """Deliver every message published on a channel matching `pattern` (Redis PSUBSCRIBE
+        syntax) to `handler(channel, data)`. Made before `start`, so nothing is missed from then on."""
+        assert self._pubsub is None, "subscribe before start()"
+        self._handlers[pattern] = handler
 
     async def _open_pubsub(self) -> None:
         if self._pubsub is not None:
@@ -133,7 +117,7 @@ class RedisLink:
                 await self._pubsub.aclose()
         self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         if self._handlers:
-            await asyncio.wait_for(self._pubsub.subscribe(*self._handlers), self.timeout_s)
+            await asyncio.wait_for(self._pubsub.psubscribe(*self._handlers), self.timeout_s)
         self._reader = asyncio.create_task(self._read(self._pubsub), name="redis-pubsub")
 
     async def _read(self, pubsub) -> None:
@@ -143,12 +127,12 @@ class RedisLink:
             except (RedisError, OSError) as exc:
                 self._lost("subscribe", exc)
                 return
-            if message is None or message["type"] != "message":
+            if message is None or message["type"] != "pmessage":
                 continue
-            handler = self._handlers.get(message["channel"].decode())
+            handler = self._handlers.get(message["pattern"].decode())
             if handler is not None:
                 try:
-                    handler(message["data"])
+                    handler(message["channel"].decode(), message["data"])
                 except Exception:  # one bad message must not stop every channel
                     log.exception("cluster: handling a message on %s failed", message["channel"])
 
