@@ -11,8 +11,9 @@ deploy/haproxy/haproxy.cfg as shipped (its per-client limits raised: every clien
 - first audio: `say` sent -> first reply frame received, direct to a server vs through HAProxy,
   alternating on two open sessions (p50/p95 of --turns each);
 - reconnect and resume: socket closed -> `session.ready {resumed: true}` on the new socket, through
-  HAProxy (lands anywhere) and direct to another server (always through Redis), --rounds each;
-  and once after SIGTERM to the client's server, mid-reply (the drain included);
+  HAProxy (lands anywhere) and direct to another server (always through Redis), reconnecting at
+  once (the old server hands the conversation over) and a second later (it is in Redis already),
+  --rounds each; and once after SIGTERM to the client's server, mid-reply (the drain included);
 - Redis round trips (voicebot_cluster_redis_calls_total on every server, by operation) per turn,
   per turn on a channel with a listener on another server, and per reconnect-and-resume.
 """
@@ -163,24 +164,28 @@ async def measure(servers: list[VoicebotServer], lb: HAProxy, args) -> None:
         client = await Client.open(lb.ws_url)
         fresh.append((time.perf_counter() - opened) * 1000)
         await client.close()
-    resume = {"haproxy": [], "another server": []}
+    # (route, seconds between the close and the reconnect): at once, the old server is still
+    # closing the session and hands the conversation over; after a second it is already in Redis.
+    resume = {("haproxy", 0): [], ("another server", 0): [], ("another server", 1): []}
     before = redis_calls(servers)
     for i in range(args.rounds):
-        for name in resume:
+        for name, pause_s in resume:
             first_url = lb.ws_url if name == "haproxy" else servers[i % len(servers)].ws_url
             again_url = lb.ws_url if name == "haproxy" else servers[(i + 1) % len(servers)].ws_url
             client = await Client.open(first_url)
             await client.say(SHORT)
             await client.close()
+            await asyncio.sleep(pause_s)
             closed = time.perf_counter()
             again, ready = await resumed_at(again_url, client.ready["session_id"])
-            resume[name].append((ready - closed) * 1000)
+            resume[name, pause_s].append((ready - closed) * 1000)
             await again.close()
-    resume_calls = per(redis_calls(servers), before, 2 * args.rounds)
+    resume_calls = per(redis_calls(servers), before, len(resume) * args.rounds)
     print("reconnect and resume (socket closed -> session.ready resumed on the new one):")
     print(row("a new session, for comparison (connect -> ready)", fresh))
-    print(row("through haproxy (any server)", resume["haproxy"]))
-    print(row("direct to another server", resume["another server"]))
+    print(row("through haproxy (any server), at once", resume["haproxy", 0]))
+    print(row("direct to another server, at once", resume["another server", 0]))
+    print(row("direct to another server, 1 s after the close", resume["another server", 1]))
 
     # ---- SIGTERM mid-reply ----
     client = await Client.open(lb.ws_url)
