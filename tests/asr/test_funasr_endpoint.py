@@ -97,3 +97,21 @@ def test_offline(server_url, wav_path):
     assert len([m for m in messages if m["text"]]) == 2
     merged = asyncio.run(asyncio.wait_for(async_file_asr(wav_path, server_url, mode="2pass"), 60))
     assert merged["text"] and merged["is_final"]
+
+
+def test_a_client_that_ends_twice_and_closes_leaves_no_traceback(server_url, caplog):
+    # Every way a socket ends is handled by the one receive loop (voicebot/transport.py); a client
+    # that sends its end twice and closes at once must not show up as an error in the server log.
+    import websockets
+
+    async def run():
+        async with websockets.connect(server_url) as ws:
+            await ws.send('{"mode": "offline", "wav_name": "w", "is_speaking": true}')
+            await ws.send(to_pcm16(np.zeros(8000, np.float32)))
+            await ws.send('{"is_speaking": false}')
+            await ws.send('{"is_speaking": false}')
+        await asyncio.sleep(0.5)  # the server reads, answers into the closed socket, and ends
+
+    with caplog.at_level("DEBUG"):
+        asyncio.run(asyncio.wait_for(run(), 30))
+    assert not [r for r in caplog.records if r.exc_info or r.levelname in ("ERROR", "CRITICAL")], caplog.text

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from tests.asr.tiny_models import synthetic_speech
 from voicebot.asr.funasr_protocol import FunasrSession, ProtocolError
-from voicebot.asr.testing import synthetic_speech
 from voicebot.audio.endpoint import EventKind, VadEvent
 from voicebot.audio.resample import float_to_pcm16
 
