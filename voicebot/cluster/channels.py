@@ -26,7 +26,8 @@ import logging
 from prometheus_client import Counter
 
 from voicebot import protocol
-from voicebot.channels import ChannelHub, Outbound
+from voicebot.channels import ChannelHub
+from voicebot.transport import Wire
 from voicebot.cluster.link import CLUSTER_UNAVAILABLE, RedisLink, RedisLost
 from voicebot.metrics import Metrics
 
@@ -82,7 +83,7 @@ class ClusterChannelHub(ChannelHub):
         if name is not None:
             self._announce(name, speaking=False)
 
-    def mirror(self, session_id: str, item: Outbound) -> None:
+    def mirror(self, session_id: str, item: Wire) -> None:
         super().mirror(session_id, item)
         name = self._speaking.get(session_id)
         if name is not None:
@@ -97,7 +98,7 @@ class ClusterChannelHub(ChannelHub):
         self._queue(self.link.key("speakers"), claim.encode())
         self._relay(name, json.dumps(protocol.event("channel.speaker", channel=name, speaking=speaking)))
 
-    def _relay(self, name: str, item: Outbound) -> None:
+    def _relay(self, name: str, item: Wire) -> None:
         kind, payload = (AUDIO, item) if isinstance(item, bytes) else (TEXT, item.encode())
         self._queue(self.link.key("ch", name), self._me + kind + payload)
 
@@ -138,7 +139,7 @@ class ClusterChannelHub(ChannelHub):
         if channel is None:
             return
         kind, payload = data[INSTANCE_LEN:INSTANCE_LEN + 1], data[INSTANCE_LEN + 1:]
-        item: Outbound = payload if kind == AUDIO else payload.decode()
+        item: Wire = payload if kind == AUDIO else payload.decode()
         self.relayed.labels("in").inc()
         for listener in list(channel.listeners):
             if not listener.offer(item):
