@@ -1,37 +1,31 @@
 """Channels across servers: a listener on one server hears the speaker on another, through Redis pub/sub.
 
-Why fan-out rather than routing each channel to one server: the speaking session names its channel
-in `session.start`, after the load balancer has already chosen a server, and the speaker and its
-listeners reconnect independently (a server drains, a browser reloads); with pub/sub every
-connection may land anywhere and the balancer stays on least connections. The cost is small: one
-speaking channel publishes its reply audio (48 KB/s) and events once, whoever listens.
+Fan-out rather than routing each channel to one server (docs/deploy.md says why): every connection
+may land anywhere, and the load balancer stays on least connections.
 
-    {prefix}ch:{name}     what the channel's speaker is sent: instance id (32 hex) + b"t" text | b"b" audio + payload
-    {prefix}speakers      JSON {channel, instance, speaking}: who speaks where, so the newest speaker wins cluster-wide
+    {prefix}ch:{name}   what the channel's speaker is sent: instance id (32 hex) + b"t" text | b"b" audio, + payload
+    {prefix}speakers    JSON {channel, instance, speaking}: who speaks where, so the newest speaker wins cluster-wide
 
 Listeners on the speaker's own server are served directly, as on a single server. Every server
-subscribes to every channel (one pattern subscription, made at start-up), so a listener hears the
-channel from its first moment, and drops what it has no listeners for: each server receives all
-speaking channels, 48 KB/s each (20 channels on 8 servers: 8 MB/s out of Redis). Publishing never waits: messages queue
-(bounded) for one publisher task; what cannot be published (queue full, Redis lost) is counted in
-voicebot_cluster_relay_dropped_total{reason}. While Redis is lost each server's channels are local.
+subscribes to every channel with one pattern subscription made at start-up, so a listener hears its
+channel from its first moment; a server passes on only the channels it has listeners for (each
+receives all speaking channels: 48 KB/s of audio each). Publishing never waits: messages queue
+(bounded) for one publisher task, and what cannot be published (queue full, Redis lost) is counted
+in voicebot_cluster_relay_dropped_total{reason}. While Redis is lost each server's channels are local.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 
 from prometheus_client import Counter
 
 from voicebot import protocol
 from voicebot.channels import ChannelHub
-from voicebot.transport import Wire
 from voicebot.cluster.link import CLUSTER_UNAVAILABLE, RedisLink, RedisLost
 from voicebot.metrics import Metrics
-
-log = logging.getLogger("voicebot.cluster")
+from voicebot.transport import Wire
 
 # Messages waiting to be published, all channels together: 256 x 9.6 KB frames = 2.4 MB at most,
 # about 50 s of one channel's audio. Full means Redis is far slower than real time.
