@@ -19,7 +19,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from voicebot import __version__, auth, protocol
+from voicebot import __version__, auth, openai_audio, protocol
 from voicebot.asr.funasr_ws import funasr_segmenter, serve_funasr
 from voicebot.channels import run_listener
 from voicebot.config import Settings, load_settings
@@ -52,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="voicebot", version=__version__, lifespan=lifespan)
     app.state.runtime = rt
+    app.include_router(openai_audio.router)  # /v1/audio/speech, /v1/audio/transcriptions
 
     @app.get("/healthz")
     async def healthz() -> dict:
