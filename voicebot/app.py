@@ -40,6 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         rt.loop = asyncio.get_running_loop()
         await asyncio.to_thread(rt.load)
+        await rt.start_cluster()
         lag = asyncio.create_task(rt.metrics.watch_loop_lag())
         load = asyncio.create_task(rt.admission.watch(lambda: len(rt.sessions), lambda: _report_load(rt)))
         _drain_on_sigterm(rt)
@@ -62,14 +63,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         engines = [e.info() for e in (rt.recognizer, rt.synthesizer, *rt.responders.values()) if e is not None] if rt.ready else []
+        full = len(rt.sessions) >= settings.server.max_sessions
         body = {
-            "ready": rt.ready and not rt.draining,
+            # Load balancers and Kubernetes send new connections only where this is true.
+            "ready": rt.ready and not rt.draining and not full,
             "draining": rt.draining,
+            "full": full,
             "engines": [e.__dict__ for e in engines],
             "active_sessions": len(rt.sessions),
             "max_sessions": settings.server.max_sessions,
             "capacity": rt.admission.report() if rt.admission else {},
             "uptime_s": round(time.monotonic() - rt.started_at, 1),
+            "cluster": None if rt.cluster is None else {"redis_up": rt.cluster.link.up},
         }
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
