@@ -63,7 +63,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         engines = [e.info() for e in (rt.recognizer, rt.synthesizer, *rt.responders.values()) if e is not None] if rt.ready else []
-        full = len(rt.sessions) >= settings.server.max_sessions
+        # At its session limit, or one more session would overload an engine (serving/capacity.py).
+        full = len(rt.sessions) >= settings.server.max_sessions or bool(rt.admission and rt.admission.refuse(len(rt.sessions)))
         body = {
             # Load balancers and Kubernetes send new connections only where this is true.
             "ready": rt.ready and not rt.draining and not full,
