@@ -7,6 +7,11 @@ Weight norm uses torch's parametrizations, so parameter names match hift.pt
 (`<m>.parametrizations.weight.original0/1`). The source has random parts (initial harmonic phases
 and additive noise); `SourceNoise` makes them explicit so tests can zero or inject them.
 `HiFTStream` vocodes a mel that arrives in pieces with the same result as one call over all of it.
+
+Vocoding is split in two, so that the decoder (all but the f0 predictor and the source: about 97 %
+of HiFT's work) runs for several streams in one call: `excitation` (f0 and source, per utterance:
+it carries the utterance's phase and noise) and `decode_batch` (mels of any lengths, zero-padded to
+the longest and masked so that each equals its own call alone).
 """
 
 from __future__ import annotations
@@ -138,10 +143,24 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """mask (B, 1, T): zero past each row's length, where the convolutions must read zeros."""
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = x + c2(a2(c1(a1(x))))
+            x = x + c2(_masked(a2(c1(_masked(a1(x), mask))), mask))
         return x
+
+
+def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
+    return x if mask is None else x * mask
+
+
+def _length_mask(lengths: list[int], like: Tensor) -> Tensor | None:
+    """(B, 1, max length) 1 within each row's length, 0 past it; None when no row is padded."""
+    longest = max(lengths)
+    if min(lengths) == longest:
+        return None
+    pos = torch.arange(longest, device=like.device)
+    return (pos[None] < torch.tensor(lengths, device=like.device)[:, None]).to(like.dtype)[:, None]
 
 
 class HiFT(nn.Module):
@@ -217,20 +236,54 @@ class HiFT(nn.Module):
 
     def decode(self, mel: Tensor, source: Tensor) -> Tensor:
         """mel (1, 80, T), source (1, 1, 480T) -> waveform (1, 480T)."""
-        s = self._stft(source.squeeze(1))  # (1, n_fft+2, 120T+1)
+        return self.decode_batch([mel], [source])[0]
+
+    def decode_batch(self, mels: list[Tensor], sources: list[Tensor]) -> list[Tensor]:
+        """`decode` of several (mel, source) pairs of any lengths in one batch; each result
+        equals its own call. Rows are zero-padded to the longest, and every convolution's input is
+        masked to zero past a row's end, which is what the convolution's own zero padding gives
+        it alone; the STFT and iSTFT (reflect-padded, window-normalised) run per row."""
+        lengths = [m.shape[2] for m in mels]
+        longest = max(lengths)
+        mel = torch.cat([F.pad(m, (0, longest - m.shape[2])) for m in mels])  # (B, 80, T)
+        n_stft = longest * self.samples_per_frame // self.hop_len + 1  # frames of the longest source
+        specs = (self._stft(src.squeeze(1)) for src in sources)  # per row: its own reflect padding
+        s = torch.cat([F.pad(spec, (0, n_stft - spec.shape[2])) for spec in specs])  # (B, n_fft+2, n_stft)
+        rate = 1
         x = self.conv_pre(mel)
         for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, self.lrelu_slope))
+            x = up(_masked(F.leaky_relu(x, self.lrelu_slope), _length_mask([n * rate for n in lengths], x)))
+            rate *= up.stride[0]
+            extra = 0
             if i == len(self.ups) - 1:
                 x = F.pad(x, (1, 0), mode="reflect")  # one more frame to line up with the STFT frames
-            x = x + self.source_resblocks[i](self.source_downs[i](s))
+                extra = 1
+            mask = _length_mask([n * rate + extra for n in lengths], x)
+            x = x + self.source_resblocks[i](self.source_downs[i](s), mask)
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
-            x = sum(block(x) for block in blocks) / self.num_kernels
-        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here
+            x = sum(block(x, mask) for block in blocks) / self.num_kernels
+        x = self.conv_post(_masked(F.leaky_relu(x), mask))  # default slope 0.01 here
         half = self.n_fft // 2 + 1
-        # the phase channels go through sin before the iSTFT, as in the trained model
-        wav = self._istft(torch.exp(x[:, :half]), torch.sin(x[:, half:]))
-        return torch.clamp(wav, -self.audio_limit, self.audio_limit)
+        wavs = []
+        for row, n in zip(x, lengths):
+            row = row[None, :, : n * rate + 1]
+            # the phase channels go through sin before the iSTFT, as in the trained model
+            wav = self._istft(torch.exp(row[:, :half]), torch.sin(row[:, half:]))
+            wavs.append(torch.clamp(wav, -self.audio_limit, self.audio_limit))
+        return wavs
+
+    def excitation(
+        self, mel: Tensor, cache_source: Tensor | None = None, noise: SourceNoise | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """The source (1, 1, 480T) `inference` gives `decode` for mel (1, 80, T); see there."""
+        n_samples = mel.shape[2] * self.samples_per_frame
+        if noise is None:
+            noise = SourceNoise.draw(n_samples, self.m_source.n_harmonics, generator, mel.device)
+        source, _ = self.source(self.f0_predictor(mel), noise)
+        if cache_source is not None and cache_source.shape[2] > 0:
+            source[:, :, : cache_source.shape[2]] = cache_source
+        return source
 
     def source(self, f0: Tensor, noise: SourceNoise, start_cycles: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """f0 (1, T) in Hz -> (NSF source (1, 1, 480T), running phase (1, H, T), see SineSource)."""
@@ -283,12 +336,7 @@ class HiFT(nn.Module):
         samples so that overlapping frames are voiced with the same excitation.
         noise: the source's random draws; drawn from `generator` (default: torch's global one) if None.
         """
-        n_samples = mel.shape[2] * self.samples_per_frame
-        if noise is None:
-            noise = SourceNoise.draw(n_samples, self.m_source.n_harmonics, generator, mel.device)
-        source, _ = self.source(self.f0_predictor(mel), noise)
-        if cache_source is not None and cache_source.shape[2] > 0:
-            source[:, :, : cache_source.shape[2]] = cache_source
+        source = self.excitation(mel, cache_source, noise, generator)
         return self.decode(mel, source), source
 
 
