@@ -17,7 +17,7 @@ the longest and masked so that each equals its own call alone).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -340,6 +340,17 @@ class HiFT(nn.Module):
         return self.decode(mel, source), source
 
 
+@dataclass
+class DecodeJob:
+    """A streaming vocoder's pending decode: `mel` (1, 80, T) with `source` (1, 1, 480T); `final`:
+    the utterance's last; `keep`: the samples of the decoded window that become its audio."""
+
+    mel: Tensor
+    source: Tensor
+    final: bool
+    keep: slice = field(default_factory=lambda: slice(None))
+
+
 class HiFTStream:
     """One utterance's mel, vocoded piece by piece so that the audio equals one `HiFT.inference`
     over the whole mel (with zero source noise: to float rounding).
@@ -384,18 +395,25 @@ class HiFTStream:
     def push(self, mel: Tensor, final: bool = False) -> Tensor:
         """Add the next mel frames (1, 80, n); returns the audio (1, 480k) that is now final, all
         of the rest when `final`."""
+        job = self.prepare(mel, final)
+        if job is None:
+            return mel.new_zeros(1, 0)
+        return self.complete(job, self.hift.decode(job.mel, job.source))
+
+    def prepare(self, mel: Tensor, final: bool = False) -> DecodeJob | None:
+        """`push` up to the decode, which the caller runs (with other streams' in `decode_batch`)
+        and hands to `complete`; the stream's state has already moved on. None: nothing to voice."""
         self.mel = mel if self.mel is None else torch.cat([self.mel, mel], dim=2)
         self.n_frames += mel.shape[2]
         done = self.n_frames if final else max(self.voiced, self.n_frames - self.lookahead)
         if done == self.voiced:
-            return mel.new_zeros(1, 0)
+            return None
         start = max(0, self.voiced - self.context)  # the decode window is [start, n_frames)
         window = self.mel[:, :, start - self.mel_start :]
         f0 = self.hift.f0_predictor(self.mel)[:, start - self.mel_start :]
         source, cycles = self.hift.source(f0, self._noise(start, self.n_frames, mel.device), self.start_cycles)
-        wav = self.hift.decode(window, source)
         spf = self.hift.samples_per_frame
-        audio = wav[:, (self.voiced - start) * spf : (done - start) * spf]
+        job = DecodeJob(window, source, final, keep=slice((self.voiced - start) * spf, (done - start) * spf))
         # Move the state to the next window; its f0 there was exact (well inside this window).
         next_start = max(0, done - self.context)
         if next_start > start:
@@ -405,7 +423,11 @@ class HiFTStream:
         keep_from = max(0, next_start - self.f0_context)
         self.mel = self.mel[:, :, keep_from - self.mel_start :]
         self.mel_start, self.voiced = keep_from, done
-        return audio
+        return job
+
+    def complete(self, job: DecodeJob, wav: Tensor) -> Tensor:
+        """The audio of a prepared push, from its decoded window (1, 480·frames)."""
+        return wav[:, job.keep]
 
 
 def build_hift(hp: dict[str, Any]) -> HiFT:
