@@ -15,11 +15,15 @@ GEMMs sum each row the same way whatever the row count); HiFT decode 9e-8 and se
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
+from voicebot.config import REPO_ROOT
 from voicebot.tts.cosyvoice2.flow import FlowRequest
 from voicebot.tts.cosyvoice2.hift import SourceNoise
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
@@ -163,3 +167,12 @@ def test_render_refuses_a_stale_request_and_two_of_one_stream(t2w: Token2Wav, pr
     t2w.render([first])
     with pytest.raises(ValueError, match="stale"):
         t2w.render([first])
+
+
+def test_flow_benchmark_smoke_run(cv2_dir: Path) -> None:
+    """bench/flow.py at the fixture sizes: every section runs and prints its figures."""
+    run = subprocess.run([sys.executable, "-m", "bench.flow", "--size", "tiny", "--reps", "1", "--threads", "1",
+                          "--fixtures", str(cv2_dir)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    for line in ("before / ours", "8 sessions in one render", "8 window(s)", "official / before"):
+        assert line in run.stdout, run.stdout
