@@ -93,11 +93,14 @@ class Timing:
         return timing
 
 
+WARMUP = True  # one untimed run of each function first (--no-warmup: released-size batches are long)
+
+
 def alternate(fns: dict[str, callable], reps: int) -> dict[str, Timing]:
     """Each function's timing, run in turn `reps` times after one warm-up each."""
     wall: dict[str, list[float]] = {name: [] for name in fns}
     cpu: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
+    for fn in fns.values() if WARMUP else ():
         fn()
     for _ in range(reps):
         for name, fn in fns.items():
@@ -214,7 +217,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="timed runs of each A/B side (median)")
     parser.add_argument("--fixtures", type=Path, default=FIXTURES)
     parser.add_argument("--only", default="estimator,flow,hift", help="sections to run")
+    parser.add_argument("--no-warmup", action="store_true", help="time the first run too (saves minutes)")
     args = parser.parse_args()
+    global WARMUP
+    WARMUP = not args.no_warmup
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -11,7 +11,7 @@ and additive noise); `SourceNoise` makes them explicit so tests can zero or inje
 Vocoding is split in two, so that the decoder (all but the f0 predictor and the source: about 97 %
 of HiFT's work) runs for several streams in one call: `excitation` (f0 and source, per utterance:
 it carries the utterance's phase and noise) and `decode_batch` (mels of any lengths, zero-padded to
-the longest and masked so that each equals its own call alone).
+the longest and zeroed past each row's end so that each equals its own call alone).
 """
 
 from __future__ import annotations
@@ -143,24 +143,20 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """mask (B, 1, T): zero past each row's length, where the convolutions must read zeros."""
+    def forward(self, x: Tensor, lengths: list[int] | None = None) -> Tensor:
+        """lengths: each row's own length, past which its convolutions must read zeros (None: all full)."""
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = x + c2(_masked(a2(c1(_masked(a1(x), mask))), mask))
+            x = x + c2(_zero_padding(a2(c1(_zero_padding(a1(x), lengths))), lengths))
         return x
 
 
-def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
-    return x if mask is None else x * mask
-
-
-def _length_mask(lengths: list[int], like: Tensor) -> Tensor | None:
-    """(B, 1, max length) 1 within each row's length, 0 past it; None when no row is padded."""
-    longest = max(lengths)
-    if min(lengths) == longest:
-        return None
-    pos = torch.arange(longest, device=like.device)
-    return (pos[None] < torch.tensor(lengths, device=like.device)[:, None]).to(like.dtype)[:, None]
+def _zero_padding(x: Tensor, lengths: list[int] | None) -> Tensor:
+    """x (B, C, T), a fresh activation, with each row zeroed in place past its length: writes only
+    the padding (a few frames), where a mask multiply would pass over the whole tensor."""
+    for row, n in enumerate(lengths or ()):
+        if n < x.shape[2]:
+            x[row, :, n:] = 0
+    return x
 
 
 class HiFT(nn.Module):
@@ -241,7 +237,7 @@ class HiFT(nn.Module):
     def decode_batch(self, mels: list[Tensor], sources: list[Tensor]) -> list[Tensor]:
         """`decode` of several (mel, source) pairs of any lengths in one batch; each result
         equals its own call. Rows are zero-padded to the longest, and every convolution's input is
-        masked to zero past a row's end, which is what the convolution's own zero padding gives
+        zeroed past a row's end, which is what the convolution's own zero padding gives
         it alone; the STFT and iSTFT (reflect-padded, window-normalised) run per row."""
         lengths = [m.shape[2] for m in mels]
         longest = max(lengths)
@@ -252,17 +248,17 @@ class HiFT(nn.Module):
         rate = 1
         x = self.conv_pre(mel)
         for i, up in enumerate(self.ups):
-            x = up(_masked(F.leaky_relu(x, self.lrelu_slope), _length_mask([n * rate for n in lengths], x)))
+            x = up(_zero_padding(F.leaky_relu(x, self.lrelu_slope), [n * rate for n in lengths]))
             rate *= up.stride[0]
             extra = 0
             if i == len(self.ups) - 1:
                 x = F.pad(x, (1, 0), mode="reflect")  # one more frame to line up with the STFT frames
                 extra = 1
-            mask = _length_mask([n * rate + extra for n in lengths], x)
-            x = x + self.source_resblocks[i](self.source_downs[i](s), mask)
+            stage_lengths = [n * rate + extra for n in lengths]
+            x = x + self.source_resblocks[i](self.source_downs[i](s), stage_lengths)
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
-            x = sum(block(x, mask) for block in blocks) / self.num_kernels
-        x = self.conv_post(_masked(F.leaky_relu(x), mask))  # default slope 0.01 here
+            x = sum(block(x, stage_lengths) for block in blocks) / self.num_kernels
+        x = self.conv_post(_zero_padding(F.leaky_relu(x), stage_lengths))  # default slope 0.01 here
         half = self.n_fft // 2 + 1
         wavs = []
         for row, n in zip(x, lengths):
