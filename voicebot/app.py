@@ -43,13 +43,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         rt.loop = asyncio.get_running_loop()
         await asyncio.to_thread(rt.load)
+        await rt.start_cluster()
         lag = asyncio.create_task(rt.metrics.watch_loop_lag())
+        load = asyncio.create_task(rt.admission.watch(lambda: len(rt.sessions), lambda: _report_load(rt)))
         _drain_on_sigterm(rt)
         log.info("voicebot %s ready on %s:%s", __version__, settings.server.host, settings.server.port)
         try:
             yield
         finally:
             lag.cancel()
+            load.cancel()
             await rt.close()
 
     app = FastAPI(title="voicebot", version=__version__, lifespan=lifespan)
@@ -63,13 +66,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         engines = [e.info() for e in (rt.recognizer, rt.synthesizer, *rt.responders.values()) if e is not None] if rt.ready else []
+        # At its session limit, or one more session would overload an engine (serving/capacity.py).
+        full = len(rt.sessions) >= settings.server.max_sessions or bool(rt.admission and rt.admission.refuse(len(rt.sessions)))
         body = {
-            "ready": rt.ready and not rt.draining,
+            # Load balancers and Kubernetes send new connections only where this is true.
+            "ready": rt.ready and not rt.draining and not full,
             "draining": rt.draining,
+            "full": full,
             "engines": [e.__dict__ for e in engines],
             "active_sessions": len(rt.sessions),
             "max_sessions": settings.server.max_sessions,
+            "capacity": rt.admission.report() if rt.admission else {},
             "uptime_s": round(time.monotonic() - rt.started_at, 1),
+            "cluster": None if rt.cluster is None else {"redis_up": rt.cluster.link.up},
         }
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
@@ -95,6 +104,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if not listener and len(rt.sessions) + funasr_open[0] >= settings.server.max_sessions:
             await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at its limit of {settings.server.max_sessions} sessions",
                           CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=5)
+            return False
+        if not listener and (full := rt.admission.refuse(len(rt.sessions))):
+            pool, retry_after = full
+            await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at capacity: one more session would overload {pool}",
+                          CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=retry_after, overloaded=pool)
             return False
         return True
 
@@ -177,6 +191,11 @@ async def _refuse(ws: WebSocket, rt: Runtime, code: str, message: str, close_cod
     with contextlib.suppress(Exception):
         await ws.send_json(protocol.error(code, message, **extra))
         await ws.close(close_code, reason)
+
+
+def _report_load(rt: Runtime) -> None:
+    for pool in rt.admission.pools:
+        rt.metrics.worker_load.labels(pool.worker.name).set(pool.load())
 
 
 def _drain_on_sigterm(rt: Runtime) -> None:

@@ -121,9 +121,13 @@ class ChannelHub:
         channel.listeners.add(listener)
         self.metrics.active_listeners.inc()
         listener.offer(
-            json.dumps(protocol.event("listener.ready", channel=name, speaking=channel.speaker is not None, protocol_version=PROTOCOL_VERSION))
+            json.dumps(protocol.event("listener.ready", channel=name, speaking=self.is_speaking(name), protocol_version=PROTOCOL_VERSION))
         )
         return True
+
+    def is_speaking(self, name: str) -> bool:
+        channel = self._channels.get(name)
+        return channel is not None and channel.speaker is not None
 
     def remove_listener(self, name: str, listener: Listener) -> None:
         channel = self._channels.get(name)

@@ -109,6 +109,9 @@ class PocketsphinxRecognizer(Recognizer):
     def info(self) -> EngineInfo:
         return EngineInfo("asr", self.name, "cpu", self._loaded, {"model": self.model, "phrases": len(self.config.phrases)})
 
+    def workers(self) -> list[Worker]:
+        return [self.worker]
+
     def close(self) -> None:
         self.worker.shutdown()
         self._idle.clear()

@@ -222,7 +222,7 @@ class Session:
         self._enter(State.LISTENING)
         if message.channel:
             self.rt.channels.speak(message.channel, self.id)
-        resumed = self._resume(message.resume)
+        resumed = await self._resume(message.resume)
         self.replies = Replying(self.tts, self.conversation, self.outbox, self.rt.metrics, self.rt.speech_filter,
                                  self.settings.reply, self.settings.pacing)
         self.engine_reset = EngineReset(self.settings.reset.interval_s, self.asr, self.tts, self.rt.metrics, self.outbox)
@@ -233,9 +233,9 @@ class Session:
             asyncio.create_task(self._reset_timer(), name=f"reset-{self.id[:8]}"),
         ]
 
-    def _resume(self, previous_id: str | None) -> bool:
+    async def _resume(self, previous_id: str | None) -> bool:
         """Take over a previous session's conversation if the store still has it; register ours."""
-        conversation = self.rt.conversations.take(previous_id) if previous_id else None
+        conversation = await self.rt.conversations.take(previous_id) if previous_id else None
         if conversation is not None:
             self.conversation = conversation
         self.rt.conversations.register(self.id, self.conversation)

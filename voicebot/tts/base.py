@@ -17,6 +17,7 @@ import numpy as np
 
 from voicebot.audio.rates import SPEAK_RATE
 from voicebot.engine_reports import EngineInfo, ResetReport
+from voicebot.serving.worker import Worker
 
 SAMPLE_RATE = SPEAK_RATE  # every synthesizer's output
 
@@ -95,6 +96,11 @@ class Synthesizer(ABC):
 
     @abstractmethod
     def info(self) -> EngineInfo: ...
+
+    def workers(self) -> list[Worker]:
+        """The thread pools this engine runs on, for admission control (voicebot/serving/capacity.py).
+        An engine that answers admission itself (a batching device scheduler) lists none."""
+        return []
 
     def close(self) -> None:
         """Release shared resources at shutdown."""

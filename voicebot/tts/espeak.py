@@ -107,6 +107,9 @@ class EspeakSynthesizer(Synthesizer):
         rate = self.library.rate if self.library else 0
         return EngineInfo("tts", self.name, "cpu", self.library is not None, {"native_rate": rate, "voices": list(self.config.voices)})
 
+    def workers(self) -> list[Worker]:
+        return [self.worker]
+
     def close(self) -> None:
         self.worker.shutdown()
 
