@@ -39,6 +39,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     rt = Runtime(settings)
     funasr_open = [0]  # /funasr connections: they count toward max_sessions like sessions do
 
+    def occupied() -> int:
+        return len(rt.sessions) + funasr_open[0]
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         rt.loop = asyncio.get_running_loop()
@@ -67,7 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def readyz() -> JSONResponse:
         engines = [e.info() for e in (rt.recognizer, rt.synthesizer, *rt.responders.values()) if e is not None] if rt.ready else []
         # At its session limit, or one more session would overload an engine (serving/capacity.py).
-        full = len(rt.sessions) >= settings.server.max_sessions or bool(rt.admission and rt.admission.refuse(len(rt.sessions)))
+        full = occupied() >= settings.server.max_sessions or bool(rt.admission and rt.admission.refuse(len(rt.sessions)))
         body = {
             # Load balancers and Kubernetes send new connections only where this is true.
             "ready": rt.ready and not rt.draining and not full,
@@ -101,7 +104,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await _refuse(ws, rt, ErrorCode.INVALID_MESSAGE, f"channel {channel!r}: use 1-64 letters, digits, _ . or -",
                           CloseCode.POLICY, "bad channel")
             return False
-        if not listener and len(rt.sessions) + funasr_open[0] >= settings.server.max_sessions:
+        if not listener and occupied() >= settings.server.max_sessions:
             await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at its limit of {settings.server.max_sessions} sessions",
                           CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=5)
             return False
