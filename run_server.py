@@ -10,6 +10,7 @@ import sys
 import uvicorn
 
 from voicebot.config import DEFAULT_CONFIG, ConfigError, load_settings
+from voicebot.handshake import with_deadline
 from voicebot.protocol import MAX_MESSAGE_BYTES
 
 
@@ -48,6 +49,7 @@ def main() -> int:
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         ws_max_size=MAX_MESSAGE_BYTES,  # over it: close 1009 (docs/protocol.md, Limits)
+        http=with_deadline(settings.server.handshake_timeout_s),  # idle and slowloris connections closed
     )
     return 0
 

@@ -133,3 +133,51 @@ def test_listeners_never_learn_the_session_id(guarded_server):
     own, mirrored = asyncio.run(scenario())
     assert own["session_id"] and "session_id" not in mirrored
     assert {k: v for k, v in own.items() if k != "session_id"} == mirrored
+
+
+def test_connections_that_never_finish_their_request_head_are_closed(tmp_path):
+    """A raw TCP connection that sends nothing and a slowloris one were open after 160 s (item 3);
+    through run_server.py both are closed after server.handshake_timeout_s, sessions are not."""
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.conftest import free_port
+    from voicebot.config import REPO_ROOT
+
+    port = free_port()
+    config = tmp_path / "server.yaml"
+    config.write_text(f"server: {{port: {port}, handshake_timeout_s: 1}}\n")
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "run_server.py"), "--config", str(config)], cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        silent = socket.create_connection(("127.0.0.1", port))
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"GET /v1/voice HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+
+        async def session_outlives_the_deadline() -> str:
+            async with websockets.connect(f"ws://127.0.0.1:{port}/v1/voice") as ws:
+                await ws.send(json.dumps({"type": "session.start"}))
+                await asyncio.wait_for(ws.recv(), 10)
+                await asyncio.sleep(2)
+                await ws.send(json.dumps({"type": "ping", "id": 1}))
+                return json.loads(await asyncio.wait_for(ws.recv(), 10))["type"]
+
+        assert asyncio.run(session_outlives_the_deadline()) == "pong"
+        for sock in (silent, slow):
+            sock.settimeout(5)
+            assert sock.recv(100) == b""  # closed by the server (it was over 2 s ago)
+    finally:
+        proc.terminate()
+        proc.wait(30)

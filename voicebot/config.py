@@ -50,6 +50,9 @@ class ServerConfig(Section):
     allowed_origins: list[str] = []
     # A connection that has not sent session.start by then is closed (1008, start_timeout).
     start_timeout_s: float = Field(10.0, gt=0)
+    # run_server.py: a TCP connection whose HTTP request head is not complete by then is closed
+    # (one that sends nothing, slowloris); uvicorn alone waits for ever.
+    handshake_timeout_s: float = Field(10.0, gt=0)
 
 
 class LimitsConfig(Section):
