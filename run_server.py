@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import uvicorn
 
 from voicebot.config import DEFAULT_CONFIG, ConfigError, load_settings
+from voicebot.handshake import with_deadline
+from voicebot.protocol import MAX_MESSAGE_BYTES
 
 
 def main() -> int:
@@ -25,17 +28,28 @@ def main() -> int:
     except ConfigError as exc:
         print(f"voicebot: {exc}", file=sys.stderr)
         return 2
+    # voicebot.app builds its module-level app from these at import: the same settings as ours.
     os.environ["VOICEBOT_CONFIG"] = args.config
-    from voicebot.app import create_app
+    os.environ.update({f"VOICEBOT_SERVER__{k.upper()}": str(v) for k, v in overrides["server"].items()})
+    try:
+        from voicebot.app import create_app
 
+        app = create_app(settings)
+    except ConfigError as exc:  # e.g. exposed to the network with no token (docs/security.md)
+        print(f"voicebot: {exc}", file=sys.stderr)
+        return 2
+    # uvicorn re-raises the SIGTERM it handled once it has stopped gracefully: a drained stop is a
+    # success, so the re-raised signal exits 0 instead of killing the process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.server.host,
         port=settings.server.port,
         log_level=settings.log_level,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
-        ws_max_size=2 * 48000 * 2 + 1024,  # a frame of 1 s at 48 kHz is the largest valid one
+        ws_max_size=MAX_MESSAGE_BYTES,  # over it: close 1009 (docs/protocol.md, Limits)
+        http=with_deadline(settings.server.handshake_timeout_s),  # idle and slowloris connections closed
     )
     return 0
 

@@ -34,7 +34,13 @@ log = logging.getLogger("voicebot")
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or load_settings()
+    auth.check_exposure(settings.server)
+    auth.hide_tokens_in_logs()
     rt = Runtime(settings)
+    funasr_open = [0]  # /funasr connections: they count toward max_sessions like sessions do
+
+    def occupied() -> int:
+        return len(rt.sessions) + funasr_open[0]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -64,7 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def readyz() -> JSONResponse:
         engines = [e.info() for e in (rt.recognizer, rt.synthesizer, *rt.responders.values()) if e is not None] if rt.ready else []
         # At its session limit, or one more session would overload an engine (serving/capacity.py).
-        full = len(rt.sessions) >= settings.server.max_sessions or bool(rt.admission and rt.admission.refuse(len(rt.sessions)))
+        full = occupied() >= settings.server.max_sessions or bool(rt.admission and rt.admission.refuse(len(rt.sessions)))
         body = {
             # Load balancers and Kubernetes send new connections only where this is true.
             "ready": rt.ready and not rt.draining and not full,
@@ -89,7 +95,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     async def admit(ws: WebSocket, listener: bool = False, channel: str | None = None) -> bool:
         """Accept a connection if its token is right, its channel name valid and there is room."""
-        if not await auth.accept(ws, settings.server.token, rt.metrics):
+        if not await auth.accept(ws, settings.server.token, rt.metrics, settings.server.allowed_origins):
             return False
         if rt.draining or not rt.ready:
             await _refuse(ws, rt, ErrorCode.SHUTTING_DOWN, "the server is shutting down", CloseCode.GOING_AWAY, "shutting down")
@@ -98,7 +104,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await _refuse(ws, rt, ErrorCode.INVALID_MESSAGE, f"channel {channel!r}: use 1-64 letters, digits, _ . or -",
                           CloseCode.POLICY, "bad channel")
             return False
-        if not listener and len(rt.sessions) >= settings.server.max_sessions:
+        if not listener and occupied() >= settings.server.max_sessions:
             await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at its limit of {settings.server.max_sessions} sessions",
                           CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=5)
             return False
@@ -123,7 +129,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def funasr(ws: WebSocket) -> None:
         """The FunASR runtime's 2-pass protocol (docs/funasr.md), on the same recognizer and VAD."""
         if await admit(ws):
-            await serve_funasr(ws, rt.recognizer, funasr_segmenter(rt.recognizer, settings.endpoint, rt.audio_worker))
+            funasr_open[0] += 1
+            try:
+                await serve_funasr(ws, rt.recognizer, funasr_segmenter(rt.recognizer, settings.endpoint, rt.audio_worker))
+            finally:
+                funasr_open[0] -= 1
 
     @app.websocket("/obs/audio")
     async def obs_audio(ws: WebSocket) -> None:
@@ -156,12 +166,13 @@ async def run_session(ws: Socket, rt: Runtime) -> None:
     rt.metrics.sessions_total.inc()
     sender = asyncio.create_task(session.run_sender())
     close_requested = asyncio.create_task(session.close_requested.wait())
+    start_deadline = asyncio.create_task(session.expect_start(rt.settings.server.start_timeout_s))
     try:
         # Also ended by the sender (the socket failed while sending) and by a close request (flooding).
         await receive_loop(ws, session.on_message, until=(sender, close_requested))
         if session.close_request is not None:
-            code, reason = session.close_request
-            await session.outbox.error(ErrorCode.FLOODING, reason)
+            code, error_code, reason = session.close_request
+            await session.outbox.error(error_code, reason)
             await session.close()
             await session.outbox.put(None)
             with contextlib.suppress(Exception):
@@ -170,9 +181,9 @@ async def run_session(ws: Socket, rt: Runtime) -> None:
                 await ws.close(code, reason)
     finally:
         await session.close()
-        for task in (sender, close_requested):
+        for task in (sender, close_requested, start_deadline):
             task.cancel()
-        await asyncio.gather(sender, close_requested, return_exceptions=True)
+        await asyncio.gather(sender, close_requested, start_deadline, return_exceptions=True)
         rt.sessions.pop(session.id, None)
         rt.metrics.active_sessions.dec()
 
@@ -202,6 +213,12 @@ def _drain_on_sigterm(rt: Runtime) -> None:
         while rt.replies_in_progress() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         log.info("drained: %d replies still in progress", rt.replies_in_progress())
+        # Closed here with 1001 and an error event, as documented; uvicorn's own stop would use 1012.
+        for session in list(rt.sessions.values()):
+            session.request_close(CloseCode.GOING_AWAY, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        deadline = time.monotonic() + 2
+        while rt.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         loop.remove_signal_handler(signal.SIGTERM)
         if callable(previous):
             previous(signal.SIGTERM, None)

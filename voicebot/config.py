@@ -42,6 +42,17 @@ class ServerConfig(Section):
     # Download missing models (with progress) at start-up, as `python -m voicebot.models fetch`
     # does; off: start-up never touches the network and names what is missing.
     download_models: bool = False
+    # Bound to anything but loopback without a token, the server refuses to start unless this is
+    # set (then it warns): an open voice server on a network is anyone's (docs/security.md).
+    allow_anonymous: bool = False
+    # Web pages (Origin header) allowed to open a WebSocket, e.g. ["https://show.example.com"];
+    # the server's own pages (same origin) always are, clients that send no Origin too. "*": any.
+    allowed_origins: list[str] = []
+    # A connection that has not sent session.start by then is closed (1008, start_timeout).
+    start_timeout_s: float = Field(10.0, gt=0)
+    # run_server.py: a TCP connection whose HTTP request head is not complete by then is closed
+    # (one that sends nothing, slowloris); uvicorn alone waits for ever.
+    handshake_timeout_s: float = Field(10.0, gt=0)
 
 
 class LimitsConfig(Section):
@@ -72,6 +83,8 @@ class GateConfig(Section):
     # Time constant of the background statistics (exponential moving average).
     background_tau_s: float = Field(2.0, gt=0)
     warmup_ms: float = Field(200.0, ge=0)
+    # No block taken as background for this long: the room got louder; re-learn its background.
+    relearn_s: float = Field(3.0, gt=0)
 
 
 class EndpointConfig(Section):

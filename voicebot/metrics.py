@@ -46,6 +46,7 @@ class Metrics:
         self.resets = Counter("voicebot_resets_total", "Periodic state resets", registry=r)
         self.reset_duration = Histogram("voicebot_reset_duration_seconds", "Time to drop and rebuild engine state", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5), registry=r)
         self.errors = Counter("voicebot_errors_total", "Error events sent, by code", ["code"], registry=r)
+        self.asyncio_tasks = Gauge("voicebot_asyncio_tasks", "Tasks on the event loop (sampled with the loop lag)", registry=r)
         self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop runs a timer", buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         for kind in REPLY_ERROR_KINDS:
             self.reply_errors.labels(kind)
@@ -57,3 +58,4 @@ class Metrics:
             start = time.perf_counter()
             await asyncio.sleep(interval)
             self.loop_lag.observe(max(0.0, time.perf_counter() - start - interval))
+            self.asyncio_tasks.set(len(asyncio.all_tasks()))

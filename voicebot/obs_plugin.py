@@ -29,6 +29,7 @@ from starlette.websockets import WebSocket, WebSocketState
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import StreamResampler, float_to_pcm16
 from voicebot.metrics import Metrics
+from voicebot.protocol import ProtocolError, load_json
 
 log = logging.getLogger("voicebot.obs")
 
@@ -141,14 +142,17 @@ class ObsSocket:
 
     def _control(self, text: str) -> dict | None:
         try:
-            kind = json.loads(text).get("type")
-        except (json.JSONDecodeError, AttributeError):
-            raise BadChunk("bad_control", f"text message is not a JSON object: {text[:80]!r}") from None
+            message = load_json(text)  # the input policy of every route (voicebot.protocol)
+        except ProtocolError as exc:
+            raise BadChunk("bad_control", f"text message refused ({exc.code}): {exc.message}") from None
+        if not isinstance(message, dict):
+            raise BadChunk("bad_control", f"text message is not a JSON object: {text[:80]!r}")
+        kind = message.get("type")
         if kind == "stop":
             # Whatever was being said when the streamer pressed stop still gets transcribed.
             return {"type": "websocket.receive", "text": json.dumps({"type": "input.end"})}
         if kind != "start":
-            raise BadChunk("bad_control", f"unknown control message type {kind!r}")
+            raise BadChunk("bad_control", f"unknown control message type {str(kind)[:80]!r}")
         return None
 
     def _chunk(self, data: bytes) -> ObsChunk:

@@ -42,6 +42,8 @@ class LiveSession(Protocol):
 
     async def close(self) -> None: ...
 
+    def request_close(self, close_code: int, error_code: str, reason: str) -> None: ...
+
 
 @dataclass
 class Runtime:

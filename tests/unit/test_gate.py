@@ -35,9 +35,13 @@ class Scene:
     clicks: list[Click]
     click_signal: np.ndarray
     snr_db: float
+    params: tuple[int, float]  # (seed, speech dBFS): the same scene in another room
 
 
-def make_scene(seed: int, background_dbfs: float, speech_dbfs: float) -> Scene:
+def make_scene(seed: int, background_dbfs: float | list[tuple[float, float]], speech_dbfs: float) -> Scene:
+    """24 s of espeak sentences over fan noise, with clicks, claps and bumps. `background_dbfs` is
+    a level, or steps of it: [(from_s, dBFS), ...] (a room that gets louder or quieter)."""
+    steps = [(0.0, background_dbfs)] if isinstance(background_dbfs, (int, float)) else background_dbfs
     rng = np.random.default_rng(seed)
     n = RATE * 24
     speech = np.zeros(n, np.float32)
@@ -67,8 +71,12 @@ def make_scene(seed: int, background_dbfs: float, speech_dbfs: float) -> Scene:
         where = "word" if mask[span].any() else "pause" if near_speech[span].any() else "silence"
         click_signal[span] += c
         clicks.append(Click(start, len(c), where))
-    mixed = fan_noise(n, rng, background_dbfs) + speech + click_signal
-    return Scene(mixed.astype(np.float32), speech, mask, clicks, click_signal, speech_dbfs - background_dbfs)
+    level = np.zeros(n, np.float32)
+    for start_s, dbfs in steps:
+        level[int(start_s * RATE) :] = 10 ** (dbfs / 20)
+    mixed = fan_noise(n, rng, 0.0) * level + speech + click_signal
+    snr_db = speech_dbfs - max(db for _, db in steps)
+    return Scene(mixed.astype(np.float32), speech, mask, clicks, click_signal, snr_db, (seed, speech_dbfs))
 
 
 def run_gate(audio: np.ndarray, chunk_samples: list[int] | int = 1600, config: GateConfig | None = None) -> tuple[np.ndarray, NoiseGate]:
@@ -181,3 +189,67 @@ def test_loud_sustained_sound_passes():
     out, gate = run_gate(audio)
     assert gate.muted_samples == 0
     np.testing.assert_array_equal(out, audio)
+
+
+# A room that gets louder for good and quiet again: -45 dBFS, -30 from 6 s (music, a fan), -45
+# from 14 s; speech 12-18 dB above the louder room.
+ROOM_STEPS = [(0.0, -45.0), (6.0, -30.0), (14.0, -45.0)]
+# Time the gate may take to learn a new background: gate.relearn_s (3 s) plus a second.
+RELEARN_ALLOWANCE_S = 4.0
+
+
+@pytest.fixture(scope="module", params=[(1, -12), (2, -15), (3, -18)], ids=lambda p: f"seed{p[0]}_speech{p[1]}")
+def changing_room(request):
+    seed, speech_dbfs = request.param
+    scene = make_scene(seed, ROOM_STEPS, speech_dbfs)
+    gate = NoiseGate(GateConfig(), RATE)
+    out, background_db = [], []  # the gate's background mean after each 100 ms chunk
+    for pos in range(0, len(scene.mixed), 1600):
+        out.append(gate.process(scene.mixed[pos : pos + 1600]))
+        background_db.append(10 * np.log10(gate.mean))
+    out.append(gate.flush())
+    return scene, np.concatenate(out), np.array(background_db)
+
+
+def test_background_relearnt_within_seconds_of_a_change(changing_room):
+    _, _, background_db = changing_room
+    for start_s, dbfs in ROOM_STEPS[1:]:
+        after = background_db[int((start_s + RELEARN_ALLOWANCE_S) * 10) : int((start_s + 8) * 10)]
+        assert np.all(np.abs(after - dbfs) <= 3), f"background {after.min():.1f} to {after.max():.1f} dB after the step to {dbfs}"
+
+
+def test_speech_passes_when_the_room_changes(changing_room):
+    scene, out, _ = changing_room
+    considered = scene.speech_mask & ~click_windows(scene)
+    passed = np.mean(out[considered] == scene.mixed[considered])
+    assert passed >= 0.985, f"{passed:.4f} of active speech passed"
+    false_mutes = (out == 0) & (scene.mixed != 0) & ~click_windows(scene)
+    assert false_mutes.sum() / RATE * 1000 / (len(out) / RATE / 60) <= 300
+
+
+def test_clicks_removed_after_the_room_changes(changing_room):
+    """Once re-learnt, the gate removes clicks as well as one that knew the room from the start
+    (with frozen statistics it removed none in the louder room)."""
+    scene, out, _ = changing_room
+    (_, quiet_db), (louder_at, louder_db), (quiet_again_at, _) = ROOM_STEPS
+    seed, speech_dbfs = scene.params
+    steady_out, _ = run_gate(make_scene(seed, louder_db, speech_dbfs).mixed)
+
+    def settled_in_silence(c: Click, start: float, end: float) -> bool:
+        return c.where == "silence" and start + RELEARN_ALLOWANCE_S <= c.start / RATE < end
+
+    louder = [c for c in scene.clicks if settled_in_silence(c, louder_at, quiet_again_at)]
+    quiet_again = [c for c in scene.clicks if settled_in_silence(c, quiet_again_at, len(out) / RATE)]
+    assert louder and quiet_again, "the scene has no click to judge"
+    assert removed_energy(scene, out, louder) >= 0.95 * removed_energy(scene, steady_out, louder)
+    assert removed_energy(scene, out, quiet_again) >= 0.95
+
+
+def removed_energy(scene: Scene, out: np.ndarray, clicks: list[Click]) -> float:
+    """The fraction of these clicks' energy the gate muted."""
+    energy = removed = 0.0
+    for c in clicks:
+        click = scene.click_signal[c.start : c.start + c.length].astype(np.float64)
+        energy += np.sum(click**2)
+        removed += np.sum(click[out[c.start : c.start + c.length] == 0] ** 2)
+    return removed / energy

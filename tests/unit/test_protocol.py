@@ -56,3 +56,95 @@ def test_bad_audio_frames(nbytes, rate, code):
 def test_audio_up_to_one_second_is_accepted():
     protocol.check_audio(32000, 16000)
     protocol.check_audio(96000, 48000)
+
+
+# ---- the input policy of every route (load_json): each case once killed a session with 1006 ----
+
+
+@pytest.mark.parametrize(
+    "raw, code",
+    [
+        ("[" * 3000 + "]" * 3000, ErrorCode.UNSUPPORTED_JSON),  # RecursionError in json.loads
+        ('{"type": "ping", "id": ' + "[" * 9 + "]" * 9 + "}", ErrorCode.UNSUPPORTED_JSON),
+        ('{"type": "ping", "id": ' + "9" * 5000 + "}", ErrorCode.UNSUPPORTED_JSON),  # int() digit limit
+        ('{"type": "ping", "id": 1' + "0" * 40 + ".5}", ErrorCode.UNSUPPORTED_JSON),
+        ('{"type": "ping", "id": 1e999}', ErrorCode.UNSUPPORTED_JSON),
+        ('{"type": "ping", "id": NaN}', ErrorCode.INVALID_JSON),
+        ('{"type": "ping", "id": -Infinity}', ErrorCode.INVALID_JSON),
+        ('{"type": "ping", "id": "\\ud800"}', ErrorCode.UNSUPPORTED_JSON),  # echoed in pong: unencodable
+        ('{"type": "session.start", "language": "x\\udfff"}', ErrorCode.UNSUPPORTED_JSON),
+        ('{"type": "ping", "\\udc00": 1}', ErrorCode.UNSUPPORTED_JSON),
+        ('["\\ud83d"]', ErrorCode.UNSUPPORTED_JSON),
+        ('{"type": "say", "text": "' + "a" * (protocol.MAX_TEXT_CHARS) + '"}', ErrorCode.FRAME_TOO_LARGE),
+    ],
+)
+def test_hostile_json_gets_a_stable_code(raw, code):
+    with pytest.raises(ProtocolError) as exc:
+        protocol.load_json(raw)
+    assert exc.value.code == code
+    assert len(exc.value.message) < 200
+
+
+def test_nesting_within_the_limit_and_brackets_in_text_are_fine():
+    depth = protocol.MAX_JSON_DEPTH
+    assert protocol.load_json("[" * depth + "]" * depth) == eval("[" * depth + "]" * depth)
+    text = "[[[[[[[[[[ {{{{{{{{{{ \\" + '" ]]]]'
+    assert protocol.parse_text(json.dumps({"type": "say", "text": text})).text == text
+
+
+def test_escaped_surrogate_pairs_are_text():
+    say = protocol.parse_text('{"type": "say", "text": "\\ud83d\\ude00 hi"}')
+    assert say.text == "\U0001f600 hi"
+
+
+def test_the_largest_valid_say_fits():
+    text = "\U0001f600" * 2000  # max_length, every character escaped as a surrogate pair
+    raw = json.dumps({"type": "say", "text": text, "interrupt": False})  # ensure_ascii: 12 chars each
+    assert len(raw) <= protocol.MAX_TEXT_CHARS
+    assert protocol.parse_text(raw).text == text
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"type": "say", "text": "hi", "interrupt": "yes"}',
+        '{"type": "say", "text": "hi", "interrupt": 1}',
+        '{"type": "session.start", "sample_rate": "16000"}',
+        '{"type": "session.start", "sample_rate": 16000.0}',
+        '{"type": "session.start", "sample_rate": true}',
+        '{"type": "session.update", "endpointing": {"endpoint_silence_ms": "600"}}',
+        '{"type": "ping", "id": true}',
+        '{"type": "ping", "id": 9007199254740992}',  # 2**53: a JavaScript client could not read it back
+        '{"type": "ping", "id": {"a": 1}}',
+        '{"type": "session.start", "voice": ""}',
+        '{"type": "session.start", "voice": "' + "v" * 65 + '"}',
+        '{"type": "session.start", "resume": "' + "r" * 129 + '"}',
+    ],
+)
+def test_types_are_strict(raw):
+    with pytest.raises(ProtocolError) as exc:
+        protocol.parse_text(raw)
+    assert exc.value.code == ErrorCode.INVALID_MESSAGE
+
+
+def test_unknown_type_is_quoted_short():
+    with pytest.raises(ProtocolError) as exc:
+        protocol.parse_text(json.dumps({"type": "x" * 10000}))
+    assert exc.value.code == ErrorCode.UNKNOWN_TYPE and len(exc.value.message) < 200
+
+
+def test_every_message_that_parses_can_be_echoed():
+    """What a session echoes back (ping ids, names) always encodes as UTF-8 JSON."""
+    for raw in ['{"type": "ping", "id": "caf\\u00e9 \\ud83d\\ude00"}', '{"type": "ping", "id": -9007199254740991}']:
+        ping = protocol.parse_text(raw)
+        json.dumps(protocol.event("pong", id=ping.id), ensure_ascii=False).encode("utf-8")
+
+
+def test_the_largest_valid_messages_fit_the_socket_limit():
+    from voicebot import obs_plugin
+
+    largest_obs = obs_plugin.HEADER.size + 2 * obs_plugin.MAX_NAME_BYTES + int(
+        obs_plugin.MAX_CHUNK_SECONDS * obs_plugin.MAX_RATE * obs_plugin.MAX_CHANNELS * 2
+    )
+    largest_voice = int(protocol.MAX_SAMPLE_RATE * protocol.MAX_CHUNK_SECONDS) * 2
+    assert max(largest_obs, largest_voice, protocol.MAX_TEXT_CHARS * 4) * 1.25 <= protocol.MAX_MESSAGE_BYTES

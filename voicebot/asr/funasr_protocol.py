@@ -35,7 +35,6 @@ Endpoints come from a `Segmenter` (the server's VAD), the same one the /v1/voice
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -43,6 +42,8 @@ import numpy as np
 
 from voicebot.asr.base import SAMPLE_RATE, Hypothesis, Recognizer, RecognizerStream
 from voicebot.audio.endpoint import EventKind, VadEvent
+from voicebot.protocol import ErrorCode, load_json
+from voicebot.protocol import ProtocolError as VoiceProtocolError
 from voicebot.audio.files import FILE_FORMATS, UndecodableAudio, decode_file
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
 
@@ -124,9 +125,9 @@ class FunasrSession:
 
     async def on_text(self, text: str) -> list[dict]:
         try:
-            message = json.loads(text)
-        except json.JSONDecodeError as exc:
-            return await self._refuse(f"not JSON: {exc}")
+            message = load_json(text)  # the input policy of every route: nothing echoed is unencodable
+        except VoiceProtocolError as exc:
+            return await self._refuse(f"not JSON: {exc.message}" if exc.code == ErrorCode.INVALID_JSON else exc.message)
         if not isinstance(message, dict):
             return await self._refuse("a text message must be a JSON object")
         if self._refused:

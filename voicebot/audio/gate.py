@@ -15,10 +15,20 @@ What was meant, and what this does:
   loudest 1 ms is at least `min_rise_db` above the background mean (a 0.1 ms click barely moves a
   5 ms block), nothing loud follows within the 50 ms lookahead, and no sustained sound (speech)
   ended shortly before it. Every longer span is sustained sound and passes untouched.
+* A room that gets louder for good (music starts, a fan is switched on) makes every block active,
+  so none would count as background again and the gate would pass everything from then on. When
+  no block has counted as background for `relearn_s`, the statistics restart from the quieter
+  half of the blocks of that window: speech has pauses, so its quieter half is mostly room; a
+  window of loud speech with none only sets the background too high, which mutes less, never more.
+  A room that gets much quieter would be learnt by the moving average alone, but slowly: the jump
+  inflates the standard deviation too, and a threshold 10 dB high lets small clicks through for
+  ten seconds. So when a quarter of the window is 10 dB under the mean, the statistics restart
+  from the blocks of the window that are.
 
 Output is delayed by the lookahead (50 ms, so 10 blocks) plus the part of a block not yet filled,
 and has exactly the input's length once flushed. Decisions depend only on block order, so the
-output is the same for any input chunking. Memory bound: lookahead + one block of samples.
+output is the same for any input chunking. Memory bound: lookahead + one block of samples, and
+the energies (floats) of the last `relearn_s` of blocks.
 """
 
 from __future__ import annotations
@@ -42,6 +52,10 @@ SPAN_FLOOR = 10 ** (-25 / 10)
 # A span still open at the end of the lookahead is an impulse only if it has decayed by 10 dB.
 UNDECIDED_DECAY = 10 ** (-10 / 10)
 SUB_BLOCKS = 5  # the loudness of a burst is judged on 1 ms sub-blocks
+# The room got quieter when a quarter of the last relearn_s of blocks is this far under the mean
+# (in steady room noise the lower quartile is within a few dB of it). Checked every 100 ms.
+QUIETER = 10 ** (-10 / 10)
+QUIETER_CHECK_BLOCKS = 20
 
 
 @dataclass
@@ -65,12 +79,18 @@ class NoiseGate:
         self.warmup_blocks = round(config.warmup_ms / config.block_ms)
         self.rise = 10 ** (config.min_rise_db / 10)
         self.decay = math.exp(-self.block_s / config.background_tau_s)
+        self.relearn_blocks = max(1, round(config.relearn_s * 1000 / config.block_ms))
 
         # Background statistics: total weight, weighted mean, weighted sum of squared deviations.
         self._weight = 0.0
         self.mean = 0.0
         self._m2 = 0.0
         self.background_blocks = 0
+        self.relearns = 0  # times the background was re-learnt (the room got louder or quieter)
+        # Energies of the last relearn_blocks decided blocks (a ring: block i at i % relearn_blocks),
+        # and the last block taken as background.
+        self._recent = np.zeros(self.relearn_blocks)
+        self._last_background = 0
 
         self._partial = np.zeros(0, np.float32)
         self._pending: deque[_Block] = deque()
@@ -151,13 +171,29 @@ class NoiseGate:
         if self._mute_left == 0 and self._is_impulse(index, block):
             self._mute_left = self.mute_blocks
         muted = self._mute_left > 0
+        self._recent[index % self.relearn_blocks] = block.energy
         if self._is_background(index, block, muted):
             self._add_background(block.energy)
+            self._last_background = index
+        elif index - self._last_background >= self.relearn_blocks:
+            self._relearn(index, float(np.median(self._recent)))  # the room got louder
+        if index % QUIETER_CHECK_BLOCKS == 0 and index >= self.relearn_blocks:
+            if np.partition(self._recent, self.relearn_blocks // 4)[self.relearn_blocks // 4] < self.mean * QUIETER:
+                self._relearn(index, self.mean * QUIETER)  # the room got quieter
         if not muted:
             return block.samples
         self._mute_left -= 1
         self.muted_samples += len(block.samples)
         return np.zeros_like(block.samples)
+
+    def _relearn(self, index: int, ceiling: float) -> None:
+        """Restart the background statistics from the recent blocks at or under `ceiling`, in order."""
+        self._weight = self.mean = self._m2 = 0.0
+        oldest_first = np.roll(self._recent, -((index + 1) % self.relearn_blocks))
+        for energy in oldest_first[oldest_first <= ceiling].tolist():
+            self._add_background(energy)
+        self._last_background = index
+        self.relearns += 1
 
     def _is_background(self, index: int, block: _Block, muted: bool) -> bool:
         """Non-burst audio away from speech. A loud span (a burst), the tail of one, and the quiet

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 from voicebot import protocol
 from voicebot.asr.base import RecognizerStream
 from voicebot.audio.rates import LISTEN_RATE
-from voicebot.messages import AudioIn, Inbound, InputEnd, Turn, Utterance
+from voicebot.messages import AudioIn, Event, Inbound, InputEnd, Turn, Utterance
 from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
@@ -67,7 +67,7 @@ class Session:
         self.conversation = Conversation(self.settings.reply.max_history_turns, self.settings.reply.max_history_tokens)
         limits = self.settings.limits
         self.flood = FloodGuard(limits.max_messages_per_s, limits.max_audio_realtime_factor, limits.window_s)
-        self.close_request: tuple[int, str] | None = None
+        self.close_request: tuple[int, str, str] | None = None  # (close code, error code, reason)
         self.close_requested = asyncio.Event()
 
         self.outbox = Outbox(runtime.metrics)
@@ -99,7 +99,7 @@ class Session:
         """Drain the outbox to the socket; a None entry ends it."""
         while (message := await self.outbox.get()) is not None:
             wire = message.wire
-            self.rt.channels.mirror(self.id, wire)  # never waits: listeners can't slow the session
+            self.rt.channels.mirror(self.id, _for_listeners(message))  # never waits: listeners can't slow the session
             if isinstance(wire, bytes):
                 await self._send_bytes(wire)
             else:
@@ -169,10 +169,21 @@ class Session:
             return True
         reason = self.flood.check(audio_bytes, self.sample_rate)
         if reason:
-            self.close_request = (CloseCode.FLOODING, f"flooding: {reason}")
-            self.close_requested.set()
-            self.rt.metrics.errors.labels(ErrorCode.FLOODING).inc()
+            self.request_close(CloseCode.FLOODING, ErrorCode.FLOODING, f"flooding: {reason}")
         return reason is not None
+
+    def request_close(self, close_code: int, error_code: str, reason: str) -> None:
+        """Ask the connection's owner (voicebot.app.run_session) to send the error and close."""
+        if self.close_request is None:
+            self.close_request = (close_code, error_code, reason)
+            self.close_requested.set()
+
+    async def expect_start(self, timeout_s: float) -> None:
+        """Close a connection that has not sent session.start within `timeout_s`: an idle one
+        would hold a max_sessions place for ever."""
+        await asyncio.sleep(timeout_s)
+        if self.state is State.STARTING:
+            self.request_close(CloseCode.POLICY, ErrorCode.START_TIMEOUT, f"no session.start within {timeout_s:g} s")
 
     async def _dispatch(self, message) -> None:
         if isinstance(message, protocol.SessionStart):
@@ -325,3 +336,11 @@ class Session:
             async with self._engine_lock:
                 if self._reply is None and not self.listening.in_utterance:
                     await self.engine_reset.run("periodic")
+
+
+def _for_listeners(message) -> str | bytes:
+    """What a channel's listeners get of an outbound message: all of it but the session id (in
+    session.ready), which is what resumes the session's conversation."""
+    if isinstance(message, Event) and "session_id" in message.payload:
+        return Event({k: v for k, v in message.payload.items() if k != "session_id"}).wire
+    return message.wire

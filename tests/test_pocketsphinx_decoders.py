@@ -1,0 +1,71 @@
+"""pocketsphinx decoders are borrowed and given back, not built and freed per session (issue 12,
+item 7: 90 MB of RSS kept per concurrent session)."""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+
+import numpy as np
+import pytest
+
+from tests.audio import espeak_speech
+from tests.conftest import TEST_PHRASES
+from voicebot.asr import pocketsphinx
+from voicebot.asr.pocketsphinx import MAX_IDLE_DECODERS, PocketsphinxRecognizer
+from voicebot.config import PocketsphinxConfig
+
+
+@pytest.fixture(scope="module")
+def recognizer():
+    engine = PocketsphinxRecognizer(PocketsphinxConfig(phrases=TEST_PHRASES))
+    engine.load()
+    yield engine
+    engine.close()
+
+
+async def transcribe(stream, audio: np.ndarray) -> str:
+    for i in range(0, len(audio), 1600):
+        await stream.accept(audio[i : i + 1600])
+    return (await stream.finish()).text
+
+
+def test_sessions_reuse_decoders_and_keep_few_idle(recognizer, monkeypatch):
+    built = []
+    new_decoder = recognizer.new_decoder
+    monkeypatch.setattr(recognizer, "new_decoder", lambda: built.append(1) or new_decoder())
+    audio = np.concatenate([np.zeros(4800, np.float32), espeak_speech(TEST_PHRASES[0]), np.zeros(8000, np.float32)])
+
+    async def round_of(n: int) -> list[str]:
+        streams = [recognizer.open() for _ in range(n)]
+        texts = await asyncio.gather(*(transcribe(s, audio) for s in streams))
+        await asyncio.gather(*(s.close() for s in streams))
+        return texts
+
+    for _ in range(3):
+        assert asyncio.run(round_of(5)) == [TEST_PHRASES[0]] * 5
+        assert len(recognizer._idle) == MAX_IDLE_DECODERS
+    # 5 at once need 5 decoders; the idle ones are reused, the others built again each round.
+    idle_at_start = 1  # the one load() built
+    assert len(built) == (5 - idle_at_start) + 2 * (5 - MAX_IDLE_DECODERS)
+
+
+def test_a_reused_decoder_decodes_like_a_new_one(recognizer):
+    audio = np.concatenate([np.zeros(4800, np.float32), espeak_speech(TEST_PHRASES[2]), np.zeros(8000, np.float32)])
+
+    async def scenario() -> tuple[str, str, int]:
+        first = recognizer.open()
+        first_text = await transcribe(first, audio)
+        report = await first.reset()  # the decoder goes back; the next utterance borrows one
+        again = await transcribe(first, audio)
+        await first.close()
+        return first_text, again, report.generation
+
+    first_text, again, generation = asyncio.run(scenario())
+    assert first_text == again == TEST_PHRASES[2]
+    assert generation == 1
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_freed_memory_is_handed_back_on_glibc():
+    assert pocketsphinx.release_freed_memory()
