@@ -103,12 +103,12 @@ def per(after: Counter, before: Counter, count: int) -> str:
     return f"{total:.2f}" + (f"  ({', '.join(f'{op} {v:.2f}' for op, v in delta.items())})" if delta else "")
 
 
-async def resumed_at(url: str, session_id: str, timeout_s: float = 30) -> tuple[Client, float]:
+async def resumed_at(url: str, resume_token: str, timeout_s: float = 30) -> tuple[Client, float]:
     """Reconnect until a server takes the session (a draining one refuses); when it was ready."""
     deadline = time.monotonic() + timeout_s
     while True:
         with contextlib.suppress(OSError, websockets.WebSocketException, AssertionError):
-            client = await Client.open(url, resume=session_id)
+            client = await Client.open(url, resume=resume_token)
             assert client.ready["resumed"], client.ready
             return client, time.perf_counter()
         if time.monotonic() > deadline:
@@ -177,7 +177,7 @@ async def measure(servers: list[VoicebotServer], lb: HAProxy, args) -> None:
             await client.close()
             await asyncio.sleep(pause_s)
             closed = time.perf_counter()
-            again, ready = await resumed_at(again_url, client.ready["session_id"])
+            again, ready = await resumed_at(again_url, client.ready["resume_token"])
             resume[name, pause_s].append((ready - closed) * 1000)
             await again.close()
     resume_calls = per(redis_calls(servers), before, len(resume) * args.rounds)
@@ -203,7 +203,7 @@ async def measure(servers: list[VoicebotServer], lb: HAProxy, args) -> None:
             elif json.loads(message)["type"] == "audio.end":
                 end = json.loads(message)
     closed = time.perf_counter()
-    again, ready = await resumed_at(lb.ws_url, client.ready["session_id"])
+    again, ready = await resumed_at(lb.ws_url, client.ready["resume_token"])
     await again.close()
     print(f"SIGTERM mid-reply: the reply played to its end ({frames} of {end and end['frames']} frames), "
           f"socket closed -> resumed on another server in {(ready - closed) * 1000:.0f} ms")

@@ -224,8 +224,7 @@ async def reconnector(url: str, tally: Tally, deadline: float, index: int) -> No
                 ready = await client.start(**({"resume": resume} if resume else {}))
                 tally.reconnects += resume is not None
                 tally.resumed += bool(ready.get("resumed"))
-                # Phase 2 of issue 12 gives a secret resume token; until then the session id resumes.
-                resume = ready.get("resume_token") or ready["session_id"]
+                resume = ready["resume_token"]
                 after = len(client.events)
                 await client.speak(TEST_PHRASES[rng.randrange(len(TEST_PHRASES))])
                 if (await client.wait_for("asr.final", after))["text"].strip():

@@ -14,7 +14,7 @@ $("mode").value = params.get("mode") === "ptt" ? "ptt" : "hands-free";
 
 // Everything tests (and curious people, from the console) may read.
 const page = {
-  sessionId: null, sampleRate: null, chunksSent: 0, chunksDropped: 0,
+  sessionId: null, resumeToken: null, sampleRate: null, chunksSent: 0, chunksDropped: 0,
   events: {}, finals: [], replies: [], errors: [], resets: 0, player: null,
   stats() { return { ...(this.player?.stats ?? {}), chunksSent: this.chunksSent, chunksDropped: this.chunksDropped }; },
 };
@@ -86,7 +86,7 @@ async function start() {
     onOpen: () => socket.send({
       type: "session.start", sample_rate: mic.ctx.sampleRate,
       voice: $("voice").value || undefined, channel: params.get("channel") || undefined,
-      resume: page.sessionId || undefined,
+      resume: page.resumeToken || undefined,
     }),
     onEvent,
     onAudio: (buffer) => player.push(buffer),
@@ -111,7 +111,7 @@ async function onEvent(ev) {
   page.events[ev.type] = (page.events[ev.type] ?? 0) + 1;
   switch (ev.type) {
     case "session.ready":
-      page.sessionId = ev.session_id; page.sampleRate = ev.input_sample_rate;
+      page.sessionId = ev.session_id; page.resumeToken = ev.resume_token; page.sampleRate = ev.input_sample_rate;
       $("session").textContent = `${ev.session_id.slice(0, 8)} · ${ev.input_sample_rate} Hz in · voice ${ev.voice}`;
       socket.connected();
       // An empty update reports the server's endpointing, restored when leaving push-to-talk.

@@ -118,8 +118,9 @@ def test_funasr_connections_count_toward_max_sessions(guarded_server):
     assert event["code"] == ErrorCode.BUSY and code == CloseCode.TRY_AGAIN_LATER
 
 
-def test_listeners_never_learn_the_session_id(guarded_server):
-    """It resumes the speaker's conversation: an overlay on stream showed it to anyone (item 2)."""
+def test_listeners_never_learn_the_session_id_or_resume_token(guarded_server):
+    """The id once resumed the speaker's conversation, and an overlay on stream showed it to anyone
+    (item 2); now the secret resume token does, and neither reaches a listener."""
     async def scenario() -> tuple[dict, dict]:
         async with websockets.connect(guarded_server.ws_url + "?role=listener&channel=secret") as listener:
             await asyncio.wait_for(listener.recv(), 10)  # listener.ready
@@ -131,8 +132,8 @@ def test_listeners_never_learn_the_session_id(guarded_server):
                 return own, mirrored
 
     own, mirrored = asyncio.run(scenario())
-    assert own["session_id"] and "session_id" not in mirrored
-    assert {k: v for k, v in own.items() if k != "session_id"} == mirrored
+    assert own["session_id"] and own["resume_token"] and not {"session_id", "resume_token"} & mirrored.keys()
+    assert {k: v for k, v in own.items() if k not in ("session_id", "resume_token")} == mirrored
 
 
 def test_connections_that_never_finish_their_request_head_are_closed(tmp_path):

@@ -112,7 +112,7 @@ class SessionStart(_Message):
     responder: Name | None = None
     language: Name | None = None
     channel: str | None = Field(None, pattern=f"^{CHANNEL_NAME.pattern}$")
-    resume: str | None = Field(None, max_length=128)  # a previous session_id, to continue its conversation
+    resume: str | None = Field(None, max_length=128)  # a previous session.ready's resume_token: continue its conversation
     endpointing: EndpointingUpdate | None = None
 
 
@@ -268,10 +268,12 @@ def event(kind: str, **fields: Any) -> dict[str, Any]:
     return {"type": kind, **fields}
 
 
-def session_ready(session_id: str, input_sample_rate: int, voice: str, responder: str, resumed: bool) -> dict:
+def session_ready(session_id: str, resume_token: str, input_sample_rate: int, voice: str, responder: str,
+                  resumed: bool) -> dict:
     return event(
         "session.ready",
         session_id=session_id,
+        resume_token=resume_token,
         protocol_version=PROTOCOL_VERSION,
         input_sample_rate=input_sample_rate,
         output_sample_rate=OUTPUT_SAMPLE_RATE,

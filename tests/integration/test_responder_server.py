@@ -186,13 +186,15 @@ def test_a_reconnecting_client_resumes_its_conversation(voice, sse):
         async with VoiceClient.connect(voice.ws_url, resume="no-such-session") as c:
             unknown = c.of_type("session.ready")[0]
         async with VoiceClient.connect(voice.ws_url, resume=first["session_id"]) as c:
+            by_id = c.of_type("session.ready")[0]  # the id is public (logs, metrics): it resumes nothing
+        async with VoiceClient.connect(voice.ws_url, resume=first["resume_token"]) as c:
             second = c.of_type("session.ready")[0]
             await c.stream(SPEECH, speed=4)
             await c.wait_for("audio.end")
-        return first, unknown, second
+        return first, unknown, by_id, second
 
-    first, unknown, second = run(scenario())
-    assert unknown["resumed"] is False
+    first, unknown, by_id, second = run(scenario())
+    assert unknown["resumed"] is False and by_id["resumed"] is False
     assert second["resumed"] is True and second["session_id"] != first["session_id"]
     messages = sse.requests[1]["body"]["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "user"]

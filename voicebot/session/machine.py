@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 import uuid
 from enum import Enum
@@ -61,6 +62,9 @@ class Session:
         self._send_text = send_text
         self._send_bytes = send_bytes
         self.id = uuid.uuid4().hex
+        # The key of this session's conversation in the resume store: sent only to this client (in
+        # session.ready, never to a channel's listeners), so no one else can take the conversation.
+        self.resume_token = secrets.token_urlsafe(24)
         self.state = State.STARTING
         self.sample_rate = LISTEN_RATE
         self.choices = Choices(runtime.default_responder, self.settings.pacing.barge_in_min_ms)
@@ -120,7 +124,7 @@ class Session:
         if reply is not None:
             reply.drop_pending("client_gone")
             reply.remember_heard()  # a client that resumes finds what it heard of this reply
-        self.rt.conversations.release(self.id)
+        self.rt.conversations.release(self.resume_token)
         for engine_state in (self.asr, self.tts):
             if engine_state is not None:
                 with contextlib.suppress(Exception):
@@ -226,19 +230,22 @@ class Session:
         self.replies = Replying(self.tts, self.conversation, self.outbox, self.rt.metrics, self.rt.speech_filter,
                                  self.settings.reply, self.settings.pacing)
         self.engine_reset = EngineReset(self.settings.reset.interval_s, self.asr, self.tts, self.rt.metrics, self.outbox)
-        await self.outbox.emit(protocol.session_ready(self.id, self.sample_rate, self.tts.voice, self.choices.responder, resumed=resumed))
+        await self.outbox.emit(protocol.session_ready(self.id, self.resume_token, self.sample_rate, self.tts.voice, self.choices.responder,
+                                                             resumed=resumed))
         self._tasks = [
             asyncio.create_task(self._listen(), name=f"listen-{self.id[:8]}"),
             asyncio.create_task(self._speak(), name=f"speak-{self.id[:8]}"),
             asyncio.create_task(self._reset_timer(), name=f"reset-{self.id[:8]}"),
         ]
 
-    async def _resume(self, previous_id: str | None) -> bool:
-        """Take over a previous session's conversation if the store still has it; register ours."""
-        conversation = await self.rt.conversations.take(previous_id) if previous_id else None
+    async def _resume(self, resume_token: str | None) -> bool:
+        """Take over the conversation a previous session's resume token names, if the store still has
+        it (a client back before its old socket was seen closed takes it from the live session: only
+        that client was ever told the token); register ours under our own token."""
+        conversation = await self.rt.conversations.take(resume_token) if resume_token else None
         if conversation is not None:
             self.conversation = conversation
-        self.rt.conversations.register(self.id, self.conversation)
+        self.rt.conversations.register(self.resume_token, self.conversation)
         return conversation is not None
 
     def _apply_choices(self, message: protocol.SessionStart | protocol.SessionUpdate) -> None:
@@ -338,9 +345,12 @@ class Session:
                     await self.engine_reset.run("periodic")
 
 
+PRIVATE_FIELDS = {"session_id", "resume_token"}
+
+
 def _for_listeners(message) -> str | bytes:
-    """What a channel's listeners get of an outbound message: all of it but the session id (in
-    session.ready), which is what resumes the session's conversation."""
-    if isinstance(message, Event) and "session_id" in message.payload:
-        return Event({k: v for k, v in message.payload.items() if k != "session_id"}).wire
+    """What a channel's listeners get of an outbound message: all of it but the session's identity
+    (session.ready's session_id and resume_token)."""
+    if isinstance(message, Event) and PRIVATE_FIELDS & message.payload.keys():
+        return Event({k: v for k, v in message.payload.items() if k not in PRIVATE_FIELDS}).wire
     return message.wire
