@@ -182,3 +182,32 @@ def test_connections_that_never_finish_their_request_head_are_closed(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_stranger_cannot_take_over_a_channel_but_the_speaker_resuming_can():
+    """Any client could make itself a channel's speaker, so an overlay on stream played a stranger's
+    `say` (item 2). While the speaker is connected, only its own client resuming takes the channel."""
+    from tests.conftest import VoiceClient
+
+    async def scenario(url: str):
+        async with VoiceClient.connect(f"{url}?role=listener&channel=stage", send_start=False) as listener:
+            await listener.wait_for("listener.ready")
+            async with VoiceClient.connect(url, channel="stage") as owner:
+                async with VoiceClient.connect(url, channel="stage") as stranger:
+                    refused = await stranger.wait_for("error", code=ErrorCode.CHANNEL_TAKEN)
+                    await stranger.send({"type": "say", "text": "a stranger on stream"})
+                    await stranger.wait_for("audio.end")
+                # The owner's client comes back before its old socket is seen closed.
+                token = owner.of_type("session.ready")[0]["resume_token"]
+                async with VoiceClient.connect(url, channel="stage", resume=token) as back:
+                    assert not back.of_type("error")
+                    await back.send({"type": "say", "text": "the host again"})
+                    end = await back.wait_for("audio.end")
+                    await listener.wait_for("reply.done", text="the host again")
+            return refused, listener, end
+
+    with running_server(make_settings()) as server:
+        refused, listener, end = asyncio.run(scenario(server.ws_url))
+    assert "stage" in refused["message"]
+    assert [e["text"] for e in listener.of_type("reply.done")] == ["the host again"]
+    assert len(listener.reply_frames(end["reply_id"])) == end["frames"]

@@ -3,7 +3,10 @@
 A speaking session joins a channel with `session.start {channel}`; an OBS overlay connects to
 `/v1/voice?role=listener&channel=NAME` and receives every event and audio frame that session is
 sent. The name outlives connections, so an overlay set up before the show keeps working while
-the speaking client reconnects; when two sessions claim one channel, the newer one speaks.
+the speaking client reconnects. While a channel's speaker is connected, it owns the channel: another
+session takes it over only by resuming the speaker's conversation (the same client, reconnected
+before its old socket was seen closed; only it knows the resume token), so no stranger can make an
+overlay on stream speak. Once the speaker has gone, the next session to claim the channel speaks.
 
 Listeners must never slow the session they follow: `mirror` only offers each message to a
 listener's own bounded queue and never waits. A listener whose queue is full has fallen behind
@@ -65,6 +68,7 @@ class Listener:
 @dataclass
 class Channel:
     speaker: str | None = None  # session id
+    owner: str | None = None  # the speaker's resume token (None: anyone may take the channel)
     listeners: set[Listener] = field(default_factory=set)
 
 
@@ -79,21 +83,25 @@ class ChannelHub:
 
     # ---- speaking sessions ---------------------------------------------------------------------
 
-    def speak(self, name: str, session_id: str) -> None:
-        """Make this session the channel's speaker (replacing any other)."""
+    def speak(self, name: str, session_id: str, owner: str | None = None, resumed_from: str | None = None) -> bool:
+        """Make this session the channel's speaker, replacing one whose conversation it resumed
+        (`resumed_from`, the resume token it came back with); False when another owns the channel."""
         channel = self._channels.setdefault(name, Channel())
+        if channel.speaker is not None and channel.owner is not None and channel.owner != resumed_from:
+            return False
         if channel.speaker is not None:
             self._speaking.pop(channel.speaker, None)
-        channel.speaker = session_id
+        channel.speaker, channel.owner = session_id, owner
         self._speaking[session_id] = name
         self._notify(name, protocol.event("channel.speaker", channel=name, speaking=True))
+        return True
 
     def leave(self, session_id: str) -> None:
         name = self._speaking.pop(session_id, None)
         if name is None:
             return
         channel = self._channels[name]
-        channel.speaker = None
+        channel.speaker = channel.owner = None
         self._notify(name, protocol.event("channel.speaker", channel=name, speaking=False))
         self._forget_if_empty(name)
 

@@ -66,10 +66,13 @@ class ClusterChannelHub(ChannelHub):
 
     # ---- the speaker's side ----------------------------------------------------------------------
 
-    def speak(self, name: str, session_id: str) -> None:
-        super().speak(name, session_id)
+    def speak(self, name: str, session_id: str, owner: str | None = None, resumed_from: str | None = None) -> bool:
+        # Ownership is kept per server: a speaker on another server is replaced by the newest, as before.
+        if not super().speak(name, session_id, owner, resumed_from):
+            return False
         self._remote_speakers.pop(name, None)
         self._announce(name, speaking=True)
+        return True
 
     def leave(self, session_id: str) -> None:
         name = self._speaking.get(session_id)

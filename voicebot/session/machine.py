@@ -224,14 +224,17 @@ class Session:
             front_end.endpointer.set_silence_ms(message.endpointing.endpoint_silence_ms)
         self.listening = Listening(front_end, self.asr, self.rt.audio_worker, self.rt.metrics, self.outbox, self.id)
         self._enter(State.LISTENING)
-        if message.channel:
-            self.rt.channels.speak(message.channel, self.id)
         resumed = await self._resume(message.resume)
+        speaks = not message.channel or self.rt.channels.speak(
+            message.channel, self.id, owner=self.resume_token, resumed_from=message.resume if resumed else None)
         self.replies = Replying(self.tts, self.conversation, self.outbox, self.rt.metrics, self.rt.speech_filter,
                                  self.settings.reply, self.settings.pacing)
         self.engine_reset = EngineReset(self.settings.reset.interval_s, self.asr, self.tts, self.rt.metrics, self.outbox)
         await self.outbox.emit(protocol.session_ready(self.id, self.resume_token, self.sample_rate, self.tts.voice, self.choices.responder,
                                                              resumed=resumed))
+        if not speaks:
+            await self.outbox.error(ErrorCode.CHANNEL_TAKEN, f"channel {message.channel!r} has a speaker; this session goes on "
+                             "without it (only the speaker's own client, resuming, can take a channel over)")
         self._tasks = [
             asyncio.create_task(self._listen(), name=f"listen-{self.id[:8]}"),
             asyncio.create_task(self._speak(), name=f"speak-{self.id[:8]}"),
