@@ -38,7 +38,7 @@ from voicebot.tts.cosyvoice2.hift import build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.loader import cpu_weight_layout
 from voicebot.tts.cosyvoice2.lm import PromptPrefix, build_lm, build_lm_input, generate, prompt_prefix
-from voicebot.tts.cosyvoice2.overlap import overlapped
+from bench.overlap import overlapped
 from voicebot.tts.cosyvoice2.quant import decode_weight_bytes, quantize_lm
 from voicebot.tts.cosyvoice2.sampling import RasSampler
 from voicebot.tts.cosyvoice2.token2wav import Token2Wav

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from voicebot.tts.cosyvoice2.sampling import Sampler
+from voicebot.tts.cosyvoice2.sampling import Sampler, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -381,13 +381,19 @@ class Step:
 Program = Generator["Step | int", "int | None", None]
 
 
-def choose(step: Step, logp: Tensor, sample: Sampler) -> int:
-    """The token a step's log-probs (V,) give, as `generate`/`Bistream` specify; logp is masked in place."""
-    if step.forced is not None:
-        return step.forced
-    if step.banned:
-        logp[list(step.banned)] = -float("inf")
-    return sample(logp, step.history)
+def choose(steps: Sequence[Step], logp: Tensor, samplers: Sequence[Sampler]) -> list[int]:
+    """The tokens a batch's log-probs (B, V) give, one row per step: its `forced` token, else drawn
+    by its sampler with its `banned` ids masked (in place), all rows in one `sample_rows` call."""
+    drawn = [i for i, step in enumerate(steps) if step.forced is None]
+    for i in drawn:
+        if steps[i].banned:
+            logp[i, list(steps[i].banned)] = -float("inf")
+    tokens = [step.forced for step in steps]
+    if drawn:
+        rows = logp if len(drawn) == len(steps) else logp[drawn]
+        for i, token in zip(drawn, sample_rows([samplers[i] for i in drawn], rows, [steps[i].history for i in drawn])):
+            tokens[i] = token
+    return tokens  # type: ignore[return-value]
 
 
 @torch.inference_mode()
@@ -399,7 +405,7 @@ def run_alone(lm: CosyVoice2LM, cache: KVCache, sample: Sampler, program: Progra
         while True:
             if isinstance(message, Step):
                 pos = torch.arange(message.pos, message.pos + message.length, device=device)
-                message = program.send(choose(message, lm(message.x, pos, cache)[0], sample))
+                message = program.send(choose([message], lm(message.x, pos, cache), [sample])[0])
             else:
                 yield message
                 message = next(program)
