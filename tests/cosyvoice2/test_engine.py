@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -350,3 +351,60 @@ def test_int8_lm_engine_streams(tmp_path, cv2_dir, monkeypatch):
 def test_int8_lm_is_refused_off_cpu_float32(device, dtype):
     with pytest.raises(ValidationError, match="lm_int8 needs device: cpu"):
         Cosyvoice2Config(lm_int8=True, device=device, dtype=dtype)
+
+
+# --- the same output in a batch as alone
+
+
+async def _reply(synth, voice: str, seed: int, text: str, started: asyncio.Event | None = None,
+                 after: asyncio.Event | None = None, cancel_after: int | None = None) -> np.ndarray:
+    """One session's reply audio, seeded: it starts once `after` is set, sets `started` at its first
+    chunk, and stops iterating (barge-in) after `cancel_after` chunks."""
+    if after is not None:
+        await after.wait()
+    context = synth.open(voice)
+    context.generator.manual_seed(seed)
+    audio = []
+    async with contextlib.aclosing(context.stream(_deltas(text))) as chunks:
+        async for chunk in chunks:
+            audio.append(chunk.audio)
+            if started is not None:
+                started.set()
+            if cancel_after is not None and len(audio) >= cancel_after:
+                break
+    await context.close()
+    return np.concatenate(audio)
+
+
+REPLIES = {  # voice, seed, text: three prompt lengths (50 prompt tokens, the fixture's, none)
+    "a": ("anna", 1, "Hello world, this is a test of the tokenizer."),
+    "b": ("tiny_zero_shot_spk", 2, "This is test three of the tokenizer, hello!"),
+    "c": ("anna", 3, "One two three, this is a tiny test of the tokenizer. " * 2),
+    "d": ("tiny_sft_spk", 4, "Hi there, world."),
+}
+
+
+@pytest.mark.parametrize("text_input", ["bistream", "sentences"])
+def test_a_session_in_a_batch_sounds_as_it_does_alone(synth, monkeypatch, text_input):
+    """Real RAS sampling, each session its own seed. Together: a and c start at once, c is cancelled
+    after its first chunk (leaves mid-reply), b joins at a's first chunk, d (no prompt, short) joins
+    with b and leaves first. Each audio equals that session's reply run alone."""
+    monkeypatch.setattr(synth.config, "text_input", text_input)
+    alone = {key: asyncio.run(_reply(synth, *spec)) for key, spec in REPLIES.items() if key != "c"}
+    synth.scheduler.batch_sizes.clear()
+
+    async def together():
+        a_started = asyncio.Event()
+        return await asyncio.gather(
+            _reply(synth, *REPLIES["a"], started=a_started),
+            _reply(synth, *REPLIES["b"], after=a_started),
+            _reply(synth, *REPLIES["c"], cancel_after=1),
+            _reply(synth, *REPLIES["d"], after=a_started),
+        )
+
+    a, b, c, d = asyncio.run(together())
+    assert max(synth.scheduler.batch_sizes) >= 3, synth.scheduler.batch_sizes  # they did share steps
+    for key, audio in zip("abd", (a, b, d)):
+        assert len(audio) == len(alone[key]), key
+        np.testing.assert_allclose(audio, alone[key], atol=1e-5, rtol=0, err_msg=key)
+    assert c.size and all_slots_free(synth)
