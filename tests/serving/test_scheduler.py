@@ -1,0 +1,114 @@
+"""The scheduler thread (voicebot/serving/scheduler.py): ordering, bounds, slots, costs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from tests.serving.test_lm_pool import REQUESTS, alone, lm, ras  # noqa: F401 (lm is a fixture)
+from voicebot.serving.lm_pool import LMPool
+from voicebot.serving.scheduler import Overloaded, Scheduler, StepCosts
+from voicebot.tts.cosyvoice2.lm import unistream
+
+
+@pytest.fixture
+def scheduler(lm):
+    s = Scheduler("test", LMPool(lm, slots=2, max_seq_len=256, prefill_chunk=8), max_pending=8)
+    s.start()
+    yield s
+    s.stop()
+
+
+def test_renders_run_earliest_deadline_first(scheduler):
+    order = []
+
+    async def run():
+        gate = threading.Event()
+        blocker = asyncio.ensure_future(scheduler.call(gate.wait, deadline=0))
+        await asyncio.sleep(0.05)  # the thread is inside the blocking call: the renders queue up
+        renders = [asyncio.ensure_future(scheduler.render(lambda d=d: order.append(d) or [np.zeros(10)], deadline=d))
+                   for d in (30.0, 10.0, 20.0)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await blocker
+        return await asyncio.gather(*renders)
+
+    results = asyncio.run(run())
+    assert order == [10.0, 20.0, 30.0] and all(len(r) == 1 for r in results)
+    assert scheduler.costs.render_per_audio_s is not None
+
+
+def test_past_its_bound_a_submit_is_refused(scheduler):
+    async def run():
+        gate = threading.Event()
+        held = [asyncio.ensure_future(scheduler.call(gate.wait, deadline=0))]
+        await asyncio.sleep(0.05)
+        held += [asyncio.ensure_future(scheduler.call(lambda: None, deadline=0)) for _ in range(7)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(Overloaded):
+            await scheduler.call(lambda: None, deadline=0)
+        gate.set()
+        await asyncio.gather(*held)
+        return scheduler.pending
+
+    assert asyncio.run(run()) == 0
+
+
+def test_decode_through_the_thread_equals_alone_and_a_cancelled_open_gives_its_slot_back(scheduler, lm):
+    text, prompt_text, prompt_speech, seed = REQUESTS[1]
+
+    async def run():
+        row = await scheduler.open_row(ras(seed), None, deadline=0)
+        await scheduler.call(lambda: scheduler.pool.start(row, unistream(lm, 256, text, prompt_text, prompt_speech)), 0)
+        tokens, ended = [], False
+        while not ended:
+            got, ended = await scheduler.decode(row, 5, deadline=0)
+            assert len(got) <= 5
+            tokens += got
+        scheduler.release(row)
+        # all slots taken, then an open is cancelled while it waits: when a slot frees it goes back
+        held = [await scheduler.open_row(ras(0), None, 0) for _ in range(2)]
+        waiting = asyncio.ensure_future(scheduler.open_row(ras(0), None, 0))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        scheduler.release(held[0])
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if scheduler.pool.free == 1:
+                break
+        free_after_cancel = scheduler.pool.free
+        scheduler.release(held[1])
+        return tokens, free_after_cancel
+
+    tokens, free_after_cancel = asyncio.run(run())
+    assert tokens == alone(lm, text, prompt_text, prompt_speech, seed)
+    assert free_after_cancel == 1
+
+
+def test_a_released_row_answers_its_decode_as_ended(scheduler, lm):
+    async def run():
+        row = await scheduler.open_row(ras(0), None, 0)
+        scheduler.release(row)
+        await asyncio.sleep(0.05)
+        return await scheduler.decode(row, 5, 0)
+
+    assert asyncio.run(run()) == ([], True)
+
+
+def test_calibration_measures_each_batch_size_and_capacity_follows_the_costs(lm):
+    scheduler = Scheduler("test", LMPool(lm, slots=8, max_seq_len=256))
+    scheduler.calibrate(steps=1)
+    assert sorted(scheduler.costs.decode) == [1, 2, 4, 8] and scheduler.pool.free == 8
+    costs = StepCosts()
+    for batch, seconds in {1: 0.010, 2: 0.012, 4: 0.016, 8: 0.024}.items():
+        costs.add_decode(batch, seconds)
+    assert costs.decode_step(3) == pytest.approx(0.014) and costs.decode_step(16) == pytest.approx(0.040)
+    scheduler.costs = costs
+    # 25 steps a second: 8 rows cost 0.6 of the device, within headroom 0.8; then renders cost 0.05 each
+    assert scheduler.capacity() == 8
+    costs.add_render(0.5, 10.0)
+    assert costs.load(4, 25) == pytest.approx(25 * 0.016 + 4 * 0.05) and scheduler.capacity() == 6  # 25·0.020 + 6·0.05 = 0.8
