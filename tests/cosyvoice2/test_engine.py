@@ -408,3 +408,56 @@ def test_a_session_in_a_batch_sounds_as_it_does_alone(synth, monkeypatch, text_i
         assert len(audio) == len(alone[key]), key
         np.testing.assert_allclose(audio, alone[key], atol=1e-5, rtol=0, err_msg=key)
     assert c.size and all_slots_free(synth)
+
+
+def test_a_reset_never_stalls_another_session(synth, fixed_length, sentences_mode, monkeypatch):
+    """The voice state is derived beside the scheduler: made to take 3 s here, another session's
+    whole reply is rendered meanwhile."""
+    original = synth._derive_voice
+
+    def slow(name):
+        time.sleep(3.0)
+        return original(name)
+
+    monkeypatch.setattr(synth, "_derive_voice", slow)
+
+    async def run():
+        resetting, speaking = synth.open("anna"), synth.open("tiny_zero_shot_spk")
+        reset = asyncio.ensure_future(resetting.reset())
+        await asyncio.sleep(0.05)
+        audio = [c.audio async for c in speaking.stream(_deltas("Hello world."))]
+        reset_done_during_reply = reset.done()
+        report = await reset
+        await resetting.close()
+        await speaking.close()
+        return audio, reset_done_during_reply, report
+
+    audio, reset_done_during_reply, report = asyncio.run(run())
+    assert sum(map(len, audio)) == N_TOKENS * SAMPLES_PER_TOKEN and not reset_done_during_reply
+    assert report.generation == 1 and report.bytes_freed > 0
+
+
+def test_admission_refuses_past_capacity_with_a_retry_after(synth, monkeypatch):
+    costs = synth.scheduler.costs
+    monkeypatch.setattr(costs, "decode", {1: 0.01, 2: 0.02, 4: 1.0})  # 25 steps/s: 2 sessions fit in 0.8
+    monkeypatch.setattr(costs, "render_per_audio_s", 0.0)
+    monkeypatch.setattr(synth, "_lifetimes", engine_mod.deque(maxlen=4))  # no session has closed yet
+    monkeypatch.setattr(synth, "contexts", set())
+    assert synth.scheduler.capacity() == 2
+    refused = synth.scheduler.refused
+
+    async def run():
+        first = synth.open()
+        assert synth.admit() is None
+        second = synth.open()
+        retry = synth.admit()  # a third would make 3 speaking
+        await second.close()  # a session's lifetime is now known
+        again = synth.admit()
+        await first.close()
+        return retry, again
+
+    retry, again = asyncio.run(run())
+    assert retry == engine_mod.DEFAULT_RETRY_AFTER_S and again is None and len(synth._lifetimes) == 2
+    assert synth.scheduler.refused == refused + 1 == synth.info().details["scheduler"]["refused"]
+    monkeypatch.setattr(costs, "decode", {1: 10.0})  # nothing is real time: the first session is still let in
+    assert synth.scheduler.capacity() == 0 and synth.admit() is None

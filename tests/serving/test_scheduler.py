@@ -112,3 +112,21 @@ def test_calibration_measures_each_batch_size_and_capacity_follows_the_costs(lm)
     assert scheduler.capacity() == 8
     costs.add_render(0.5, 10.0)
     assert costs.load(4, 25) == pytest.approx(25 * 0.016 + 4 * 0.05) and scheduler.capacity() == 6  # 25·0.020 + 6·0.05 = 0.8
+
+
+def test_metrics_are_read_from_the_scheduler(lm):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from voicebot.serving.metrics import register_scheduler_metrics
+
+    scheduler = Scheduler("dev0", LMPool(lm, slots=4, max_seq_len=256))
+    scheduler.calibrate(steps=1)
+    scheduler.batch_sizes[3] += 2
+    scheduler.refused += 1
+    registry = CollectorRegistry()
+    register_scheduler_metrics(registry, scheduler)
+    text = generate_latest(registry).decode()
+    assert 'voicebot_scheduler_decode_steps_total{batch_size="3",scheduler="dev0"} 2.0' in text
+    assert 'voicebot_scheduler_refused_total{scheduler="dev0"} 1.0' in text
+    assert 'voicebot_scheduler_free_slots{scheduler="dev0"} 4.0' in text
+    assert f'voicebot_scheduler_capacity_sessions{{scheduler="dev0"}} {float(scheduler.capacity())}' in text
