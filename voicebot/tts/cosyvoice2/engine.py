@@ -42,7 +42,7 @@ from voicebot.tts.segmenter import sentences
 from voicebot.tts.cosyvoice2.bistream import Bistream
 from voicebot.tts.cosyvoice2.frontend import Frontend, language, only_punctuation
 from voicebot.tts.cosyvoice2.lm import PromptPrefix, prompt_prefix, unistream
-from voicebot.tts.cosyvoice2.loader import load_cosyvoice2, resolve_device, resolve_dtype, resolve_model_dir
+from voicebot.tts.cosyvoice2.loader import CosyVoice2Modules, load_cosyvoice2, resolve_device, resolve_dtype, resolve_model_dir
 from voicebot.tts.cosyvoice2.quant import quantize_lm
 from voicebot.tts.cosyvoice2.sampling import RasSampler
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav, Token2WavStream
@@ -83,17 +83,22 @@ class CosyVoice2Synthesizer(Synthesizer):
             torch.set_num_threads(self.config.threads)
         self.model_dir = resolve_model_dir(self.config.model, self.config.model_cache, CONFIG_KEY)
         modules = load_cosyvoice2(self.model_dir, self.device, self.dtype)
-        self.hparams, self.lm = modules.hparams, modules.lm
-        if self.config.lm_int8:  # after the strict checkpoint load: the wrappers change the module tree
-            quantize_lm(self.lm)
-        self.token2wav = Token2Wav(modules.flow, modules.hift, mode=self.config.stream_mode,
-                                   max_prompt_states=self.config.flow_prompt_states)
         library = VoiceLibrary(Frontend.from_model_dir(self.model_dir, cuda=self.device.type == "cuda"),
                                self.config.voice_cache_dir)
         if (self.model_dir / "spk2info.pt").is_file():
             library.load_spk2info(self.model_dir / "spk2info.pt")
         if self.config.voices_dir and Path(self.config.voices_dir).is_dir():
             library.load_dir(self.config.voices_dir)
+        self.serve(modules, library)
+
+    def serve(self, modules: CosyVoice2Modules, library: VoiceLibrary) -> None:
+        """Serve these modules and voices: `load` does it with the configured model directory,
+        bench/serve.py with released-size modules of random weights."""
+        self.model_dir, self.hparams, self.lm = modules.model_dir, modules.hparams, modules.lm
+        if self.config.lm_int8:  # after the strict checkpoint load: the wrappers change the module tree
+            quantize_lm(self.lm)
+        self.token2wav = Token2Wav(modules.flow, modules.hift, mode=self.config.stream_mode,
+                                   max_prompt_states=self.config.flow_prompt_states)
         if self.default_voice not in library:
             raise ValueError(f"tts.voice {self.default_voice!r} is not a CosyVoice 2 voice; have {library.names()}")
         self.library = library
