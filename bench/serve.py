@@ -97,7 +97,7 @@ async def session(synth: CosyVoice2Synthesizer, index: int, duty: float, until: 
     context = synth.open()
     context.generator.manual_seed(index)
     try:
-        await asyncio.sleep(rng.uniform(0, 2.0))  # sessions do not all start on the same step
+        await asyncio.sleep(rng.uniform(0, min(2.0, (until - time.monotonic()) / 4)))  # not all on one step
         while time.monotonic() < until:
             reply = await speak(context, rng.choice(REPLIES))
             replies.append(reply)
