@@ -352,7 +352,10 @@ class Scheduler:
                 on_cancel: Callable[[Any], None] | None = None) -> None:
         with self._lock:
             self._queued -= 1
-        request.future.get_loop().call_soon_threadsafe(_resolve, request.future, result, exc, on_cancel)
+        try:
+            request.future.get_loop().call_soon_threadsafe(_resolve, request.future, result, exc, on_cancel)
+        except RuntimeError:  # its event loop has closed: nobody is waiting any more
+            pass
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
