@@ -213,7 +213,7 @@ def build(size: str, device: str, dtype: str, root: Path, slots: int) -> CosyVoi
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["tiny", "released"], default="tiny")
-    parser.add_argument("--sessions", default="1,2,4,8,16,32")
+    parser.add_argument("--sessions", default="1,2,4,8,16,32", help="session counts to run ('' for none)")
     parser.add_argument("--duty", type=float, default=0.3, help="share of the time each session speaks")
     parser.add_argument("--seconds", type=float, default=20.0, help="wall seconds each N runs (replies then finish)")
     parser.add_argument("--device", default="cpu")
@@ -223,16 +223,18 @@ def main() -> None:
     parser.add_argument("--no-unbatched", action="store_true", help="skip the runs with batching off")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    counts = [int(n) for n in args.sessions.split(",")]
+    counts = [int(n) for n in args.sessions.split(",") if n]
     with tempfile.TemporaryDirectory() as tmp:
         began = time.perf_counter()
-        synth = build(args.size, args.device, args.dtype, Path(tmp), slots=max(16, max(counts)))
+        synth = build(args.size, args.device, args.dtype, Path(tmp), slots=max([16, *counts]))
         print(f"{args.size} engine on {synth.device}/{synth.dtype} in {time.perf_counter() - began:.1f} s, "
               f"{args.threads} threads; calibrated decode step s by batch: {synth.scheduler.costs.decode}", flush=True)
         try:
             if args.lm_targets:
                 print_lm_targets(synth.lm)
-            print(f"\n{args.duty:.0%} duty, {args.seconds:g} s per N; first audio after the reply text arrives (s)", flush=True)
+            if counts:
+                print(f"\n{args.duty:.0%} duty, {args.seconds:g} s per N; first audio after the reply text arrives (s)",
+                      flush=True)
             results = {}
             for mode in ("batched", "unbatched"):
                 if mode == "unbatched" and args.no_unbatched:
@@ -240,7 +242,7 @@ def main() -> None:
                 synth.scheduler.max_batch = synth.scheduler.pool.slots if mode == "batched" else 1
                 for n in counts:
                     results[mode, n] = run_sessions(synth, n, args.duty, args.seconds, mode)
-            if not args.no_unbatched:
+            if counts and not args.no_unbatched:
                 print("\nbatched / unbatched: speech s per wall s (higher is better), first audio p50 (lower is better)")
                 for n in counts:
                     b, u = results["batched", n], results["unbatched", n]
