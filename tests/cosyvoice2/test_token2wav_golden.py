@@ -29,26 +29,36 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> 
 
 
 def _record_calls(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    """Wrap the flow and HiFT of `t2w` so that each call is logged in golden_meta's format."""
+    """Wrap the flow and HiFT of `t2w` so that each call is logged in golden_meta's format: a
+    flow call per rendered request, a HiFT call per chunk (its excitation, then its decode)."""
     calls: list[dict] = []
-    flow_inference, hift_inference = t2w.flow.inference, t2w.hift.inference
+    flow_render, excitation, decode_batch = t2w.flow.render, t2w.hift.excitation, t2w.hift.decode_batch
 
-    def flow_call(token, prompt_token, prompt_feat, embedding, streaming, finalize):
-        mel = flow_inference(token, prompt_token, prompt_feat, embedding, streaming=streaming, finalize=finalize)
-        calls.append({"call": "flow", "token_len": token.shape[1], "streaming": streaming, "finalize": finalize,
-                      "mel_frames": mel.shape[2], "mel_full": mel})
-        return mel
+    def flow_call(requests):
+        mels = flow_render(requests)
+        for r, mel in zip(requests, mels):
+            calls.append({"call": "flow", "token_len": r.token.shape[1], "streaming": r.streaming,
+                          "finalize": r.finalize, "mel_frames": mel.shape[2], "mel_full": mel})
+        return mels
 
-    def hift_call(mel, cache_source=None, noise=None, generator=None):
-        speech, source = hift_inference(mel, cache_source=cache_source, noise=noise, generator=generator)
+    def excitation_call(mel, cache_source=None, noise=None, generator=None):
+        source = excitation(mel, cache_source, noise, generator)
         n_cache = 0 if cache_source is None else cache_source.shape[2]
         calls.append({"call": "hift", "mel_in_frames": mel.shape[2], "cache_source_len": n_cache,
-                      "speech_len": speech.shape[1], "mel_in": mel, "cache_source_in": cache_source,
-                      "speech": speech, "source": source})
-        return speech, source
+                      "mel_in": mel, "cache_source_in": cache_source, "source": source})
+        return source
 
-    monkeypatch.setattr(t2w.flow, "inference", flow_call)
-    monkeypatch.setattr(t2w.hift, "inference", hift_call)
+    def decode_call(mels, sources):
+        speeches = decode_batch(mels, sources)
+        decoding = [c for c in calls if c["call"] == "hift" and "speech" not in c]
+        assert len(decoding) == len(speeches)
+        for call, speech in zip(decoding, speeches):
+            call.update(speech_len=speech.shape[1], speech=speech)
+        return speeches
+
+    monkeypatch.setattr(t2w.flow, "render", flow_call)
+    monkeypatch.setattr(t2w.hift, "excitation", excitation_call)
+    monkeypatch.setattr(t2w.hift, "decode_batch", decode_call)
     return calls
 
 

@@ -8,11 +8,20 @@ Every convolution pads on the left only, and streaming attention is block-causal
 for a frame depends only on its own and earlier chunks. An `EstimatorCache` therefore lets a call
 compute only new frames: it keeps each attention layer's keys/values and each causal conv's left
 context from the earlier calls of the same Euler step.
+
+One call serves any number of requests, packed time-major: each request is a `Segment` of 2·T
+consecutive rows of one (R, C) tensor (its T frames conditioned, then the same T unconditioned:
+the CFG pair), segments one after the other. Everything but the convolutions and attention works
+row by row, so the linear layers, norms and activations of all requests run as one GEMM or one
+element-wise pass each. A convolution is one GEMM too, over each row's kernel window gathered
+from its own segment's frames and cached left context; attention runs per segment, over that
+segment's own keys. Batch 1 is the same code with one segment. There is no padding, so no mask.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +47,8 @@ class EstimatorCache:
     """Left context of one Euler step's estimator across chunked calls (batch = the CFG pair).
 
     Slot i of `keys`/`values` belongs to the attention layer whose `cache_slot` is i and holds its
-    keys/values for this cache's frames; `conv[i]` holds causal conv i's last kernel−1 input frames.
+    keys/values for this cache's frames; `conv[i]` holds causal conv i's last kernel−1 input frames,
+    (B, kernel−1, C) time-major.
     A request's cache is a `fork` of its voice's prompt state: the prompt's frames come first, read
     from the shared state and never written or copied (about 1.2 GB per voice at released size, fp32).
     """
@@ -51,7 +61,7 @@ class EstimatorCache:
         self.keys: list[Tensor | None] = [None] * n_attn  # (B, H, own frames, d)
         self.values: list[Tensor | None] = [None] * n_attn
         # Replaced, never written in place, so a fork can start from the base's tensors.
-        self.conv: list[Tensor | None] = list(base.conv) if base else [None] * n_conv
+        self.conv: list[Tensor | None] = list(base.conv) if base else [None] * n_conv  # (B, kernel-1, C)
 
     def fork(self) -> EstimatorCache:
         """A request's cache that continues this one (a voice's prompt state) without copying it."""
@@ -117,6 +127,53 @@ def attend_blocks(q: Tensor, blocks: list[tuple[Tensor, Tensor]], bias: Tensor |
     return out
 
 
+@dataclass
+class Segment:
+    """One request's rows in a packed estimator call: its `n_new` frames, each as a conditioned and
+    an unconditioned row (2·n_new rows). `cache`: its EstimatorCache of this Euler step, whose
+    frames these follow and which grows by them (None: the frames start at 0, nothing is kept).
+    `streaming`: block-causal attention in chunks of the estimator's static_chunk_size, else full."""
+
+    n_new: int
+    cache: EstimatorCache | None = None
+    streaming: bool = True
+
+    @property
+    def start(self) -> int:
+        return 0 if self.cache is None else self.cache.n_frames
+
+
+class PackedCall:
+    """What the layers of one packed call share: each segment's rows and its attention bias."""
+
+    def __init__(self, segments: list[Segment], chunk_size: int, like: Tensor) -> None:
+        self.segments = segments
+        self.rows: list[slice] = []
+        n_rows = 0
+        for seg in segments:
+            if seg.cache is not None and not seg.streaming:
+                raise ValueError("a cached estimator call needs chunk-causal (streaming) attention")
+            self.rows.append(slice(n_rows, n_rows + 2 * seg.n_new))
+            n_rows += 2 * seg.n_new
+        self.n_rows = n_rows
+        # additive, made once for every layer of the call: a bool mask is applied anew at each one
+        self.biases = [_attention_bias(seg, chunk_size, like) for seg in segments]
+
+
+def _attention_bias(seg: Segment, chunk_size: int, like: Tensor) -> Tensor | None:
+    """(n_new, start + n_new) additive bias of the segment's queries, or None where every query
+    sees every key (full attention, or new frames within one chunk): SDPA's fastest path."""
+    allowed = chunk_mask(seg.start + seg.n_new, chunk_size if seg.streaming else 0, like.device, seg.start)
+    if allowed is None or bool(allowed.all()):
+        return None
+    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, -torch.inf)
+
+
+def pointwise(conv: nn.Conv1d, x: Tensor) -> Tensor:
+    """A kernel-1 Conv1d on packed rows (R, C) -> (R, C'): a linear layer."""
+    return F.linear(x, conv.weight[:, :, 0], conv.bias)
+
+
 class CausalConv1d(nn.Conv1d):
     """Conv1d that pads only on the left, so output frame t sees inputs ≤ t."""
 
@@ -125,36 +182,36 @@ class CausalConv1d(nn.Conv1d):
         self.left_pad = kernel_size - 1
         self.cache_slot = -1  # set by the decoder that owns it
 
-    def forward(self, x: Tensor, cache: EstimatorCache | None = None) -> Tensor:  # (B, C, T) -> (B, C', T)
-        if cache is None:
-            return super().forward(F.pad(x, (self.left_pad, 0)))
-        # the previous call's last input frames stand in for the zero padding (zeros on the first call)
-        context = cache.conv[self.cache_slot]
-        x = F.pad(x, (self.left_pad, 0)) if context is None else torch.cat([context, x], dim=2)
-        cache.conv[self.cache_slot] = x[:, :, -self.left_pad :]
-        return super().forward(x)
-
-
-class _Transpose12(nn.Module):
-    """Lets LayerNorm over channels sit inside the Sequential whose indices are checkpoint keys."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x.transpose(1, 2)
+    def forward(self, x: Tensor, call: PackedCall) -> Tensor:  # (R, C) -> (R, C')
+        """As one GEMM: each row's window of kernel frames (C·kernel values, in the weight's
+        (C, kernel) order) is gathered first. A segment's cached context, the previous call's last
+        input frames, stands in for the zero padding (zeros on its first call)."""
+        k = self.kernel_size[0]
+        windows = x.new_empty(call.n_rows, x.shape[1], k)
+        for seg, rows in zip(call.segments, call.rows):
+            frames = x[rows].view(2, seg.n_new, -1)
+            context = None if seg.cache is None else seg.cache.conv[self.cache_slot]
+            if context is None:
+                context = frames.new_zeros(2, self.left_pad, frames.shape[2])
+            padded = torch.cat([context, frames], dim=1)  # (2, left_pad + n_new, C)
+            if seg.cache is not None:
+                seg.cache.conv[self.cache_slot] = padded[:, -self.left_pad :].clone()  # not a view of the chunk
+            windows[rows].view(2, seg.n_new, -1, k).copy_(padded.unfold(1, k, 1))
+        return F.linear(windows.view(call.n_rows, -1), self.weight.view(self.out_channels, -1), self.bias)
 
 
 class CausalBlock1D(nn.Module):
-    """mask → CausalConv1d(k=3) → LayerNorm over channels → Mish → mask."""
+    """CausalConv1d(k=3) → LayerNorm over channels → Mish."""
 
     def __init__(self, dim: int, dim_out: int) -> None:
         super().__init__()
-        self.block = nn.Sequential(
-            CausalConv1d(dim, dim_out, 3), _Transpose12(), nn.LayerNorm(dim_out), _Transpose12(), nn.Mish()
-        )
+        # indices are checkpoint keys: block.0 (conv) and block.2 (norm); 1 and 3 were transposes
+        self.block = nn.Sequential(CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out), nn.Identity(),
+                                   nn.Mish())
 
-    def forward(self, x: Tensor, mask: Tensor, cache: EstimatorCache | None = None) -> Tensor:
-        """x (B, C, T), mask (B, 1, T)."""
-        conv, to_btc, norm, to_bct, act = self.block
-        return act(to_bct(norm(to_btc(conv(x * mask, cache))))) * mask
+    def forward(self, x: Tensor, call: PackedCall) -> Tensor:  # (R, C) -> (R, C')
+        conv, _, norm, _, act = self.block
+        return act(norm(conv(x, call)))
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -165,11 +222,10 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: Tensor, mask: Tensor, temb: Tensor, cache: EstimatorCache | None = None) -> Tensor:
-        """x (B, C, T), temb (B, E)."""
-        h = self.block1(x, mask, cache) + self.mlp(temb)[:, :, None]
-        h = self.block2(h, mask, cache)
-        return h + self.res_conv(x * mask)
+    def forward(self, x: Tensor, temb: Tensor, call: PackedCall) -> Tensor:
+        """x (R, C), temb (1, E): every row of a call is at the same flow time."""
+        h = self.block1(x, call) + self.mlp(temb)
+        return self.block2(h, call) + pointwise(self.res_conv, x)
 
 
 class Attention(nn.Module):
@@ -184,19 +240,38 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # slot 1 was dropout
         self.cache_slot = -1  # set by the decoder that owns it
+        self._qkv: tuple[Tensor, tuple] | None = None
 
-    def forward(self, x: Tensor, mask: Tensor | None, cache: EstimatorCache | None = None) -> Tensor:
-        """(B, T, C) -> (B, T, C); with a cache, x holds only the new frames and attends to all."""
-        b, t, _ = x.shape
-        q, k, v = (
-            proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, d)
-            for proj in (self.to_q, self.to_k, self.to_v)
-        )
-        if cache is None:
-            out = attend(q, k, v, mask)  # (B, H, T, d)
-        else:
-            out = attend_blocks(q, cache.extend_kv(self.cache_slot, k, v), mask)
-        return self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
+    def qkv_weight(self) -> Tensor:
+        """to_q, to_k and to_v as one (3·inner, dim) weight, so they run as one GEMM.
+
+        The three parameters become views of it (no second copy); it is rebuilt whenever they
+        are replaced or written (loading, `.to()`, cpu_weight_layout), which changes their storage
+        or version. Built column-major, the layout loader.cpu_weight_layout found faster on CPU.
+        """
+        projs = (self.to_q, self.to_k, self.to_v)
+        key = tuple((p.weight.data_ptr(), p.weight._version) for p in projs)
+        if self._qkv is None or self._qkv[1] != key:
+            with torch.inference_mode(False), torch.no_grad():  # parameters' data must not be inference tensors
+                fused = torch.cat([p.weight.t() for p in projs], dim=1).t()
+                for proj, part in zip(projs, fused.split(self.heads * self.head_dim)):
+                    proj.weight.data = part
+            self._qkv = fused, tuple((p.weight.data_ptr(), p.weight._version) for p in projs)
+        return self._qkv[0]
+
+    def forward(self, x: Tensor, call: PackedCall) -> Tensor:
+        """(R, C) -> (R, C); a cached segment's rows attend to its cached frames too."""
+        qkv = F.linear(x, self.qkv_weight())  # (R, 3·inner)
+        out = x.new_empty(x.shape[0], self.heads * self.head_dim)
+        for seg, rows, bias in zip(call.segments, call.rows, call.biases):
+            shape = (2, seg.n_new, 3, self.heads, self.head_dim)
+            q, k, v = qkv[rows].view(shape).permute(2, 0, 3, 1, 4)  # each (2, H, n_new, d)
+            if seg.cache is None:
+                o = attend(q, k, v, bias)
+            else:
+                o = attend_blocks(q, seg.cache.extend_kv(self.cache_slot, k, v), bias)
+            out[rows].view(2, seg.n_new, self.heads, self.head_dim).copy_(o.transpose(1, 2))
+        return self.to_out[0](out)
 
 
 class GELUProjection(nn.Module):
@@ -228,8 +303,8 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim)
 
-    def forward(self, x: Tensor, mask: Tensor | None, cache: EstimatorCache | None = None) -> Tensor:  # (B, T, C)
-        x = x + self.attn1(self.norm1(x), mask, cache)
+    def forward(self, x: Tensor, call: PackedCall) -> Tensor:  # (R, C)
+        x = x + self.attn1(self.norm1(x), call)
         return x + self.ff(self.norm3(x))
 
 
@@ -298,45 +373,34 @@ class CausalConditionalDecoder(nn.Module):
         n_attn, n_conv = (sum(isinstance(m, kind) for m in self.modules()) for kind in (Attention, CausalConv1d))
         return EstimatorCache(n_attn, n_conv)
 
-    def forward(
-        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, streaming: bool,
-        cache: EstimatorCache | None = None,
-    ) -> Tensor:
-        """x, mu, cond: (B, 80, T); mask (B, 1, T); t (B,); spks (B, 80). Returns the velocity (B, 80, T).
+    def forward(self, x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, t: Tensor, segments: list[Segment]) -> Tensor:
+        """x, mu, spks, cond: (R, 80) packed rows (module docstring); t: () the flow time of all of
+        them. Returns the velocity (R, 80); each segment's cache grows by its frames."""
+        call = PackedCall(segments, self.static_chunk_size, x)
+        if call.n_rows != x.shape[0]:
+            raise ValueError(f"segments cover {call.n_rows} rows, the input has {x.shape[0]}")
+        temb = self.time_mlp(sinusoidal_time_embedding(t.reshape(1), self.in_channels))  # (1, 4·ch)
+        x = torch.cat([x, mu, spks, cond], dim=1)  # (R, 320)
 
-        With a cache the T frames follow the cache's frames: they attend to those through the cached
-        keys/values (streaming attention only) and the cache grows by T.
-        """
-        start = 0 if cache is None else cache.n_frames
-        if cache is not None and not streaming:
-            raise ValueError("a cached estimator call needs chunk-causal (streaming) attention")
-        temb = self.time_mlp(sinusoidal_time_embedding(t, self.in_channels))  # (B, 4·ch)
-        x = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[-1]), cond], dim=1)  # (B, 320, T)
-        # at batch 1 per CFG row there is no padding, so only the chunk structure constrains attention
-        allowed = chunk_mask(start + x.shape[-1], self.static_chunk_size if streaming else 0, x.device, start)
-        # Additive, made once for every layer of the call: a bool mask is applied anew at each one.
-        attn_bias = None if allowed is None else torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(
-            ~allowed, -torch.inf)
-
-        def transformers(h: Tensor, blocks: nn.ModuleList) -> Tensor:  # (B, C, T) -> (B, C, T)
-            h = h.transpose(1, 2)
+        def transformers(h: Tensor, blocks: nn.ModuleList) -> Tensor:
             for blk in blocks:
-                h = blk(h, attn_bias, cache)
-            return h.transpose(1, 2)
+                h = blk(h, call)
+            return h
 
         resnet, blocks, conv = self.down_blocks[0]
-        x = transformers(resnet(x, mask, temb, cache), blocks)
+        x = transformers(resnet(x, temb, call), blocks)
         skip = x
-        x = conv(x * mask, cache)
+        x = conv(x, call)
         for resnet, blocks in self.mid_blocks:
-            x = transformers(resnet(x, mask, temb, cache), blocks)
+            x = transformers(resnet(x, temb, call), blocks)
         resnet, blocks, conv = self.up_blocks[0]
-        x = transformers(resnet(torch.cat([x, skip], dim=1), mask, temb, cache), blocks)
-        x = conv(x * mask, cache)
-        x = self.final_block(x, mask, cache)
-        if cache is not None:
-            cache.n_frames += x.shape[-1]
-        return self.final_proj(x * mask) * mask
+        x = transformers(resnet(torch.cat([x, skip], dim=1), temb, call), blocks)
+        x = conv(x, call)
+        x = self.final_block(x, call)
+        for seg in segments:
+            if seg.cache is not None:
+                seg.cache.n_frames += seg.n_new
+        return pointwise(self.final_proj, x)
 
 
 def build_estimator(hp: dict[str, Any]) -> CausalConditionalDecoder:

@@ -7,12 +7,17 @@ Weight norm uses torch's parametrizations, so parameter names match hift.pt
 (`<m>.parametrizations.weight.original0/1`). The source has random parts (initial harmonic phases
 and additive noise); `SourceNoise` makes them explicit so tests can zero or inject them.
 `HiFTStream` vocodes a mel that arrives in pieces with the same result as one call over all of it.
+
+Vocoding is split in two, so that the decoder (all but the f0 predictor and the source: about 97 %
+of HiFT's work) runs for several streams in one call: `excitation` (f0 and source, per utterance:
+it carries the utterance's phase and noise) and `decode_batch` (mels of any lengths, zero-padded to
+the longest and zeroed past each row's end so that each equals its own call alone).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -138,10 +143,20 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, lengths: list[int] | None = None) -> Tensor:
+        """lengths: each row's own length, past which its convolutions must read zeros (None: all full)."""
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = x + c2(a2(c1(a1(x))))
+            x = x + c2(_zero_padding(a2(c1(_zero_padding(a1(x), lengths))), lengths))
         return x
+
+
+def _zero_padding(x: Tensor, lengths: list[int] | None) -> Tensor:
+    """x (B, C, T), a fresh activation, with each row zeroed in place past its length: writes only
+    the padding (a few frames), where a mask multiply would pass over the whole tensor."""
+    for row, n in enumerate(lengths or ()):
+        if n < x.shape[2]:
+            x[row, :, n:] = 0
+    return x
 
 
 class HiFT(nn.Module):
@@ -217,20 +232,54 @@ class HiFT(nn.Module):
 
     def decode(self, mel: Tensor, source: Tensor) -> Tensor:
         """mel (1, 80, T), source (1, 1, 480T) -> waveform (1, 480T)."""
-        s = self._stft(source.squeeze(1))  # (1, n_fft+2, 120T+1)
+        return self.decode_batch([mel], [source])[0]
+
+    def decode_batch(self, mels: list[Tensor], sources: list[Tensor]) -> list[Tensor]:
+        """`decode` of several (mel, source) pairs of any lengths in one batch; each result
+        equals its own call. Rows are zero-padded to the longest, and every convolution's input is
+        zeroed past a row's end, which is what the convolution's own zero padding gives
+        it alone; the STFT and iSTFT (reflect-padded, window-normalised) run per row."""
+        lengths = [m.shape[2] for m in mels]
+        longest = max(lengths)
+        mel = torch.cat([F.pad(m, (0, longest - m.shape[2])) for m in mels])  # (B, 80, T)
+        n_stft = longest * self.samples_per_frame // self.hop_len + 1  # frames of the longest source
+        specs = (self._stft(src.squeeze(1)) for src in sources)  # per row: its own reflect padding
+        s = torch.cat([F.pad(spec, (0, n_stft - spec.shape[2])) for spec in specs])  # (B, n_fft+2, n_stft)
+        rate = 1
         x = self.conv_pre(mel)
         for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, self.lrelu_slope))
+            x = up(_zero_padding(F.leaky_relu(x, self.lrelu_slope), [n * rate for n in lengths]))
+            rate *= up.stride[0]
+            extra = 0
             if i == len(self.ups) - 1:
                 x = F.pad(x, (1, 0), mode="reflect")  # one more frame to line up with the STFT frames
-            x = x + self.source_resblocks[i](self.source_downs[i](s))
+                extra = 1
+            stage_lengths = [n * rate + extra for n in lengths]
+            x = x + self.source_resblocks[i](self.source_downs[i](s), stage_lengths)
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
-            x = sum(block(x) for block in blocks) / self.num_kernels
-        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here
+            x = sum(block(x, stage_lengths) for block in blocks) / self.num_kernels
+        x = self.conv_post(_zero_padding(F.leaky_relu(x), stage_lengths))  # default slope 0.01 here
         half = self.n_fft // 2 + 1
-        # the phase channels go through sin before the iSTFT, as in the trained model
-        wav = self._istft(torch.exp(x[:, :half]), torch.sin(x[:, half:]))
-        return torch.clamp(wav, -self.audio_limit, self.audio_limit)
+        wavs = []
+        for row, n in zip(x, lengths):
+            row = row[None, :, : n * rate + 1]
+            # the phase channels go through sin before the iSTFT, as in the trained model
+            wav = self._istft(torch.exp(row[:, :half]), torch.sin(row[:, half:]))
+            wavs.append(torch.clamp(wav, -self.audio_limit, self.audio_limit))
+        return wavs
+
+    def excitation(
+        self, mel: Tensor, cache_source: Tensor | None = None, noise: SourceNoise | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """The source (1, 1, 480T) `inference` gives `decode` for mel (1, 80, T); see there."""
+        n_samples = mel.shape[2] * self.samples_per_frame
+        if noise is None:
+            noise = SourceNoise.draw(n_samples, self.m_source.n_harmonics, generator, mel.device)
+        source, _ = self.source(self.f0_predictor(mel), noise)
+        if cache_source is not None and cache_source.shape[2] > 0:
+            source[:, :, : cache_source.shape[2]] = cache_source
+        return source
 
     def source(self, f0: Tensor, noise: SourceNoise, start_cycles: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """f0 (1, T) in Hz -> (NSF source (1, 1, 480T), running phase (1, H, T), see SineSource)."""
@@ -283,13 +332,19 @@ class HiFT(nn.Module):
         samples so that overlapping frames are voiced with the same excitation.
         noise: the source's random draws; drawn from `generator` (default: torch's global one) if None.
         """
-        n_samples = mel.shape[2] * self.samples_per_frame
-        if noise is None:
-            noise = SourceNoise.draw(n_samples, self.m_source.n_harmonics, generator, mel.device)
-        source, _ = self.source(self.f0_predictor(mel), noise)
-        if cache_source is not None and cache_source.shape[2] > 0:
-            source[:, :, : cache_source.shape[2]] = cache_source
+        source = self.excitation(mel, cache_source, noise, generator)
         return self.decode(mel, source), source
+
+
+@dataclass
+class DecodeJob:
+    """A streaming vocoder's pending decode: `mel` (1, 80, T) with `source` (1, 1, 480T); `final`:
+    the utterance's last; `keep`: the samples of the decoded window that become its audio."""
+
+    mel: Tensor
+    source: Tensor
+    final: bool
+    keep: slice = field(default_factory=lambda: slice(None))
 
 
 class HiFTStream:
@@ -336,18 +391,25 @@ class HiFTStream:
     def push(self, mel: Tensor, final: bool = False) -> Tensor:
         """Add the next mel frames (1, 80, n); returns the audio (1, 480k) that is now final, all
         of the rest when `final`."""
+        job = self.prepare(mel, final)
+        if job is None:
+            return mel.new_zeros(1, 0)
+        return self.complete(job, self.hift.decode(job.mel, job.source))
+
+    def prepare(self, mel: Tensor, final: bool = False) -> DecodeJob | None:
+        """`push` up to the decode, which the caller runs (with other streams' in `decode_batch`)
+        and hands to `complete`; the stream's state has already moved on. None: nothing to voice."""
         self.mel = mel if self.mel is None else torch.cat([self.mel, mel], dim=2)
         self.n_frames += mel.shape[2]
         done = self.n_frames if final else max(self.voiced, self.n_frames - self.lookahead)
         if done == self.voiced:
-            return mel.new_zeros(1, 0)
+            return None
         start = max(0, self.voiced - self.context)  # the decode window is [start, n_frames)
         window = self.mel[:, :, start - self.mel_start :]
         f0 = self.hift.f0_predictor(self.mel)[:, start - self.mel_start :]
         source, cycles = self.hift.source(f0, self._noise(start, self.n_frames, mel.device), self.start_cycles)
-        wav = self.hift.decode(window, source)
         spf = self.hift.samples_per_frame
-        audio = wav[:, (self.voiced - start) * spf : (done - start) * spf]
+        job = DecodeJob(window, source, final, keep=slice((self.voiced - start) * spf, (done - start) * spf))
         # Move the state to the next window; its f0 there was exact (well inside this window).
         next_start = max(0, done - self.context)
         if next_start > start:
@@ -357,7 +419,11 @@ class HiFTStream:
         keep_from = max(0, next_start - self.f0_context)
         self.mel = self.mel[:, :, keep_from - self.mel_start :]
         self.mel_start, self.voiced = keep_from, done
-        return audio
+        return job
+
+    def complete(self, job: DecodeJob, wav: Tensor) -> Tensor:
+        """The audio of a prepared push, from its decoded window (1, 480·frames)."""
+        return wav[:, job.keep]
 
 
 def build_hift(hp: dict[str, Any]) -> HiFT:

@@ -27,6 +27,25 @@ Three modes differ in how the flow gets those frames (and "fast" in how they are
   through `HiFTStream`: the audio is one HiFT call over the chunk-causal mel, cut differently into
   chunks (each holds back `HiFTStream.lookahead` frames instead of the official 8). Its audio
   differs from "exact" (tests/cosyvoice2/test_speed_modes.py bounds and documents by how much).
+
+Rendering many streams together (the device scheduler's API). A stream either renders itself
+(`push` tokens, `finish`) or is driven by a scheduler that batches the chunks of many streams:
+
+    stream = t2w.stream(prompt, generator=g)     # per reply; holds that reply's flow and HiFT state
+    stream.add(tokens)                           # as the LM emits them (no rendering)
+    stream.end()                                 # the LM has stopped: the rest is the final chunk
+    requests = [r for s in streams if (r := s.next_chunk()) is not None]
+    audio = t2w.render(requests)                 # one (1, n) float32 chunk per request, in order
+
+`render` runs every request's encoder on its own (≈3 % of the flow), then one Euler schedule for
+all of them: each of the 10 steps is one estimator call over every request's CFG pair, packed with
+no padding (estimator.py), each attending to its own prompt state and cached frames; then one
+HiFT decode over all their mel windows (hift.py `decode_batch`). Requests may differ in voice,
+prompt length, chunk index, hop and mode. `push`/`finish` are `render([stream.next_chunk()])`.
+A request's audio equals its stream's render alone to fp32 reduction order (test_flow_batch.py).
+Rules: at most one request per stream per render (its next chunk depends on the previous one); a
+request is valid until its stream renders (`render` refuses a stale one); a cancelled stream is
+simply not asked again, and its state goes with it.
 """
 
 from __future__ import annotations
@@ -42,8 +61,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from voicebot.tts.cosyvoice2.flow import Flow, FlowCache
-from voicebot.tts.cosyvoice2.hift import HiFT, HiFTStream, SourceNoise
+from voicebot.tts.cosyvoice2.flow import Flow, FlowCache, FlowRequest
+from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFT, HiFTStream, SourceNoise
 
 
 @dataclass(frozen=True)
@@ -109,14 +128,23 @@ class Token2Wav:
         """Bytes held per cached voice prompt state (keyed by prompt content hash)."""
         return {key: state.nbytes() for key, state in self._prompt_states.items()}
 
-    def _vocode(
-        self, mel: Tensor, cache_source: Tensor | None, zero_noise: bool, generator: torch.Generator | None
-    ) -> tuple[Tensor, Tensor]:
-        noise = None
-        if zero_noise:
-            n_samples = mel.shape[2] * self.hift.samples_per_frame
-            noise = SourceNoise.zeros(n_samples, self.hift.m_source.n_harmonics, mel.device)
-        return self.hift.inference(mel, cache_source=cache_source, noise=noise, generator=generator)
+    @torch.inference_mode()
+    def render(self, requests: list[ChunkRequest]) -> list[Tensor]:
+        """Render one chunk of each of several streams together: one flow call (every Euler step
+        one estimator call over all of them) and one batched HiFT decode. Returns each request's
+        audio (1, n) float32, which equals what the stream alone would have rendered (to fp32
+        reduction order); the streams' state has moved on past the chunk."""
+        streams = [r.stream for r in requests]
+        if len({id(s) for s in streams}) != len(streams):
+            raise ValueError("one chunk per stream in a render: a stream's next chunk needs its previous one")
+        for r in requests:
+            r.stream._check(r)
+        mels = self.flow.render([r.stream._flow_request(r) for r in requests])
+        jobs = [r.stream._advance(r, mel) for r, mel in zip(requests, mels)]
+        ready = [job for job in jobs if job is not None]
+        decoded = iter(self.hift.decode_batch([j.mel for j in ready], [j.source for j in ready]) if ready else ())
+        return [torch.zeros(1, 0) if job is None else r.stream.vocoder.complete(job, next(decoded))
+                for r, job in zip(requests, jobs)]
 
     @torch.inference_mode()
     def full(
@@ -127,7 +155,7 @@ class Token2Wav:
         mel = self.flow.inference(tokens, prompt.token, prompt.feat, prompt.embedding, streaming=False, finalize=True)
         if speed != 1.0:
             mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
-        return self._vocode(mel, None, zero_noise, generator)[0]
+        return self.hift.inference(mel, noise=_zero_noise(self.hift, mel) if zero_noise else None, generator=generator)[0]
 
     def stream(
         self, prompt: FlowPrompt, zero_noise: bool = False, generator: torch.Generator | None = None,
@@ -138,34 +166,82 @@ class Token2Wav:
         return Token2WavStream(self, prompt, zero_noise, generator, mode or self.mode)
 
 
+def _zero_noise(hift: HiFT, mel: Tensor) -> SourceNoise:
+    return SourceNoise.zeros(mel.shape[2] * hift.samples_per_frame, hift.m_source.n_harmonics, mel.device)
+
+
+@dataclass(eq=False)
+class ChunkRequest:
+    """A stream's next chunk, from `Token2WavStream.next_chunk`, for `Token2Wav.render`: its first
+    `n_tokens` speech tokens, voiced from token `offset` on; the utterance's last chunk when
+    `finalize`. Valid until the stream renders a chunk."""
+
+    stream: Token2WavStream
+    n_tokens: int
+    offset: int
+    finalize: bool
+
+
+class ChunkVocoder:
+    """The official streaming vocoder (modes "recompute" and "exact"): each chunk is one HiFT call
+    over the previous chunk's last 8 mel frames and its own, with the previous chunk's source tail
+    in place of the first 3840 samples of source; those samples are cross-faded (Hamming halves,
+    float64) with the previous chunk's held-back tail, and a non-final chunk holds back its own."""
+
+    def __init__(self, hift: HiFT, schedule: StreamSchedule, zero_noise: bool,
+                 generator: torch.Generator | None) -> None:
+        self.hift, self.zero_noise, self.generator = hift, zero_noise, generator
+        self.mel_cache_frames = schedule.mel_cache_frames
+        self.overlap = schedule.mel_cache_frames * hift.samples_per_frame  # 3840 samples
+        self.window = torch.from_numpy(np.hamming(2 * self.overlap))  # float64, as the official blend
+        self.mel_cache: Tensor | None = None  # (1, 80, 8) last mel frames of the previous HiFT input
+        self.source_cache: Tensor | None = None  # (1, 1, 3840) source tail of the previous chunk
+        self.speech_tail: Tensor | None = None  # (1, 3840) held back for the cross-fade
+
+    def prepare(self, mel: Tensor, final: bool) -> DecodeJob:
+        if self.mel_cache is not None:
+            mel = torch.cat([self.mel_cache, mel], dim=2)
+        noise = _zero_noise(self.hift, mel) if self.zero_noise else None
+        source = self.hift.excitation(mel, self.source_cache, noise, self.generator)
+        self.mel_cache = mel[:, :, -self.mel_cache_frames :]
+        self.source_cache = source[:, :, -self.overlap :]
+        return DecodeJob(mel, source, final)
+
+    def complete(self, job: DecodeJob, speech: Tensor) -> Tensor:
+        if self.speech_tail is not None:
+            n, w = self.overlap, self.window.to(speech.device)
+            head = speech[:, :n] * w[:n] + self.speech_tail * w[n:]  # float64, then back, like the official code
+            speech = torch.cat([head.to(speech.dtype), speech[:, n:]], dim=1)
+        if job.final:
+            return speech
+        self.speech_tail = speech[:, -self.overlap :]
+        return speech[:, : -self.overlap]
+
+
 class Token2WavStream:
-    """One request's streaming state. `push` tokens as the LM emits them and play the chunks it
-    returns; `finish` once the LM has stopped returns the rest. Chunks are (1, n) float32."""
+    """One request's streaming state. Driven either by itself — `push` tokens as the LM emits them
+    and play the chunks it returns, `finish` once the LM has stopped — or by a scheduler that
+    batches streams: `add` tokens, `end` when the LM has stopped, and pass `next_chunk()` (when not
+    None) to `Token2Wav.render` with other streams' chunks. Chunks are (1, n) float32."""
 
     def __init__(self, t2w: Token2Wav, prompt: FlowPrompt, zero_noise: bool, generator: torch.Generator | None,
                  mode: Mode = "exact") -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         self.t2w, self.prompt, self.mode = t2w, prompt, mode
-
-        self.zero_noise, self.generator = zero_noise, generator
         flow = t2w.flow
-        sched = t2w.schedule
         self.lookahead = flow.pre_lookahead_len
-        self.hop = sched.hop_tokens or flow.encoder.chunk_size
+        self.hop = t2w.schedule.hop_tokens or flow.encoder.chunk_size
         n_prompt = prompt.token.shape[1]
         # pad the first hop so that prompt + hop ends on a chunk boundary
         self.first_pad = math.ceil(n_prompt / self.hop) * self.hop - n_prompt
-        self.mel_cache_frames = sched.mel_cache_frames
-        self.overlap = sched.mel_cache_frames * t2w.hift.samples_per_frame  # 3840 samples
-        self.window = torch.from_numpy(np.hamming(2 * self.overlap))  # float64, as the official blend
         self.tokens: list[int] = []
         self.offset = 0  # tokens already voiced
-        self.mel_cache: Tensor | None = None  # (1, 80, 8) last mel frames of the previous HiFT input
-        self.source_cache: Tensor | None = None  # (1, 1, 3840) source tail of the previous chunk
-        self.speech_tail: Tensor | None = None  # (1, 3840) held back for the cross-fade
-        self.finished = False
-        self.vocoder = HiFTStream(t2w.hift, zero_noise, generator) if mode == "fast" else None
+        self.ended = False  # no more tokens will come
+        self.finished = False  # the last chunk has been rendered
+        self.vocoder: HiFTStream | ChunkVocoder = (
+            HiFTStream(t2w.hift, zero_noise, generator) if mode == "fast"
+            else ChunkVocoder(t2w.hift, t2w.schedule, zero_noise, generator))
         # this request's flow frames so far, after the voice's shared prompt state; the buffers
         # grow by each chunk's frames (estimator.py), so they hold exactly the frames computed
         self.flow_cache: FlowCache | None = None
@@ -177,59 +253,71 @@ class Token2WavStream:
 
     @property
     def tokens_for_next_chunk(self) -> int:
-        """How many tokens in total `push` needs before it renders the next chunk."""
+        """How many tokens in total the next non-final chunk needs."""
         return self.offset + self._next_hop() + self.lookahead
+
+    def add(self, tokens: Iterable[int]) -> None:
+        """Add speech tokens without rendering anything."""
+        if self.ended:
+            raise RuntimeError("tokens after the end")
+        self.tokens.extend(int(t) for t in tokens)
+
+    def end(self) -> None:
+        """No more tokens will come: what is left becomes the final chunk."""
+        self.ended = True
+
+    def next_chunk(self) -> ChunkRequest | None:
+        """The chunk that can be rendered now, None while it waits for tokens (or after the last)."""
+        if self.finished:
+            return None
+        if len(self.tokens) >= self.tokens_for_next_chunk:
+            return ChunkRequest(self, self.tokens_for_next_chunk, self.offset, finalize=False)
+        if self.ended and self.tokens:
+            return ChunkRequest(self, len(self.tokens), self.offset, finalize=True)
+        return None
 
     def push(self, tokens: Iterable[int]) -> list[Tensor]:
         """Add speech tokens; returns the audio chunks that became ready (possibly none)."""
-        if self.finished:
-            raise RuntimeError("push after finish")
-        self.tokens.extend(int(t) for t in tokens)
+        self.add(tokens)
         chunks = []
-        while len(self.tokens) >= self.tokens_for_next_chunk:
-            chunks.append(self._render(self.tokens_for_next_chunk, finalize=False))
-            self.offset += self._next_hop()
-            sched = self.t2w.schedule
-            self.hop = min(sched.max_hop_tokens, self.hop * sched.hop_growth)
+        while (request := self.next_chunk()) is not None:
+            chunks += self.t2w.render([request])
         return chunks
 
     def finish(self) -> Tensor:
         """All tokens are in: render the remaining ones, ending the audio without hold-back."""
-        self.finished = True
-        if not self.tokens:
+        self.end()
+        # push already rendered every chunk the tokens allowed, so what is left is the final one
+        request = self.next_chunk()
+        if request is None:  # no tokens at all
+            self.finished = True
             return torch.zeros(1, 0)
-        return self._render(len(self.tokens), finalize=True)
+        return self.t2w.render([request])[0]
 
-    @torch.inference_mode()
-    def _render(self, n_tokens: int, finalize: bool) -> Tensor:
-        flow, p = self.t2w.flow, self.prompt
-        token = torch.tensor(self.tokens[:n_tokens], dtype=torch.int32, device=p.token.device)[None]
-        if self.flow_cache is not None and not (finalize and self.mode == "exact"):
-            # chunk-causal, new frames only
-            mel = flow.inference(token, p.token, p.feat, p.embedding, streaming=True, finalize=finalize,
-                                 cache=self.flow_cache)
-        else:
-            # non-final chunks use chunk-causal attention; the final one full attention (official behaviour)
-            mel = flow.inference(token, p.token, p.feat, p.embedding, streaming=not finalize, finalize=finalize)
-            mel = mel[:, :, self.offset * flow.token_mel_ratio :]  # (1, 80, new frames)
-        if finalize:
+    def _check(self, request: ChunkRequest) -> None:
+        if request.stream is not self or request.offset != self.offset or self.finished:
+            raise ValueError("stale chunk request: the stream has rendered a chunk since")
+
+    def _flow_request(self, request: ChunkRequest) -> FlowRequest:
+        p = self.prompt
+        token = torch.tensor(self.tokens[: request.n_tokens], dtype=torch.int32, device=p.token.device)[None]
+        if self._cached(request):  # chunk-causal, new frames only
+            return FlowRequest(token, p.token, p.feat, p.embedding, True, request.finalize, self.flow_cache)
+        # non-final chunks use chunk-causal attention; the final one full attention (official behaviour)
+        return FlowRequest(token, p.token, p.feat, p.embedding, not request.finalize, request.finalize)
+
+    def _cached(self, request: ChunkRequest) -> bool:
+        return self.flow_cache is not None and not (request.finalize and self.mode == "exact")
+
+    def _advance(self, request: ChunkRequest, mel: Tensor) -> DecodeJob | None:
+        """Take the chunk's flow output, move past the chunk, and prepare its vocoding."""
+        if not self._cached(request):
+            mel = mel[:, :, self.offset * self.t2w.flow.token_mel_ratio :]  # (1, 80, new frames)
+        if request.finalize:
+            self.finished = True
             self.flow_cache = None  # the request's largest state: free it with the last chunk
-        if self.vocoder is not None:
-            return self.vocoder.push(mel, final=finalize)
-        if self.mel_cache is not None:
-            mel = torch.cat([self.mel_cache, mel], dim=2)
-        speech, source = self.t2w._vocode(mel, self.source_cache, self.zero_noise, self.generator)
-        if self.speech_tail is not None:
-            speech = self._crossfade(speech, self.speech_tail)
-        if finalize:
-            return speech
-        self.mel_cache = mel[:, :, -self.mel_cache_frames :]
-        self.source_cache = source[:, :, -self.overlap :]
-        self.speech_tail = speech[:, -self.overlap :]
-        return speech[:, : -self.overlap]
-
-    def _crossfade(self, speech: Tensor, prev_tail: Tensor) -> Tensor:
-        """Fade the first `overlap` samples in over the previous chunk's tail (Hamming halves)."""
-        n, w = self.overlap, self.window.to(speech.device)
-        head = speech[:, :n] * w[:n] + prev_tail * w[n:]  # float64, then back, like the official code
-        return torch.cat([head.to(speech.dtype), speech[:, n:]], dim=1)
+        else:
+            self.offset += self._next_hop()
+            sched = self.t2w.schedule
+            self.hop = min(sched.max_hop_tokens, self.hop * sched.hop_growth)
+        return self.vocoder.prepare(mel, final=request.finalize)
