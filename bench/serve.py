@@ -4,8 +4,9 @@ N simulated sessions (default 1, 2, 4, 8, 16, 32) each speak real reply text at 
 of the time speaking): the text arrives word by word as from a fast LLM, a listener plays the audio
 in real time. Per N, printed as measured: first audio after the reply text arrives (p50/p95),
 underruns (a chunk arriving after the listener ran out), real-time factor per stream, aggregate
-seconds of speech per wall second, the batch-size histogram and deadline misses; then the same runs
-with batching off (every LM row stepped alone: today's cost) and the ratios. `--lm-targets` first
+seconds of speech per wall second, the batch-size histograms (LM steps, flow/HiFT renders) and
+deadline misses; then the same runs with batching off (every LM row and every chunk alone: today's
+cost) and the ratios. `--lm-targets` first
 prints the issue's LM figures: one decode step at 16 rows vs 1 row, aggregate tokens/s at 16 rows
 vs unbatched.
 
@@ -43,6 +44,7 @@ from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer
 from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.frontend import Frontend
 from voicebot.tts.cosyvoice2.hift import build_hift
+from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Step, build_lm
 from voicebot.tts.cosyvoice2.loader import CosyVoice2Modules, cpu_weight_layout
 from voicebot.tts.cosyvoice2.voices import VoiceLibrary
@@ -113,6 +115,7 @@ def pct(values: list[float], q: float) -> float:
 def run_sessions(synth: CosyVoice2Synthesizer, n: int, duty: float, seconds: float, label: str) -> dict:
     scheduler = synth.scheduler
     batches_before, misses_before = Counter(scheduler.batch_sizes), scheduler.deadline_misses
+    renders_before = Counter(scheduler.render_sizes)
     replies: list[Reply] = []
 
     async def run():
@@ -140,7 +143,10 @@ def run_sessions(synth: CosyVoice2Synthesizer, n: int, duty: float, seconds: flo
         "speech s/s": sum(r.audio_s for r in replies) / wall,
         "misses": scheduler.deadline_misses - misses_before,
     }
+    renders = Counter(scheduler.render_sizes)
+    renders.subtract(renders_before)
     hist = " ".join(f"{b}:{c}" for b, c in sorted(batches.items()) if c)
+    hist += "  renders " + " ".join(f"{b}:{c}" for b, c in sorted(renders.items()) if c)
     print(f"{label:10s} N={n:3d} " + " ".join(f"{k} {v:7.3f}" if isinstance(v, float) else f"{k} {v:4d}"
                                             for k, v in row.items()) + f"  batches {hist}", flush=True)
     return row
@@ -154,30 +160,40 @@ def _steps_at(x: torch.Tensor, start: int, n: int):
         yield Step(x, start + i, ())
 
 
-def lm_step_seconds(lm: CosyVoice2LM, rows: int, steps: int = 7, context: int = 200) -> float:
-    """Median seconds of one decode step of `rows` rows at a context of about `context` positions."""
-    pool = LMPool(lm, rows, context + steps + 8)
-    w = lm.llm_decoder.weight
-    x = torch.zeros(1, 1, w.shape[1], device=w.device, dtype=w.dtype)
-    batch = [pool.open(lambda logp, history: 0) for _ in range(rows)]
-    for row in batch:
-        pool.start(row, _steps_at(x, context, steps + 1))
-    times = []
-    for _ in range(steps + 1):
+class DecodeTimer:
+    """`rows` rows at a context of about `context` positions, stepped on demand."""
+
+    def __init__(self, lm: CosyVoice2LM, rows: int, context: int = 200, steps: int = 64) -> None:
+        self.pool = LMPool(lm, rows, context + steps + 8)
+        w = lm.llm_decoder.weight
+        x = torch.zeros(1, 1, w.shape[1], device=w.device, dtype=w.dtype)
+        self.rows = [self.pool.open(lambda logp, history: 0) for _ in range(rows)]
+        for row in self.rows:
+            self.pool.start(row, _steps_at(x, context, steps))
+        self.cuda = w.device.type == "cuda"
+        self.step()  # warm-up (and on CUDA the graph capture)
+
+    def step(self) -> float:
         began = time.perf_counter()
-        pool.decode(batch)
-        if w.device.type == "cuda":
+        self.pool.decode(self.rows)
+        if self.cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times[1:])
+        return time.perf_counter() - began
 
 
-def print_lm_targets(lm: CosyVoice2LM) -> None:
-    print(f"\nLM decode step, context 200 (load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)", flush=True)
-    one = lm_step_seconds(lm, 1)
-    print(f"  1 row:   {1000 * one:8.1f} ms", flush=True)
-    sixteen = lm_step_seconds(lm, 16)
-    print(f"  16 rows: {1000 * sixteen:8.1f} ms   = {sixteen / one:.2f}x one row's step (target <= 3x)", flush=True)
+def print_lm_targets(lm: CosyVoice2LM, reps: int = 9) -> None:
+    """1 row and 16 rows stepped alternately (ABAB: a shared machine's load drifts), medians."""
+    print(f"\nLM decode step, context 200, {reps} alternating steps each "
+          f"(load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)", flush=True)
+    timers = {1: DecodeTimer(lm, 1), 16: DecodeTimer(lm, 16)}
+    times: dict[int, list[float]] = {1: [], 16: []}
+    for _ in range(reps):
+        for rows, timer in timers.items():
+            times[rows].append(timer.step())
+    one, sixteen = statistics.median(times[1]), statistics.median(times[16])
+    print(f"  1 row:   {1000 * one:8.1f} ms (min {1000 * min(times[1]):.1f})", flush=True)
+    print(f"  16 rows: {1000 * sixteen:8.1f} ms (min {1000 * min(times[16]):.1f})   = {sixteen / one:.2f}x one row's "
+          f"step (target <= 3x)", flush=True)
     batched, unbatched = 16 / sixteen, 1 / one  # unbatched, 16 sessions still get one row per step
     print(f"  aggregate tokens/s at 16 sessions: batched {batched:.1f}, unbatched {unbatched:.1f}, "
           f"= {batched / unbatched:.2f}x (target >= 5x)", flush=True)
@@ -224,6 +240,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(n) for n in args.sessions.split(",") if n]
+    if not counts:  # the LM figures alone: no flow, HiFT or voice to build
+        with tempfile.TemporaryDirectory() as tmp:
+            device = torch.device(args.device)
+            dtype = torch.float32 if args.dtype == "auto" and device.type == "cpu" else getattr(torch, args.dtype, torch.float16)
+            lm = build_lm(released_hparams(FIXTURES, Path(tmp)) if args.size == "released" else load_hparams(FIXTURES))
+            print_lm_targets(cpu_weight_layout(lm.eval().to(device, dtype)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         began = time.perf_counter()
         synth = build(args.size, args.device, args.dtype, Path(tmp), slots=max([16, *counts]))
@@ -240,6 +263,7 @@ def main() -> None:
                 if mode == "unbatched" and args.no_unbatched:
                     break
                 synth.scheduler.max_batch = synth.scheduler.pool.slots if mode == "batched" else 1
+                synth.scheduler.max_render_batch = synth.config.render_batch if mode == "batched" else 1
                 for n in counts:
                     results[mode, n] = run_sessions(synth, n, args.duty, args.seconds, mode)
             if counts and not args.no_unbatched:

@@ -179,6 +179,9 @@ class Cosyvoice2Config(Section):
     # Prompt positions fed per scheduler iteration: a new request's prefill holds the others' decode
     # for about one step at most (64 positions cost about one 16-row step on the released model, CPU).
     prefill_chunk_tokens: int = Field(64, ge=1, le=4096)
+    # Flow + HiFT chunks of different sessions rendered in one call, at most this many (each call
+    # holds the LM for its whole duration: on CPU, keep it to a few chunks).
+    render_batch: int = Field(8, ge=1, le=64)
     # The LM decode step as CUDA graphs per bucketed batch size (CUDA only).
     cuda_graphs: bool = True
     # Admission: the share of its time a session is expected to speak; sessions are admitted while

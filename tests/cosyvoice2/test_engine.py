@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 from tiny_frontend import make_model_dir
 from voicebot.config import Cosyvoice2Config
 from voicebot.tts.base import SAMPLE_RATE
+from voicebot.serving import scheduler as scheduler_mod
 from voicebot.tts.cosyvoice2 import engine as engine_mod
 from voicebot.tts.cosyvoice2 import lm as lm_mod
 from voicebot.tts.cosyvoice2.bistream import Bistream
@@ -301,16 +303,14 @@ def test_engine_audio_equals_the_model_run_directly(synth, fixed_length, sentenc
 
 
 def test_first_chunk_leaves_as_soon_as_its_tokens_exist(synth, fixed_length, monkeypatch):
-    seen = []  # (tokens decoded, tokens the first chunk needs, audio returned) per push
-    original = engine_mod.Utterance._push
+    seen = []  # (tokens decoded, tokens the chunk needs) per chunk rendered
+    original = synth.token2wav.render
 
-    def spy(self, tokens):
-        need = self.stream.tokens_for_next_chunk
-        audio = original(self, tokens)
-        seen.append((len(self.stream.tokens), need, bool(audio)))
-        return audio
+    def spy(chunks):
+        seen.extend((len(c.stream.tokens), c.n_tokens) for c in chunks)
+        return original(chunks)
 
-    monkeypatch.setattr(engine_mod.Utterance, "_push", spy)
+    monkeypatch.setattr(synth.token2wav, "render", spy)
 
     async def run():
         context = synth.open("anna")
@@ -318,7 +318,7 @@ def test_first_chunk_leaves_as_soon_as_its_tokens_exist(synth, fixed_length, mon
         await context.close()
 
     asyncio.run(run())
-    decoded, needed, _ = next(s for s in seen if s[2])
+    decoded, needed = seen[0]
     assert decoded == needed  # no LM step was spent past the chunk boundary before its audio
 
 
@@ -388,10 +388,16 @@ REPLIES = {  # voice, seed, text: three prompt lengths (50 prompt tokens, the fi
 def test_a_session_in_a_batch_sounds_as_it_does_alone(synth, monkeypatch, text_input):
     """Real RAS sampling, each session its own seed. Together: a and c start at once, c is cancelled
     after its first chunk (leaves mid-reply), b joins at a's first chunk, d (no prompt, short) joins
-    with b and leaves first. Each audio equals that session's reply run alone."""
+    with b and leaves first. Each audio equals that session's reply run alone, LM steps and flow/HiFT
+    chunks shared with the others."""
     monkeypatch.setattr(synth.config, "text_input", text_input)
     alone = {key: asyncio.run(_reply(synth, *spec)) for key, spec in REPLIES.items() if key != "c"}
     synth.scheduler.batch_sizes.clear()
+    synth.scheduler.render_sizes.clear()
+    # Every chunk waits for company, up to 40 steps, whatever its listener's slack: the sessions'
+    # chunk boundaries fall many steps apart, and renders of several sessions are what is tested.
+    monkeypatch.setattr(synth.scheduler, "render_hold_steps", 40)
+    monkeypatch.setattr(scheduler_mod, "RENDER_MARGIN_S", -math.inf)
 
     async def together():
         a_started = asyncio.Event()
@@ -403,7 +409,8 @@ def test_a_session_in_a_batch_sounds_as_it_does_alone(synth, monkeypatch, text_i
         )
 
     a, b, c, d = asyncio.run(together())
-    assert max(synth.scheduler.batch_sizes) >= 3, synth.scheduler.batch_sizes  # they did share steps
+    assert max(synth.scheduler.batch_sizes) >= 3, synth.scheduler.batch_sizes  # they did share LM steps
+    assert max(synth.scheduler.render_sizes) >= 2, synth.scheduler.render_sizes  # and flow/HiFT calls
     for key, audio in zip("abd", (a, b, d)):
         assert len(audio) == len(alone[key]), key
         np.testing.assert_allclose(audio, alone[key], atol=1e-5, rtol=0, err_msg=key)

@@ -15,31 +15,49 @@ from voicebot.serving.scheduler import Overloaded, Scheduler, StepCosts
 from voicebot.tts.cosyvoice2.lm import unistream
 
 
+RENDERED: list[list] = []  # the chunks of each render call, in order
+
+
+def render(chunks: list) -> list[np.ndarray]:
+    RENDERED.append(list(chunks))
+    return [np.full(10, chunk, dtype=np.float32) for chunk in chunks]
+
+
+def make_scheduler(lm, **kwargs) -> Scheduler:
+    return Scheduler("test", LMPool(lm, slots=2, max_seq_len=256, prefill_chunk=8), render, max_pending=8, **kwargs)
+
+
 @pytest.fixture
 def scheduler(lm):
-    s = Scheduler("test", LMPool(lm, slots=2, max_seq_len=256, prefill_chunk=8), max_pending=8)
+    s = make_scheduler(lm)
     s.start()
     yield s
     s.stop()
 
 
-def test_renders_run_earliest_deadline_first(scheduler):
-    order = []
+@pytest.mark.parametrize("max_render_batch, calls", [(1, [[10], [20], [30]]), (2, [[10, 20], [30]])])
+def test_renders_run_earliest_deadline_first_batched(lm, max_render_batch, calls):
+    scheduler = make_scheduler(lm, max_render_batch=max_render_batch)
+    scheduler.start()
+    RENDERED.clear()
 
     async def run():
         gate = threading.Event()
         blocker = asyncio.ensure_future(scheduler.call(gate.wait, deadline=0))
         await asyncio.sleep(0.05)  # the thread is inside the blocking call: the renders queue up
-        renders = [asyncio.ensure_future(scheduler.render(lambda d=d: order.append(d) or [np.zeros(10)], deadline=d))
-                   for d in (30.0, 10.0, 20.0)]
+        renders = [asyncio.ensure_future(scheduler.render(d, deadline=float(d))) for d in (30, 10, 20)]
         await asyncio.sleep(0.05)
         gate.set()
         await blocker
         return await asyncio.gather(*renders)
 
-    results = asyncio.run(run())
-    assert order == [10.0, 20.0, 30.0] and all(len(r) == 1 for r in results)
+    try:
+        results = asyncio.run(run())
+    finally:
+        scheduler.stop()
+    assert RENDERED == calls and [r[0] for r in results] == [30, 10, 20]  # each answered with its own audio
     assert scheduler.costs.render_per_audio_s is not None
+    assert sum(scheduler.render_sizes.values()) == len(calls)
 
 
 def test_past_its_bound_a_submit_is_refused(scheduler):
@@ -100,7 +118,7 @@ def test_a_released_row_answers_its_decode_as_ended(scheduler, lm):
 
 
 def test_calibration_measures_each_batch_size_and_capacity_follows_the_costs(lm):
-    scheduler = Scheduler("test", LMPool(lm, slots=8, max_seq_len=256))
+    scheduler = Scheduler("test", LMPool(lm, slots=8, max_seq_len=256), render)
     scheduler.calibrate(steps=1)
     assert sorted(scheduler.costs.decode) == [1, 2, 4, 8] and scheduler.pool.free == 8
     costs = StepCosts()
@@ -111,7 +129,10 @@ def test_calibration_measures_each_batch_size_and_capacity_follows_the_costs(lm)
     # 25 steps a second: 8 rows cost 0.6 of the device, within headroom 0.8; then renders cost 0.05 each
     assert scheduler.capacity() == 8
     costs.add_render(0.5, 10.0)
-    assert costs.load(4, 25) == pytest.approx(25 * 0.016 + 4 * 0.05) and scheduler.capacity() == 6  # 25·0.020 + 6·0.05 = 0.8
+    assert costs.load(4, 25, 8) == pytest.approx(25 * 0.016 + 4 * 0.05) and scheduler.capacity() == 6  # 25·0.020 + 6·0.05 = 0.8
+    # without batching every session needs its own 25 steps a second: 25 · 0.010 · 2 + 2 · 0.05 = 0.6, 3 sessions 0.9
+    scheduler.max_batch = 1
+    assert costs.load(2, 25, 1) == pytest.approx(0.6) and scheduler.capacity() == 2
 
 
 def test_metrics_are_read_from_the_scheduler(lm):
@@ -119,7 +140,7 @@ def test_metrics_are_read_from_the_scheduler(lm):
 
     from voicebot.serving.metrics import register_scheduler_metrics
 
-    scheduler = Scheduler("dev0", LMPool(lm, slots=4, max_seq_len=256))
+    scheduler = Scheduler("dev0", LMPool(lm, slots=4, max_seq_len=256), render)
     scheduler.calibrate(steps=1)
     scheduler.batch_sizes[3] += 2
     scheduler.refused += 1

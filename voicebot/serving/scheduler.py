@@ -7,12 +7,16 @@ Sessions submit typed requests and await them (asyncio futures, resolved from th
 - `OpenRow`: an LM slot for a new utterance (waits while all slots are in use);
 - `Call`: small blocking work on the models' thread (start a program, push a sentence's text);
 - `Decode`: up to n speech tokens of an LM row; the row's long steps (prefills) are fed in chunks;
-- `Render`: one flow + vocoder chunk (Token2WavStream.push/finish, which runs both).
+- `Render`: one chunk of a session's audio (a flow + vocoder chunk: Token2WavStream.next_chunk).
 
 Each loop iteration takes what has arrived, then runs: every ready `Call`; one LM step for every
 decoding row in one batched forward (at most `max_batch` rows, earliest deadline first) plus at most
 one prefill chunk (the most urgent), so a new prompt holds the others' decode for at most one chunk;
-then one `Render`, the most urgent. A deadline is when that session's listener runs out of audio;
+then the most urgent `Render`s, at most `max_render_batch` of them, in one `render` call (one flow
+call and one vocoder call for all of them: Token2Wav.render). Sessions reach their chunk boundaries
+at different steps, so a render whose listener still has audio to spare (more than twice the last
+render call's cost plus RENDER_MARGIN_S) may wait up to `render_hold_steps` LM steps for others to
+join it; a new reply's first chunk never waits. A deadline is when that session's listener runs out of audio;
 a new reply's has already passed, so its first chunk goes first. A released row (barge-in, the end
 of an utterance) leaves the batch at the next iteration and its slot is free for the next `OpenRow`.
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -45,6 +50,9 @@ from voicebot.tts.cosyvoice2.lm import Program, PromptPrefix, Step
 from voicebot.tts.cosyvoice2.sampling import Sampler, greedy
 
 log = logging.getLogger(__name__)
+
+
+RENDER_MARGIN_S = 0.1  # slack a held render keeps beyond twice the render cost
 
 
 class Overloaded(RuntimeError):
@@ -78,7 +86,8 @@ class Decode(Request):
 
 @dataclass(eq=False)
 class Render(Request):
-    fn: Callable[[], list[np.ndarray]]  # 24 kHz float32 chunks
+    chunk: Any  # what `render` takes, one per session: a Token2Wav ChunkRequest
+    held: int = 0  # LM steps it has waited for others to join it
 
 
 class StepCosts:
@@ -90,12 +99,15 @@ class StepCosts:
     def __init__(self) -> None:
         self.decode: dict[int, float] = {}
         self.render_per_audio_s: float | None = None
+        self.render_call: float | None = None  # seconds per render call
 
     def add_decode(self, batch: int, seconds: float) -> None:
         old = self.decode.get(batch)
         self.decode[batch] = seconds if old is None else old + self.ALPHA * (seconds - old)
 
     def add_render(self, seconds: float, audio_s: float) -> None:
+        old = self.render_call
+        self.render_call = seconds if old is None else old + self.ALPHA * (seconds - old)
         if audio_s <= 0:
             return
         rate, old = seconds / audio_s, self.render_per_audio_s
@@ -120,24 +132,30 @@ class StepCosts:
         ca, cb = self.decode[a], self.decode[b]
         return max(ca, ca + (cb - ca) * (batch - a) / (b - a))
 
-    def load(self, speaking: int, tokens_per_s: float) -> float | None:
+    def load(self, speaking: int, tokens_per_s: float, max_batch: int) -> float | None:
         """Busy fraction of the device with `speaking` sessions in real time: 25 LM steps a second
-        at that batch, plus each session's render cost."""
-        step = self.decode_step(speaking)
+        for every batch of up to max_batch of them, plus each session's render cost."""
+        batches, rows = math.ceil(speaking / max_batch), min(speaking, max_batch)
+        step = self.decode_step(rows)
         if step is None:
             return None
-        return tokens_per_s * step + speaking * (self.render_per_audio_s or 0.0)
+        return tokens_per_s * batches * step + speaking * (self.render_per_audio_s or 0.0)
 
 
 class Scheduler:
-    def __init__(self, name: str, pool: LMPool, *, max_batch: int | None = None, max_pending: int = 256,
+    def __init__(self, name: str, pool: LMPool, render: Callable[[list[Any]], list[np.ndarray]], *,
+                 max_batch: int | None = None, max_render_batch: int = 8, render_hold_steps: int = 2,
+                 max_pending: int = 256,
                  sample_rate: int = 24000, tokens_per_s: float = 25.0, headroom: float = 0.8) -> None:
-        self.name, self.pool = name, pool
+        """`render(chunks)`: the audio (24 kHz float32) of several sessions' chunks, in one call."""
+        self.name, self.pool, self.render_chunks = name, pool, render
         self.max_batch = max_batch or pool.slots  # 1: every row steps alone (no batching)
+        self.max_render_batch, self.render_hold_steps = max_render_batch, render_hold_steps
         self.max_pending, self.sample_rate = max_pending, sample_rate
         self.tokens_per_s, self.headroom = tokens_per_s, headroom
         self.costs = StepCosts()
         self.batch_sizes: Counter[int] = Counter()  # decode steps run, by batch size
+        self.render_sizes: Counter[int] = Counter()  # render calls, by chunks in the call
         self.deadline_misses = 0  # renders done after a listener that had audio ran out
         self.refused = 0  # sessions refused by admission (counted by the synthesizer)
         self._lock = threading.Condition()
@@ -214,8 +232,8 @@ class Scheduler:
         """Up to max_tokens tokens of `row`, and whether its program has ended."""
         return await self.submit(Decode(deadline, row, max_tokens))
 
-    async def render(self, fn: Callable[[], list[np.ndarray]], deadline: float) -> list[np.ndarray]:
-        return await self.submit(Render(deadline, fn))
+    async def render(self, chunk: Any, deadline: float) -> np.ndarray:
+        return await self.submit(Render(deadline, chunk))
 
     def release(self, row: LMRow) -> None:
         """Give the row's slot back (any thread, never blocks): it leaves the batch at the next step."""
@@ -229,14 +247,15 @@ class Scheduler:
         if self.costs.decode_step(1) is None:
             return None
         n = 0
-        while n < self.pool.slots and self.costs.load(n + 1, self.tokens_per_s) <= self.headroom:
+        while n < self.pool.slots and self.costs.load(n + 1, self.tokens_per_s, self.max_batch) <= self.headroom:
             n += 1
         return n
 
     def stats(self) -> dict[str, Any]:
         return {"capacity": self.capacity(), "slots": self.pool.slots, "free_slots": self.pool.free,
                 "queue_depth": self.pending, "max_batch": self.max_batch,
-                "batch_sizes": dict(sorted(self.batch_sizes.items())), "deadline_misses": self.deadline_misses,
+                "batch_sizes": dict(sorted(self.batch_sizes.items())),
+                "render_batch_sizes": dict(sorted(self.render_sizes.items())), "deadline_misses": self.deadline_misses,
                 "refused": self.refused,
                 "decode_step_s": {b: round(c, 4) for b, c in sorted(self.costs.decode.items())},
                 "render_s_per_audio_s": self.costs.render_per_audio_s}
@@ -296,15 +315,7 @@ class Scheduler:
         for call in calls:
             self._run_request(call, call.fn)
         self._lm_step()
-        if self._renders:
-            self._renders.sort(key=by_deadline)
-            request = self._renders.pop(0)
-            start = time.perf_counter()
-            audio = self._run_request(request, request.fn)
-            if audio is not None:
-                self.costs.add_render(time.perf_counter() - start, sum(map(len, audio)) / self.sample_rate)
-                if request.submitted < request.deadline < time.monotonic():
-                    self.deadline_misses += 1
+        self._render_step()
 
     def _lm_step(self) -> None:
         """One forward for the decoding rows waiting on one position, one prefill chunk for the most
@@ -329,6 +340,46 @@ class Scheduler:
             return
         self._answer_decodes()
 
+    def _render_step(self) -> None:
+        """The most urgent renders, in one call; each answered with its audio."""
+        self._renders.sort(key=lambda r: r.deadline)
+        if self._renders and self._may_hold(self._renders[0]):
+            for request in self._renders:
+                request.held += 1
+            return
+        batch: list[Render] = []
+        while self._renders and len(batch) < self.max_render_batch:
+            request = self._renders.pop(0)
+            if request.future.cancelled():  # its session stopped waiting (barge-in, disconnect)
+                self._answer(request, None)
+            else:
+                batch.append(request)
+        if not batch:
+            return
+        start = time.perf_counter()
+        try:
+            audio = self.render_chunks([r.chunk for r in batch])
+        except Exception as exc:
+            log.exception("scheduler %s: render failed", self.name)
+            for request in batch:
+                self._answer(request, exc=exc)
+            return
+        self.costs.add_render(time.perf_counter() - start, sum(map(len, audio)) / self.sample_rate)
+        self.render_sizes[len(batch)] += 1
+        done = time.monotonic()
+        for request, samples in zip(batch, audio, strict=True):
+            if request.submitted < request.deadline < done:
+                self.deadline_misses += 1
+            self._answer(request, samples)
+
+    def _may_hold(self, urgent: Render) -> bool:
+        """Hold the renders one more step: others are decoding towards a chunk, the batch has room,
+        and the most urgent one's listener has audio to spare."""
+        if not self._decoding or len(self._renders) >= self.max_render_batch or urgent.held >= self.render_hold_steps:
+            return False
+        spare = urgent.deadline - time.monotonic()
+        return spare > 2 * (self.costs.render_call or 0.0) + RENDER_MARGIN_S
+
     def _answer_decodes(self) -> None:
         for row, request in list(self._decoding.items()):
             request.tokens += row.take()
@@ -336,17 +387,16 @@ class Scheduler:
                 del self._decoding[row]
                 self._answer(request, (request.tokens, row.step is None))
 
-    def _run_request(self, request: Request, fn: Callable[[], Any]) -> Any:
+    def _run_request(self, request: Request, fn: Callable[[], Any]) -> None:
         if request.future.cancelled():  # its session stopped waiting (barge-in, disconnect)
             self._answer(request, None)
-            return None
+            return
         try:
             result = fn()
         except Exception as exc:
             self._answer(request, exc=exc)
-            return None
+            return
         self._answer(request, result)
-        return result
 
     def _answer(self, request: Request, result: Any = None, exc: BaseException | None = None,
                 on_cancel: Callable[[Any], None] | None = None) -> None:

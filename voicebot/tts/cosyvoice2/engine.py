@@ -9,9 +9,10 @@ one official unistream request, which starts from the voice's cached LM prompt p
 All model work runs on the device's `Scheduler` thread (voicebot/serving/scheduler.py): each
 utterance holds a slot of the pooled LM cache for its life, the decode steps of every speaking
 session run as one batch, and the flow/HiFT chunks their tokens complete run earliest deadline
-first. `Utterance.chunks` is the step loop: tokens up to the next chunk boundary, then that chunk's
-audio, so each session's generator is drawn in one fixed order whoever else is speaking, and a
-cancelled reply leaves the batch at the next step.
+first, the chunks of several sessions in one flow call and one HiFT call (Token2Wav.render).
+`Utterance.chunks` is the step loop: tokens up to the next chunk boundary, then that chunk's audio,
+so each session's generator is drawn in one fixed order whoever else is speaking, and a cancelled
+reply leaves the batch at the next step.
 
 A voice's prompt state (features, LM prefix, flow prompt state) is derived once per voice on a
 background thread and swapped in between steps: a session's periodic reset never stalls the others.
@@ -45,7 +46,7 @@ from voicebot.tts.cosyvoice2.lm import PromptPrefix, prompt_prefix, unistream
 from voicebot.tts.cosyvoice2.loader import CosyVoice2Modules, load_cosyvoice2, resolve_device, resolve_dtype, resolve_model_dir
 from voicebot.tts.cosyvoice2.quant import quantize_lm
 from voicebot.tts.cosyvoice2.sampling import RasSampler
-from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav, Token2WavStream
+from voicebot.tts.cosyvoice2.token2wav import ChunkRequest, FlowPrompt, Token2Wav, Token2WavStream
 from voicebot.tts.cosyvoice2.voices import Voice, VoiceLibrary
 
 log = logging.getLogger(__name__)
@@ -105,13 +106,18 @@ class CosyVoice2Synthesizer(Synthesizer):
         self._warm_flow_prompt_state(library[self.default_voice])
         pool = LMPool(self.lm, self.config.batch_slots, self.config.kv_cache_tokens, self.config.prefill_chunk_tokens,
                       graphs=self.device.type == "cuda" and self.config.cuda_graphs)
-        self.scheduler = Scheduler(f"cosyvoice2-{self.device}", pool, max_batch=None if self.config.batching else 1,
+        batch = self.config.batching
+        self.scheduler = Scheduler(f"cosyvoice2-{self.device}", pool, self._render, max_batch=None if batch else 1,
+                                   max_render_batch=self.config.render_batch if batch else 1,
                                    sample_rate=SAMPLE_RATE, tokens_per_s=self.hparams["token_frame_rate"])
         self.scheduler.calibrate()
         self.scheduler.start()
         log.info("cosyvoice2 loaded from %s on %s/%s, %d voices, %d LM slots (%.0f MiB), capacity %s sessions",
                  self.model_dir, self.device, self.dtype, len(library.names()), pool.slots, pool.nbytes() / 2**20,
                  self.scheduler.capacity())
+
+    def _render(self, chunks: list[ChunkRequest]) -> list[np.ndarray]:
+        return [audio.reshape(-1).float().cpu().numpy() for audio in self.token2wav.render(chunks)]
 
     def voices(self) -> list[VoiceInfo]:
         return self.library.list() if self.library else []
@@ -274,7 +280,8 @@ class Utterance:
 
     `chunks()` is the step loop every driver uses (the contexts below, bench/, tests): it asks the
     scheduler for the tokens up to the next chunk boundary, then for that chunk's audio, until the
-    row's program ends. `close()` frees the slot (always call it: a cancelled reply included).
+    row's program ends. `close()` frees the slot (always call it: a cancelled reply included). The
+    stream's token list is touched here, on the loop, only while no request of it is in flight.
     """
 
     def __init__(self, scheduler: Scheduler, row: LMRow, stream: Token2WavStream, clock: PlaybackClock,
@@ -289,27 +296,23 @@ class Utterance:
             # Never decode past the next chunk's last token: its audio goes out first.
             wanted = max(1, self.stream.tokens_for_next_chunk - len(self.stream.tokens))
             tokens, ended = await self.scheduler.decode(self.row, wanted, self.clock.deadline())
-            if tokens:
-                for piece in await self.scheduler.render(functools.partial(self._push, tokens), self.clock.deadline()):
-                    self.clock.played(len(piece))
-                    yield piece
-        if finish:
-            for piece in await self.scheduler.render(self._finish, self.clock.deadline()):
-                self.clock.played(len(piece))
+            self.stream.add(tokens)
+            async for piece in self._ready():
                 yield piece
+        if finish:
+            self.stream.end()
+            async for piece in self._ready():  # the last chunk
+                yield piece
+
+    async def _ready(self) -> AsyncIterator[np.ndarray]:
+        while (chunk := self.stream.next_chunk()) is not None:
+            audio = await self.scheduler.render(chunk, self.clock.deadline())
+            if audio.size:  # the fast vocoder may hold a whole chunk back
+                self.clock.played(len(audio))
+                yield audio
 
     def close(self) -> None:
         self.scheduler.release(self.row)
-
-    def _push(self, tokens: list[int]) -> list[np.ndarray]:
-        return _numpy(self.stream.push(tokens))
-
-    def _finish(self) -> list[np.ndarray]:
-        return _numpy([self.stream.finish()])
-
-
-def _numpy(chunks: list[torch.Tensor]) -> list[np.ndarray]:
-    return [c.reshape(-1).float().cpu().numpy() for c in chunks if c.numel()]
 
 
 class CosyVoice2Context(SentenceSynthesisContext):
