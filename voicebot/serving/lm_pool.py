@@ -22,6 +22,7 @@ Thread-safety: one thread (the scheduler's) uses a pool.
 from __future__ import annotations
 
 import bisect
+import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -77,7 +78,9 @@ class LMPool:
         # One slot more than requests get: the padding rows of a graph batch write there.
         self.cache = lm.new_cache(max_seq_len, batch=slots + 1)
         self.scratch = slots
-        self._free = list(range(slots - 1, -1, -1))
+        # A heap: the lowest free slot goes first, so the rows in use tend to be slots 0..B-1,
+        # which attention reads as a view of the cache instead of gathering them.
+        self._free = list(range(slots))
         # Per bucket: the graph's static inputs (x, pos, slots) and the captured graph with its output.
         self._static: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
@@ -97,7 +100,7 @@ class LMPool:
         """A slot for a new request, its prompt prefix copied in when given."""
         if not self._free:
             raise PoolFull(f"all {self.slots} LM slots are in use")
-        row = LMRow(self._free.pop(), sampler)
+        row = LMRow(heapq.heappop(self._free), sampler)
         if prefix is not None:
             load_prefix(self.cache, prefix, row.slot)
         return row
@@ -106,7 +109,7 @@ class LMPool:
         """Free the row's slot (its keys stay until overwritten: every program writes before it reads)."""
         if not row.closed:
             row.closed, row.program, row.step = True, None, None
-            self._free.append(row.slot)
+            heapq.heappush(self._free, row.slot)
 
     @torch.inference_mode()
     def start(self, row: LMRow, program: Program) -> None:
@@ -133,6 +136,7 @@ class LMPool:
     @torch.inference_mode()
     def decode(self, rows: list[LMRow]) -> None:
         """One batched step of rows each waiting on a one-position step."""
+        rows = sorted(rows, key=lambda row: row.slot)
         steps = [row.step for row in rows]
         if any(row.waiting != 1 for row in rows):
             raise ValueError("decode takes rows with one position left to feed; prefill the others")
@@ -140,7 +144,11 @@ class LMPool:
         x = torch.cat([step.x[:, -1:] for step in steps])  # (B, 1, D)
         pos = torch.tensor([[step.pos + step.length - 1] for step in steps], device=device)
         slots = torch.tensor([row.slot for row in rows], device=device)
-        logp = self._graph_logp(x, pos, slots) if self.graphs else self.lm(x, pos, self.cache, slots)
+        if self.graphs:
+            logp = self._graph_logp(x, pos, slots)
+        else:  # rows in slots 0..B-1 are read as a view of the cache, others gathered
+            compact = all(row.slot == i for i, row in enumerate(rows))
+            logp = self.lm(x, pos, self.cache, None if compact else slots)
         for row, token in zip(rows, choose(steps, logp, [row.sampler for row in rows])):
             row.fed += 1
             self._advance(row, token)
