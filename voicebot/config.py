@@ -39,6 +39,9 @@ class ServerConfig(Section):
     # Tests and troubleshooting only: keep the first N seconds of raw input of the 8 most recent
     # sessions in memory, served at /debug/input/{session_id}.wav. 0 = off (and no such route).
     record_input_s: float = Field(0.0, ge=0, le=60)
+    # Download missing models (with progress) at start-up, as `python -m voicebot.models fetch`
+    # does; off: start-up never touches the network and names what is missing.
+    download_models: bool = False
 
 
 class LimitsConfig(Section):
@@ -49,6 +52,9 @@ class LimitsConfig(Section):
     max_audio_realtime_factor: float = Field(4.0, gt=1)
     # Rates are averaged over this window, so a burst after a network stall is not abuse.
     window_s: float = Field(2.0, gt=0)
+    # A new session is refused (busy) when an engine thread pool that cannot batch would be busier
+    # than this share of its threads' time with it (voicebot/serving/capacity.py).
+    max_worker_load: float = Field(0.85, gt=0, le=1)
 
 
 class GateConfig(Section):
@@ -284,6 +290,28 @@ class ReplyConfig(Section):
         return self
 
 
+class ClusterConfig(Section):
+    """Several voicebot processes sharing conversations and channels through Redis (docs/deploy.md).
+
+    No `redis_url`: one process keeps everything in itself, as before. A configured Redis that
+    cannot be reached stops start-up; one lost later leaves the process working on its own
+    (error events, voicebot_cluster_redis_up 0) until it is back.
+    """
+
+    redis_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
+    # Prefix of every key and pub/sub channel, so several shows can share one Redis (no glob
+    # characters: servers subscribe to the pattern {prefix}ch:*).
+    key_prefix: str = Field("voicebot:", pattern=r"^[A-Za-z0-9_.:-]+$")
+    # A Redis call that takes longer counts as Redis lost. Redis on the same network answers in
+    # well under 1 ms; this only has to outlast a stall of this server's own event loop.
+    timeout_s: float = Field(2.0, gt=0)
+    # A resumed conversation still held by a session on another server (its old socket not yet seen
+    # closed, or that server draining) is waited for this long before the session starts without it.
+    resume_wait_s: float = Field(3.0, ge=0)
+    # While Redis is lost, a reconnection is tried this often.
+    reconnect_interval_s: float = Field(1.0, gt=0)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VOICEBOT_", env_nested_delimiter="__", extra="forbid")
 
@@ -296,6 +324,7 @@ class Settings(BaseSettings):
     asr: AsrConfig = AsrConfig()
     tts: TtsConfig = TtsConfig()
     reply: ReplyConfig = ReplyConfig()
+    cluster: ClusterConfig = ClusterConfig()
     log_level: str = "info"
 
     @classmethod

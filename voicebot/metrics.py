@@ -22,6 +22,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.active_sessions = Gauge("voicebot_active_sessions", "Sessions connected now", registry=r)
+        self.worker_load = Gauge("voicebot_worker_load", "Share of an engine thread pool's time spent running calls (last 5 s)", ["worker"], registry=r)
         self.active_listeners = Gauge("voicebot_active_listeners", "Listener connections now", registry=r)
         self.listeners_dropped = Counter("voicebot_listeners_dropped_total", "Listeners dropped for falling behind their channel", registry=r)
         self.obs_bad_chunks = Counter("voicebot_obs_bad_chunks_total", "Messages on /obs/audio that could not be used, by reason", ["reason"], registry=r)

@@ -18,7 +18,9 @@ from voicebot.tts.cosyvoice2.loader import load_checkpoint
 
 pytestmark = pytest.mark.golden
 
-# README "Suggested fp32 acceptance thresholds"
+# README "Suggested fp32 acceptance thresholds": 1e-5 relative. Rounding error scales with the
+# tensor, not with each element: unvoiced frames (f0 near 0 beside a voiced peak of ~200 Hz) met an
+# element-wise rtol only by luck of the CPU's summation order, so the bound is relative to the peak.
 F0_RTOL = 1e-5
 SPEECH_ATOL = 2e-4
 SOURCE_ATOL = 1e-3
@@ -47,7 +49,7 @@ def test_f0(cv2_golden: dict, cv2_meta: dict, hift: HiFT) -> None:
         f0 = hift.f0_predictor(cv2_golden["hift.mel"])
     expected = cv2_golden["hift.f0"]
     assert f0.shape == expected.shape
-    torch.testing.assert_close(f0, expected, rtol=F0_RTOL, atol=0.0)
+    torch.testing.assert_close(f0, expected, rtol=0.0, atol=F0_RTOL * expected.abs().max().item())
     voiced = int((f0 > hift.m_source.voiced_threshold).sum())
     assert voiced == cv2_meta["hift"]["voiced_frames"]
 

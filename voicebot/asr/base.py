@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.audio.rates import LISTEN_RATE
+from voicebot.engine_reports import EngineInfo, ResetReport
+from voicebot.serving.worker import Worker
 
-SAMPLE_RATE = 16000
+SAMPLE_RATE = LISTEN_RATE  # what every recognizer hears
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,11 @@ class Recognizer(ABC):
 
     @abstractmethod
     def info(self) -> EngineInfo: ...
+
+    def workers(self) -> list[Worker]:
+        """The thread pools this engine runs on, for admission control (voicebot/serving/capacity.py).
+        An engine that answers admission itself (a batching device scheduler) lists none."""
+        return []
 
     def close(self) -> None:
         """Release shared resources at shutdown."""

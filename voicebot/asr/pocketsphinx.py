@@ -18,7 +18,7 @@ import numpy as np
 
 from voicebot.asr.base import Hypothesis, Recognizer, RecognizerStream
 from voicebot.config import PocketsphinxConfig
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.serving.worker import Worker
 
 class PocketsphinxRecognizer(Recognizer):
@@ -63,6 +63,9 @@ class PocketsphinxRecognizer(Recognizer):
 
     def info(self) -> EngineInfo:
         return EngineInfo("asr", self.name, "cpu", self._loaded, {"model": self.model, "phrases": len(self.config.phrases)})
+
+    def workers(self) -> list[Worker]:
+        return [self.worker]
 
     def close(self) -> None:
         self.worker.shutdown()

@@ -5,6 +5,9 @@ then on the conversation waits `ttl_s` for a `session.start` whose `resume` name
 Taking it moves it to the new session (one conversation, one owner). Bounded: expired entries go
 on every call, and past `max_entries` the longest-released go first (live ones are never evicted:
 there are at most server.max_sessions of them).
+
+`take` is a coroutine because the store several servers share (voicebot.cluster.conversations,
+chosen in voicebot.app.Runtime when cluster.redis_url is set) asks Redis; this one answers at once.
 """
 
 from __future__ import annotations
@@ -38,9 +41,13 @@ class ConversationStore:
         while len(self._released) > self.max_entries:
             self._released.popitem(last=False)
 
-    def take(self, session_id: str) -> Conversation | None:
+    async def take(self, session_id: str) -> Conversation | None:
         """The conversation of that session, if it is live or was released less than ttl_s ago.
         A still-live session is one whose client came back before its old socket was seen closed."""
+        return self.pop(session_id)
+
+    def pop(self, session_id: str) -> Conversation | None:
+        """`take` without waiting, for the shared store's own bookkeeping."""
         self._expire()
         if session_id in self._live:
             return self._live.pop(session_id)

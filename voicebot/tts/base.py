@@ -15,9 +15,11 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.audio.rates import SPEAK_RATE
+from voicebot.engine_reports import EngineInfo, ResetReport
+from voicebot.serving.worker import Worker
 
-SAMPLE_RATE = 24000
+SAMPLE_RATE = SPEAK_RATE  # every synthesizer's output
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,11 @@ class Synthesizer(ABC):
 
     @abstractmethod
     def info(self) -> EngineInfo: ...
+
+    def workers(self) -> list[Worker]:
+        """The thread pools this engine runs on, for admission control (voicebot/serving/capacity.py).
+        An engine that answers admission itself (a batching device scheduler) lists none."""
+        return []
 
     def close(self) -> None:
         """Release shared resources at shutdown."""

@@ -18,7 +18,7 @@ import numpy as np
 
 from voicebot.audio.resample import StreamResampler
 from voicebot.config import EspeakConfig
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import SAMPLE_RATE, SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
 
@@ -106,6 +106,9 @@ class EspeakSynthesizer(Synthesizer):
     def info(self) -> EngineInfo:
         rate = self.library.rate if self.library else 0
         return EngineInfo("tts", self.name, "cpu", self.library is not None, {"native_rate": rate, "voices": list(self.config.voices)})
+
+    def workers(self) -> list[Worker]:
+        return [self.worker]
 
     def close(self) -> None:
         self.worker.shutdown()

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from voicebot.config import Cosyvoice2Config
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.serving.lm_pool import LMPool, LMRow
 from voicebot.serving.scheduler import Scheduler
 from voicebot.tts.base import SAMPLE_RATE, SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo

@@ -1,0 +1,125 @@
+"""What every connection shares: settings, the loaded engines, metrics, and the live sessions.
+
+Built once per app (voicebot/app.py). A session takes from it only at its start the few things
+each of its stages uses; no stage holds the runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from voicebot.asr.base import Recognizer
+from voicebot.channels import ChannelHub
+from voicebot.cluster import CLUSTER_UNAVAILABLE, Cluster
+from voicebot.cluster.conversations import RedisConversationStore
+from voicebot.config import Settings
+from voicebot.engines import build_recognizer, build_responders, build_synthesizer
+from voicebot.input_recorder import InputRecorder
+from voicebot.metrics import Metrics
+from voicebot.models import fetch_all
+from voicebot.reply.base import Responder
+from voicebot.reply.resume import ConversationStore
+from voicebot.reply.safety import SpeechFilter
+from voicebot.serving.capacity import Admission
+from voicebot.serving.worker import Worker
+from voicebot.tts.base import Synthesizer
+
+if TYPE_CHECKING:
+    from voicebot.session.outbox import Outbox
+
+
+class LiveSession(Protocol):
+    """What the runtime needs of a connected session (voicebot.session.Session)."""
+
+    id: str
+    outbox: "Outbox"
+
+    @property
+    def replying(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    metrics: Metrics = field(default_factory=Metrics)
+    recognizer: Recognizer | None = None  # None until load()
+    synthesizer: Synthesizer | None = None
+    responders: dict[str, Responder] = field(default_factory=dict)
+    default_responder: str = "echo"
+    # Gate and VAD for every session: small onnxruntime/numpy calls, kept off the event loop.
+    audio_worker: Worker = field(default_factory=lambda: Worker("audio", threads=2))
+    sessions: dict[str, LiveSession] = field(default_factory=dict)
+    ready: bool = False
+    draining: bool = False
+    loop: asyncio.AbstractEventLoop | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    channels: ChannelHub = field(init=False)
+    input_recorder: InputRecorder = field(init=False)
+    conversations: ConversationStore | RedisConversationStore = field(init=False)  # for sessions that resume
+    cluster: Cluster | None = None  # shared state in Redis, when cluster.redis_url is set
+    _notices: set[asyncio.Task] = field(default_factory=set)  # cluster error events being queued, one per session
+    speech_filter: SpeechFilter = field(init=False)  # blocklist and max length of what is spoken
+    admission: Admission | None = None  # the thread pools' load; built by load()
+
+    def __post_init__(self) -> None:
+        self.input_recorder = InputRecorder(self.settings.server.record_input_s)
+        reply = self.settings.reply
+        if self.settings.cluster.redis_url:  # several servers: conversations and channels in Redis
+            self.cluster = Cluster(self.settings, self.metrics)
+            self.channels, self.conversations = self.cluster.channels, self.cluster.conversations
+            self.cluster.link.on_change(self._cluster_changed)
+        else:
+            self.channels = ChannelHub(self.metrics, self.settings.server.max_listeners)
+            self.conversations = ConversationStore(reply.resume_ttl_s, reply.resume_max_conversations)
+        self.speech_filter = SpeechFilter.from_config(reply)
+
+    def load(self) -> None:
+        s = self.settings
+        if s.server.download_models:
+            fetch_all(s)
+        self.recognizer = build_recognizer(s)
+        self.synthesizer = build_synthesizer(s)
+        self.responders = build_responders(s)
+        self.default_responder = s.reply.engine
+        from voicebot.audio.endpoint import silero_session
+
+        silero_session()
+        for engine in (self.recognizer, self.synthesizer, *self.responders.values()):
+            engine.load()
+        pools = [self.audio_worker, *self.recognizer.workers(), *self.synthesizer.workers()]
+        self.admission = Admission(pools, s.limits.max_worker_load)
+        self.ready = True
+
+    async def start_cluster(self) -> None:
+        """On the event loop, after load(): ClusterUnavailable stops start-up (a configured Redis must answer)."""
+        if self.cluster is not None:
+            await self.cluster.start()
+
+    async def close(self) -> None:
+        for session in list(self.sessions.values()):
+            await session.close()
+        if self.cluster is not None:
+            await self.cluster.close()  # after the sessions: their conversations reach Redis first
+        for engine in (self.recognizer, self.synthesizer):
+            if engine is not None:
+                engine.close()
+        for responder in self.responders.values():
+            await responder.aclose()
+        self.audio_worker.shutdown()
+
+    def replies_in_progress(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.replying)
+
+    def _cluster_changed(self, up: bool) -> None:
+        if up:
+            return
+        message = "lost the cluster's Redis: a reconnect may not find this conversation on another server"
+        for session in list(self.sessions.values()):
+            task = asyncio.ensure_future(session.outbox.error(CLUSTER_UNAVAILABLE, message))
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)
