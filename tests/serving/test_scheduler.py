@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -151,3 +152,37 @@ def test_metrics_are_read_from_the_scheduler(lm):
     assert 'voicebot_scheduler_refused_total{scheduler="dev0"} 1.0' in text
     assert 'voicebot_scheduler_free_slots{scheduler="dev0"} 4.0' in text
     assert f'voicebot_scheduler_capacity_sessions{{scheduler="dev0"}} {float(scheduler.capacity())}' in text
+
+
+def test_a_render_with_slack_waits_a_few_steps_for_company_a_due_one_never(lm):
+    """While another row decodes, a render whose listener has seconds of audio left waits up to
+    render_hold_steps steps; one already due (a new reply's first chunk) goes at the next step."""
+    scheduler = make_scheduler(lm, render_hold_steps=3)
+    steps_at_render: list[int] = []
+    scheduler.render_chunks = lambda chunks: steps_at_render.append(sum(scheduler.batch_sizes.values())) or [
+        np.zeros(10, dtype=np.float32) for _ in chunks]
+    scheduler.start()
+
+    async def run():
+        text, prompt_text, prompt_speech, _ = REQUESTS[1]
+        row = await scheduler.open_row(lambda logp, history: int(logp[:60].argmax()), None, 0)
+        await scheduler.call(lambda: scheduler.pool.start(row, unistream(lm, 256, text, prompt_text, prompt_speech,
+                                                                         min_token_text_ratio=20)), 0)
+        decoding = asyncio.ensure_future(scheduler.decode(row, 60, 0))
+        await asyncio.sleep(0.05)
+        before = sum(scheduler.batch_sizes.values())
+        await scheduler.render("due", deadline=0.0)
+        due_after = steps_at_render[-1] - before
+        started = sum(scheduler.batch_sizes.values())
+        await scheduler.render("spare", deadline=time.monotonic() + 60)
+        held_for = steps_at_render[-1] - started
+        await decoding
+        scheduler.release(row)
+        return due_after, held_for
+
+    try:
+        due_after, held_for = asyncio.run(run())
+    finally:
+        scheduler.stop()
+    # (a step or two may pass while a request travels to the thread)
+    assert due_after <= 2 and 3 <= held_for <= 5
