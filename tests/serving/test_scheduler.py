@@ -154,9 +154,11 @@ def test_metrics_are_read_from_the_scheduler(lm):
     assert f'voicebot_scheduler_capacity_sessions{{scheduler="dev0"}} {float(scheduler.capacity())}' in text
 
 
-def test_a_render_with_slack_waits_a_few_steps_for_company_a_due_one_never(lm):
-    """While another row decodes, a render whose listener has seconds of audio left waits up to
-    render_hold_steps steps; one already due (a new reply's first chunk) goes at the next step."""
+@pytest.mark.parametrize("decode_deadline", ["later", "sooner"])
+def test_a_render_with_slack_waits_for_company_or_more_urgent_decoding_a_due_one_never(lm, decode_deadline):
+    """While another row decodes, a render whose listener has a minute of audio left waits up to
+    render_hold_steps steps, or, when that row's deadline is sooner, until the row has its tokens;
+    one already due (a new reply's first chunk) goes at the next step."""
     scheduler = make_scheduler(lm, render_hold_steps=3)
     steps_at_render: list[int] = []
     scheduler.render_chunks = lambda chunks: steps_at_render.append(sum(scheduler.batch_sizes.values())) or [
@@ -168,7 +170,8 @@ def test_a_render_with_slack_waits_a_few_steps_for_company_a_due_one_never(lm):
         row = await scheduler.open_row(lambda logp, history: int(logp[:60].argmax()), None, 0)
         await scheduler.call(lambda: scheduler.pool.start(row, unistream(lm, 256, text, prompt_text, prompt_speech,
                                                                          min_token_text_ratio=20)), 0)
-        decoding = asyncio.ensure_future(scheduler.decode(row, 60, 0))
+        deadline = time.monotonic() + (600 if decode_deadline == "later" else 30)
+        decoding = asyncio.ensure_future(scheduler.decode(row, 60, deadline))
         await asyncio.sleep(0.05)
         before = sum(scheduler.batch_sizes.values())
         await scheduler.render("due", deadline=0.0)
@@ -176,13 +179,17 @@ def test_a_render_with_slack_waits_a_few_steps_for_company_a_due_one_never(lm):
         started = sum(scheduler.batch_sizes.values())
         await scheduler.render("spare", deadline=time.monotonic() + 60)
         held_for = steps_at_render[-1] - started
-        await decoding
+        tokens, _ = await decoding
         scheduler.release(row)
-        return due_after, held_for
+        return due_after, held_for, sum(scheduler.batch_sizes.values()) - started
 
     try:
-        due_after, held_for = asyncio.run(run())
+        due_after, held_for, steps_left = asyncio.run(run())
     finally:
         scheduler.stop()
     # (a step or two may pass while a request travels to the thread)
-    assert due_after <= 2 and 3 <= held_for <= 5
+    assert due_after <= 2
+    if decode_deadline == "later":
+        assert 3 <= held_for <= 5
+    else:
+        assert held_for == steps_left > 10  # the decoding row went first, all its steps

@@ -15,8 +15,8 @@ one prefill chunk (the most urgent), so a new prompt holds the others' decode fo
 then the most urgent `Render`s, at most `max_render_batch` of them, in one `render` call (one flow
 call and one vocoder call for all of them: Token2Wav.render). Sessions reach their chunk boundaries
 at different steps, so a render whose listener still has audio to spare (more than twice the last
-render call's cost plus RENDER_MARGIN_S) may wait up to `render_hold_steps` LM steps for others to
-join it; a new reply's first chunk never waits. A deadline is when that session's listener runs out of audio;
+render call's cost plus RENDER_MARGIN_S) waits while a more urgent row decodes, and up to
+`render_hold_steps` LM steps for others to join it; a new reply's first chunk never waits. A deadline is when that session's listener runs out of audio;
 a new reply's has already passed, so its first chunk goes first. A released row (barge-in, the end
 of an utterance) leaves the batch at the next iteration and its slot is free for the next `OpenRow`.
 
@@ -373,12 +373,17 @@ class Scheduler:
             self._answer(request, samples)
 
     def _may_hold(self, urgent: Render) -> bool:
-        """Hold the renders one more step: others are decoding towards a chunk, the batch has room,
-        and the most urgent one's listener has audio to spare."""
-        if not self._decoding or len(self._renders) >= self.max_render_batch or urgent.held >= self.render_hold_steps:
+        """Hold the renders one more step, if the most urgent one's listener has audio to spare and
+        the batch has room: while a decoding row is more urgent still (earliest deadline first
+        across kinds: a new reply's first chunk is not kept waiting behind others' renders), or for
+        up to render_hold_steps steps while others decode towards a chunk of their own."""
+        if not self._decoding or len(self._renders) >= self.max_render_batch:
             return False
-        spare = urgent.deadline - time.monotonic()
-        return spare > 2 * (self.costs.render_call or 0.0) + RENDER_MARGIN_S
+        if urgent.deadline - time.monotonic() <= 2 * (self.costs.render_call or 0.0) + RENDER_MARGIN_S:
+            return False
+        if min(request.deadline for request in self._decoding.values()) < urgent.deadline:
+            return True
+        return urgent.held < self.render_hold_steps
 
     def _answer_decodes(self) -> None:
         for row, request in list(self._decoding.items()):
