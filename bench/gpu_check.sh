@@ -11,7 +11,11 @@ out=${OUT:-/tmp}/gpu_check.txt
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
   # Which LM attention kernel fp16 on this GPU gets (flash_attn when flash-attn imports, else sdpa).
   PYTHONPATH=. python3 -c "import torch; from voicebot.tts.cosyvoice2.lm import attention_backend; print('LM attention:', attention_backend(torch.device('cuda'), torch.float16))"
+  # Many sessions through the scheduler at released size, fp16, CUDA graphs: the LM targets, then
+  # 64 sessions at 30 % duty (target: first audio p50 <= 250 ms, p95 <= 500 ms, no underruns), batched and not.
+  PYTHONPATH=. timeout 330 python3 bench/serve.py --size released --device cuda --dtype float16 --lm-targets \
+      --sessions 1,16,64 --duty 0.3 --seconds 30
   # CosyVoice 2 at released size, random weights, float16.
-  PYTHONPATH=. timeout 420 python3 bench/cosyvoice2.py --size released --device cuda --dtype float16 \
+  PYTHONPATH=. timeout 240 python3 bench/cosyvoice2.py --size released --device cuda --dtype float16 \
       --modes exact,fast --int8-modes '' --overlap-modes ''
 } 2>&1 | tee "$out"

@@ -20,25 +20,36 @@ CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 
 
-def _flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                     softmax_scale: float | None = None, causal: bool = False) -> torch.Tensor:
-    """flash-attn 2's flash_attn_func: q (B, T, H, D), k/v (B, S, H_kv, D) with query head h reading kv
-    head h // (H / H_kv); causal aligned bottom-right, query i seeing keys up to S - T + i."""
-    assert all(t.stride(-1) == 1 for t in (q, k, v)), "flash-attn needs the head dim contiguous"
-    T, S, group = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", q, k) * (softmax_scale or q.shape[-1] ** -0.5)
-    if causal:
-        visible = torch.arange(S)[None, :] <= torch.arange(T)[:, None] + S - T
-        scores = scores.masked_fill(~visible, -float("inf"))
-    return torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v)
+def _flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                             cache_seqlens: torch.Tensor | None = None, cache_batch_idx: torch.Tensor | None = None,
+                             softmax_scale: float | None = None, causal: bool = False) -> torch.Tensor:
+    """flash-attn 2's flash_attn_with_kvcache: q (B, T, H, D), caches (B_cache, S, H_kv, D) updated in
+    place with k/v (B, T, H_kv, D) at cache_seqlens[b] in row cache_batch_idx[b]; query head h reads kv
+    head h // (H / H_kv); causal aligned bottom-right, query t of row b seeing keys up to seqlens[b] + t."""
+    assert all(t.stride(-1) == 1 for t in (q, k_cache, v_cache, k, v)), "flash-attn needs the head dim contiguous"
+    assert cache_seqlens.dtype == cache_batch_idx.dtype == torch.int32
+    B, T, H, D = q.shape
+    out = []
+    for b in range(B):
+        row, start = int(cache_batch_idx[b]), int(cache_seqlens[b])
+        k_cache[row, start : start + T], v_cache[row, start : start + T] = k[b], v[b]
+        keys, values = k_cache[row, : start + T], v_cache[row, : start + T]  # (S, H_kv, D)
+        group = H // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,shd->hts", q[b], keys) * (softmax_scale or D**-0.5)
+        if causal:
+            visible = torch.arange(start + T)[None, :] <= torch.arange(T)[:, None] + start
+            scores = scores.masked_fill(~visible, -float("inf"))
+        out.append(torch.einsum("hts,shd->thd", scores.softmax(-1), values))
+    return torch.stack(out)
 
 
 @pytest.fixture
 def flash_attn(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     """An importable flash_attn and an Ampere-or-newer GPU, as far as attention_backend can tell."""
     module = types.ModuleType("flash_attn")
-    module.flash_attn_func = _flash_attn_func
+    module.flash_attn_with_kvcache = _flash_attn_with_kvcache
     monkeypatch.setitem(sys.modules, "flash_attn", module)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     return module
@@ -64,8 +75,8 @@ def test_sdpa_on_gpus_older_than_ampere(flash_attn: types.ModuleType, monkeypatc
     assert attention_backend(CUDA, torch.float16) == "sdpa"
 
 
-def test_sdpa_without_flash_attn_func(flash_attn: types.ModuleType) -> None:
-    del flash_attn.flash_attn_func  # some other package of that name
+def test_sdpa_without_flash_attn_with_kvcache(flash_attn: types.ModuleType) -> None:
+    del flash_attn.flash_attn_with_kvcache  # some other package of that name, or a flash-attn 1
     assert attention_backend(CUDA, torch.float16) == "sdpa"
 
 
@@ -177,3 +188,28 @@ def test_flash_path_generates_what_sdpa_does_from_a_copied_prompt_prefix(lms: di
     sdpa, flash = run(lms["sdpa"]), run(lms["flash_attn"])
     assert len(sdpa) == 12
     torch.testing.assert_close(torch.stack(flash), torch.stack(sdpa), atol=1e-5, rtol=0)
+
+
+def test_flash_path_equals_sdpa_for_rows_at_different_lengths_in_any_slots(lms: dict[str, CosyVoice2LM]) -> None:
+    """A batched decode step: three rows at positions 4, 9 and 6, living in slots 3, 0 and 2 of the pool."""
+    lengths, slots = [4, 9, 6], torch.tensor([3, 0, 2])
+    prefixes = [torch.randn(1, n, 32) for n in lengths]
+    step = torch.randn(3, 1, 32)
+
+    def run(lm: CosyVoice2LM) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = lm.new_cache(40, batch=4)
+        with torch.inference_mode():
+            for x, slot in zip(prefixes, slots):
+                lm.qwen(x, torch.arange(x.shape[1]), cache, slots=slot.reshape(1))
+            return lm.qwen(step, torch.tensor(lengths)[:, None], cache, slots=slots), cache.k
+
+    (sdpa, sdpa_k), (flash, flash_k) = run(lms["sdpa"]), run(lms["flash_attn"])
+    torch.testing.assert_close(flash, sdpa, atol=1e-5, rtol=0)
+    torch.testing.assert_close(flash_k, sdpa_k, atol=1e-5, rtol=0)
+    # and each row is what that row alone computes
+    for i, (x, n) in enumerate(zip(prefixes, lengths)):
+        cache = lms["sdpa"].new_cache(40)
+        with torch.inference_mode():
+            lms["sdpa"].qwen(x, torch.arange(n), cache)
+            alone = lms["sdpa"].qwen(step[i : i + 1], torch.tensor([n]), cache)
+        torch.testing.assert_close(sdpa[i : i + 1], alone, atol=1e-6, rtol=0)

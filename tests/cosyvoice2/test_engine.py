@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +19,12 @@ from pydantic import ValidationError
 from tiny_frontend import make_model_dir
 from voicebot.config import Cosyvoice2Config
 from voicebot.tts.base import SAMPLE_RATE
+from voicebot.serving import scheduler as scheduler_mod
 from voicebot.tts.cosyvoice2 import engine as engine_mod
 from voicebot.tts.cosyvoice2 import lm as lm_mod
 from voicebot.tts.cosyvoice2.bistream import Bistream
 from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer
+from voicebot.tts.cosyvoice2.lm import generate, run_alone
 from voicebot.tts.cosyvoice2.quant import DynamicInt8Linear
 
 SAMPLES_PER_TOKEN = 2 * 480  # two mel frames of 480 samples
@@ -42,7 +48,7 @@ def test_reported_attention_is_the_one_the_lm_calls(synth, monkeypatch):
     sdpa = lm_mod.F.scaled_dot_product_attention
     monkeypatch.setattr(lm_mod.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
     with torch.inference_mode():
-        synth.lm(synth.lm.speech_embedding.weight[:1].reshape(1, 1, -1), torch.tensor([0]), synth.new_cache())
+        synth.lm(synth.lm.speech_embedding.weight[:1].reshape(1, 1, -1), torch.tensor([0]), synth.lm.new_cache(64))
     assert len(calls) == synth.lm.cfg.num_hidden_layers and synth.info().details["attention"] == "sdpa"
 
 
@@ -120,11 +126,12 @@ def run_bistream_directly(synth, voice_name: str, sentences: list[str], seed: in
     voice, frontend = synth.library[voice_name], synth.library.frontend.text
     generator = torch.Generator().manual_seed(seed)
     sampler = engine_mod.RasSampler.from_hparams(synth.hparams["llm"]["sampling"], generator)
-    lm = Bistream(synth.lm, synth.new_cache(), sampler, voice.prompt_text, voice.lm_prompt_speech)
+    cache = synth.lm.new_cache(synth.config.kv_cache_tokens)
+    lm = Bistream(synth.lm, cache.max_seq_len, voice.prompt_text, voice.lm_prompt_speech)
     tokens = []
     for i, sentence in enumerate(sentences):
-        tokens += lm.push(frontend.encode((" " if i else "") + frontend.normalize(sentence)))
-    tokens += lm.finish()
+        tokens += run_alone(synth.lm, cache, sampler, lm.push(frontend.encode((" " if i else "") + frontend.normalize(sentence))))
+    tokens += run_alone(synth.lm, cache, sampler, lm.finish())
     stream = synth.token2wav.stream(
         engine_mod.FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
     )
@@ -162,37 +169,44 @@ def test_bistream_starts_a_new_request_when_one_is_full(synth, fixed_length, mon
     assert texts == {0: "Hello world.", 1: "This is a test.", 2: "Goodbye now!"}
 
 
+def decode_steps(synth) -> int:
+    return sum(synth.scheduler.batch_sizes.values())
+
+
+def all_slots_free(synth, timeout: float = 5.0) -> bool:
+    """Releases reach the scheduler thread asynchronously: wait (bounded) for them to be applied."""
+    deadline = time.monotonic() + timeout
+    while synth.scheduler.pool.free != synth.config.batch_slots and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return synth.scheduler.pool.free == synth.config.batch_slots
+
+
 def test_nothing_to_say_yields_nothing(synth):
+    steps = decode_steps(synth)
+
     async def run():
         context = synth.open()
         out = [c async for c in context.stream(_deltas("... !?"))]
         with pytest.raises(KeyError):
             context.set_voice("nobody")
         await context.close()
-        return out, context.cache
+        return out
 
-    out, cache = asyncio.run(run())
-    assert out == [] and cache is None  # no LM work, so no KV cache was ever allocated
+    assert asyncio.run(run()) == []
+    assert decode_steps(synth) == steps and all_slots_free(synth)  # no LM work
 
 
-def test_cancel_stops_work_promptly(synth, monkeypatch, fixed_length):
-    steps = []
-    original = engine_mod._Utterance.step
-
-    def counted(self):
-        steps.append(1)
-        return original(self)
-
-    monkeypatch.setattr(engine_mod._Utterance, "step", counted)
-
+def test_cancel_stops_work_promptly_and_frees_the_slot(synth, fixed_length):
     async def run():
         context = synth.open()
         stream = context.stream(_deltas("Hello world, one two three, this is a tiny test of the tokenizer. " * 3))
         first = await anext(stream)
         await stream.aclose()  # the consumer (barge-in) stops iterating
-        after_cancel = len(steps)
         await asyncio.sleep(0.2)
-        assert synth.worker.pending == 0 and len(steps) == after_cancel
+        after_cancel = decode_steps(synth)
+        await asyncio.sleep(0.2)
+        assert decode_steps(synth) == after_cancel and synth.scheduler.pending == 0
+        assert all_slots_free(synth)
         # The session is still usable after a cancelled reply.
         again = [c async for c in context.stream(_deltas("Hi there."))]
         await context.close()
@@ -202,15 +216,8 @@ def test_cancel_stops_work_promptly(synth, monkeypatch, fixed_length):
     assert first.audio.size and again
 
 
-def test_sessions_interleave_on_the_worker(synth, monkeypatch, fixed_length):
-    order = []
-    original = engine_mod._Utterance.step
-
-    def tagged(self):
-        order.append(id(self))
-        return original(self)
-
-    monkeypatch.setattr(engine_mod._Utterance, "step", tagged)
+def test_sessions_decode_in_one_batch(synth, fixed_length):
+    synth.scheduler.batch_sizes.clear()
 
     async def one(voice):
         context = synth.open(voice)
@@ -219,27 +226,28 @@ def test_sessions_interleave_on_the_worker(synth, monkeypatch, fixed_length):
         return out
 
     async def run():
-        return await asyncio.gather(one("anna"), one("tiny_zero_shot_spk"))
+        return await asyncio.gather(one("anna"), one("tiny_zero_shot_spk"), one("anna"))
 
-    a, b = asyncio.run(run())
-    assert a and b
-    switches = sum(1 for x, y in zip(order, order[1:]) if x != y)
-    assert len(set(order)) == 2 and switches > 2  # not one reply after the other
+    assert all(asyncio.run(run()))
+    assert max(synth.scheduler.batch_sizes) >= 2  # rows of several sessions in one forward
+    assert synth.info().details["scheduler"]["batch_sizes"] == dict(sorted(synth.scheduler.batch_sizes.items()))
 
 
-def test_reset_rebuilds_session_state(synth, fixed_length, sentences_mode):
+def test_reset_swaps_in_a_voice_state_derived_off_the_scheduler(synth, fixed_length, sentences_mode, monkeypatch):
+    derived_on = []
+    original = synth._derive_voice
+    monkeypatch.setattr(synth, "_derive_voice", lambda name: derived_on.append(threading.current_thread().name) or original(name))
+
     async def run():
-        context = synth.open("anna")
-        [c async for c in context.stream(_deltas("Hello world."))]
-        cache, voice = context.cache, synth.library["anna"]
+        a, b = synth.open("anna"), synth.open("anna")
+        [c async for c in a.stream(_deltas("Hello world."))]
+        voice = synth.library["anna"]
         prefix = synth.lm_prefix(voice)
         flow_state = synth.token2wav.prompt_state(engine_mod.flow_prompt(voice, synth.device, synth.dtype))
-        report = await context.reset()
-        assert report.engine == "cosyvoice2" and report.generation == 1
-        assert report.bytes_freed == cache.nbytes() > 0
-        assert context.cache is not cache and context.cache.k.data_ptr() != cache.k.data_ptr()
-        # The voice's prompt state was re-derived, every part of it into new buffers (already
-        # rebuilt by the reset, not on the next reply), with the same values: the source is unchanged.
+        reports = await asyncio.gather(a.reset(), b.reset())  # two sessions of one voice: one derivation
+        assert [r.generation for r in reports] == [1, 1] and derived_on == ["cosyvoice2-voices_0"]
+        assert sorted(r.bytes_freed for r in reports)[0] == 0 and max(r.bytes_freed for r in reports) >= voice.nbytes()
+        # Every part of the voice's state is new, with the same values: the source is unchanged.
         fresh = synth.library["anna"]
         assert fresh is not voice and fresh.prompt_feat.data_ptr() != voice.prompt_feat.data_ptr()
         assert synth._lm_prefixes["anna"][0] is fresh
@@ -247,14 +255,14 @@ def test_reset_rebuilds_session_state(synth, fixed_length, sentences_mode):
         assert new_prefix.k.data_ptr() != prefix.k.data_ptr()
         torch.testing.assert_close(new_prefix.k, prefix.k, rtol=0, atol=0)
         fresh_prompt = engine_mod.flow_prompt(fresh, synth.device, synth.dtype)
-        assert fresh_prompt.key() in synth.token2wav.prompt_state_bytes()  # rebuilt, not left for the next reply
         new_state = synth.token2wav.prompt_state(fresh_prompt)
         assert new_state is not flow_state and new_state.n_frames == flow_state.n_frames > 0
         assert new_state.steps[0].keys[0].data_ptr() != flow_state.steps[0].keys[0].data_ptr()
-        assert (await context.reset()).generation == 2
-        out = [c async for c in context.stream(_deltas("Hello world."))]
-        await context.close()
-        assert context.cache is None and context not in synth.contexts
+        assert (await a.reset()).generation == 2
+        out = [c async for c in a.stream(_deltas("Hello world."))]
+        await a.close()
+        await b.close()
+        assert a not in synth.contexts
         return out
 
     assert asyncio.run(run())
@@ -264,16 +272,9 @@ def test_engine_audio_equals_the_model_run_directly(synth, fixed_length, sentenc
     """The wiring: the same voice prompt, text ids and noise seed through generate + Token2WavStream.
     The engine starts the LM from the voice's cached prompt prefix; run directly, it prefills all."""
     text = "Hello world."
-    engine_tokens, prefixes = [], []
-    original_generate = engine_mod.generate
-
-    def spy(*args, **kwargs):
-        prefixes.append(kwargs.get("prefix"))
-        for token in original_generate(*args, **kwargs):
-            engine_tokens.append(token)
-            yield token
-
-    monkeypatch.setattr(engine_mod, "generate", spy)
+    prefixes = []
+    original_unistream = engine_mod.unistream
+    monkeypatch.setattr(engine_mod, "unistream", lambda *a, **k: prefixes.append(k.get("prefix")) or original_unistream(*a, **k))
 
     async def run():
         context = synth.open("tiny_zero_shot_spk")
@@ -288,12 +289,13 @@ def test_engine_audio_equals_the_model_run_directly(synth, fixed_length, sentenc
     ids = synth.library.frontend.text.encode(synth.library.frontend.text.normalize(text))
     generator = torch.Generator().manual_seed(7)
     sampler = engine_mod.RasSampler.from_hparams(synth.hparams["llm"]["sampling"], generator)
-    tokens = list(original_generate(synth.lm, synth.new_cache(), sampler, ids, voice.prompt_text, voice.lm_prompt_speech))
+    tokens = list(generate(synth.lm, synth.lm.new_cache(synth.config.kv_cache_tokens), sampler, ids, voice.prompt_text,
+                           voice.lm_prompt_speech))
     stream = synth.token2wav.stream(
         engine_mod.FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
     )
     direct = torch.cat([*stream.push(tokens), stream.finish()], dim=1)[0].numpy()
-    assert len(tokens) == N_TOKENS and engine_tokens == tokens
+    assert len(tokens) == N_TOKENS
     np.testing.assert_allclose(streamed, direct, atol=1e-6)
     # the prefix was used, and it is the voice's one cached copy
     assert prefixes == [synth.lm_prefix(voice)] and prefixes[0].length == 1 + voice.prompt_text.shape[1] > 1
@@ -301,16 +303,14 @@ def test_engine_audio_equals_the_model_run_directly(synth, fixed_length, sentenc
 
 
 def test_first_chunk_leaves_as_soon_as_its_tokens_exist(synth, fixed_length, monkeypatch):
-    seen = []  # (tokens decoded, tokens the first chunk needs, audio returned) per step
-    original = engine_mod._Utterance.step
+    seen = []  # (tokens decoded, tokens the chunk needs) per chunk rendered
+    original = synth.token2wav.render
 
-    def spy(self):
-        need = self.stream.tokens_for_next_chunk
-        audio, done = original(self)
-        seen.append((len(self.stream.tokens), need, bool(audio)))
-        return audio, done
+    def spy(chunks):
+        seen.extend((len(c.stream.tokens), c.n_tokens) for c in chunks)
+        return original(chunks)
 
-    monkeypatch.setattr(engine_mod._Utterance, "step", spy)
+    monkeypatch.setattr(synth.token2wav, "render", spy)
 
     async def run():
         context = synth.open("anna")
@@ -318,7 +318,7 @@ def test_first_chunk_leaves_as_soon_as_its_tokens_exist(synth, fixed_length, mon
         await context.close()
 
     asyncio.run(run())
-    decoded, needed, _ = next(s for s in seen if s[2])
+    decoded, needed = seen[0]
     assert decoded == needed  # no LM step was spent past the chunk boundary before its audio
 
 
@@ -351,3 +351,120 @@ def test_int8_lm_engine_streams(tmp_path, cv2_dir, monkeypatch):
 def test_int8_lm_is_refused_off_cpu_float32(device, dtype):
     with pytest.raises(ValidationError, match="lm_int8 needs device: cpu"):
         Cosyvoice2Config(lm_int8=True, device=device, dtype=dtype)
+
+
+# --- the same output in a batch as alone
+
+
+async def _reply(synth, voice: str, seed: int, text: str, started: asyncio.Event | None = None,
+                 after: asyncio.Event | None = None, cancel_after: int | None = None) -> np.ndarray:
+    """One session's reply audio, seeded: it starts once `after` is set, sets `started` at its first
+    chunk, and stops iterating (barge-in) after `cancel_after` chunks."""
+    if after is not None:
+        await after.wait()
+    context = synth.open(voice)
+    context.generator.manual_seed(seed)
+    audio = []
+    async with contextlib.aclosing(context.stream(_deltas(text))) as chunks:
+        async for chunk in chunks:
+            audio.append(chunk.audio)
+            if started is not None:
+                started.set()
+            if cancel_after is not None and len(audio) >= cancel_after:
+                break
+    await context.close()
+    return np.concatenate(audio)
+
+
+REPLIES = {  # voice, seed, text: three prompt lengths (50 prompt tokens, the fixture's, none)
+    "a": ("anna", 1, "Hello world, this is a test of the tokenizer."),
+    "b": ("tiny_zero_shot_spk", 2, "This is test three of the tokenizer, hello!"),
+    "c": ("anna", 3, "One two three, this is a tiny test of the tokenizer. " * 2),
+    "d": ("tiny_sft_spk", 4, "Hi there, world."),
+}
+
+
+@pytest.mark.parametrize("text_input", ["bistream", "sentences"])
+def test_a_session_in_a_batch_sounds_as_it_does_alone(synth, monkeypatch, text_input):
+    """Real RAS sampling, each session its own seed. Together: a and c start at once, c is cancelled
+    after its first chunk (leaves mid-reply), b joins at a's first chunk, d (no prompt, short) joins
+    with b and leaves first. Each audio equals that session's reply run alone, LM steps and flow/HiFT
+    chunks shared with the others."""
+    monkeypatch.setattr(synth.config, "text_input", text_input)
+    alone = {key: asyncio.run(_reply(synth, *spec)) for key, spec in REPLIES.items() if key != "c"}
+    synth.scheduler.batch_sizes.clear()
+    synth.scheduler.render_sizes.clear()
+    # Every chunk waits for company, up to 40 steps, whatever its listener's slack: the sessions'
+    # chunk boundaries fall many steps apart, and renders of several sessions are what is tested.
+    monkeypatch.setattr(synth.scheduler, "render_hold_steps", 40)
+    monkeypatch.setattr(scheduler_mod, "RENDER_MARGIN_S", -math.inf)
+
+    async def together():
+        a_started = asyncio.Event()
+        return await asyncio.gather(
+            _reply(synth, *REPLIES["a"], started=a_started),
+            _reply(synth, *REPLIES["b"], after=a_started),
+            _reply(synth, *REPLIES["c"], cancel_after=1),
+            _reply(synth, *REPLIES["d"], after=a_started),
+        )
+
+    a, b, c, d = asyncio.run(together())
+    assert max(synth.scheduler.batch_sizes) >= 3, synth.scheduler.batch_sizes  # they did share LM steps
+    assert max(synth.scheduler.render_sizes) >= 2, synth.scheduler.render_sizes  # and flow/HiFT calls
+    for key, audio in zip("abd", (a, b, d)):
+        assert len(audio) == len(alone[key]), key
+        np.testing.assert_allclose(audio, alone[key], atol=1e-5, rtol=0, err_msg=key)
+    assert c.size and all_slots_free(synth)
+
+
+def test_a_reset_never_stalls_another_session(synth, fixed_length, sentences_mode, monkeypatch):
+    """The voice state is derived beside the scheduler: made to take 3 s here, another session's
+    whole reply is rendered meanwhile."""
+    original = synth._derive_voice
+
+    def slow(name):
+        time.sleep(3.0)
+        return original(name)
+
+    monkeypatch.setattr(synth, "_derive_voice", slow)
+
+    async def run():
+        resetting, speaking = synth.open("anna"), synth.open("tiny_zero_shot_spk")
+        reset = asyncio.ensure_future(resetting.reset())
+        await asyncio.sleep(0.05)
+        audio = [c.audio async for c in speaking.stream(_deltas("Hello world."))]
+        reset_done_during_reply = reset.done()
+        report = await reset
+        await resetting.close()
+        await speaking.close()
+        return audio, reset_done_during_reply, report
+
+    audio, reset_done_during_reply, report = asyncio.run(run())
+    assert sum(map(len, audio)) == N_TOKENS * SAMPLES_PER_TOKEN and not reset_done_during_reply
+    assert report.generation == 1 and report.bytes_freed > 0
+
+
+def test_admission_refuses_past_capacity_with_a_retry_after(synth, monkeypatch):
+    costs = synth.scheduler.costs
+    monkeypatch.setattr(costs, "decode", {1: 0.01, 2: 0.02, 4: 1.0})  # 25 steps/s: 2 sessions fit in 0.8
+    monkeypatch.setattr(costs, "render_per_audio_s", 0.0)
+    monkeypatch.setattr(synth, "_lifetimes", engine_mod.deque(maxlen=4))  # no session has closed yet
+    monkeypatch.setattr(synth, "contexts", set())
+    assert synth.scheduler.capacity() == 2
+    refused = synth.scheduler.refused
+
+    async def run():
+        first = synth.open()
+        assert synth.admit() is None
+        second = synth.open()
+        retry = synth.admit()  # a third would make 3 speaking
+        await second.close()  # a session's lifetime is now known
+        again = synth.admit()
+        await first.close()
+        return retry, again
+
+    retry, again = asyncio.run(run())
+    assert retry == engine_mod.DEFAULT_RETRY_AFTER_S and again is None and len(synth._lifetimes) == 2
+    assert synth.scheduler.refused == refused + 1 == synth.info().details["scheduler"]["refused"]
+    monkeypatch.setattr(costs, "decode", {1: 10.0})  # nothing is real time: the first session is still let in
+    assert synth.scheduler.capacity() == 0 and synth.admit() is None

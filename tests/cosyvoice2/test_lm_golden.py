@@ -18,7 +18,7 @@ from torch import Tensor
 
 from voicebot.tts.cosyvoice2.bistream import Bistream
 from voicebot.tts.cosyvoice2.hparams import load_hparams
-from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Qwen2Config, build_lm_input, generate
+from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Qwen2Config, build_lm_input, generate, run_alone
 from voicebot.tts.cosyvoice2.loader import load_lm
 from voicebot.tts.cosyvoice2.sampling import RasSampler, greedy
 
@@ -106,12 +106,12 @@ def test_bistream(lm: CosyVoice2LM, cv2_golden: dict, cv2_meta: dict) -> None:
         return int(logp.argmax())
 
     cache = lm.new_cache(lm.cfg.max_position_embeddings)
-    stream = Bistream(lm, cache, sample, g["lm.prompt_text"], g["lm.prompt_speech_token"])
+    stream = Bistream(lm, cache.max_seq_len, g["lm.prompt_text"], g["lm.prompt_speech_token"])
     tokens: list[int] = []
     with recording(lm) as (logits, calls):
         for token in g["lm.bistream.text"].flatten():  # one text token at a time, as the frontend feeds
-            tokens += stream.push(token.reshape(1, 1))
-        tokens += stream.finish()
+            tokens += run_alone(lm, cache, sample, stream.push(token.reshape(1, 1)))
+        tokens += run_alone(lm, cache, sample, stream.finish())
     assert tokens == g["lm.bistream.yielded_tokens"].tolist()
     assert len(tokens) == meta["n_yielded"]
     assert calls == meta["forward_one_step_calls"]

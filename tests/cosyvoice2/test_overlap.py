@@ -1,4 +1,4 @@
-"""LM decoding on a background thread beside flow + HiFT (voicebot/tts/cosyvoice2/overlap.py)."""
+"""LM decoding on a background thread beside flow + HiFT (bench/overlap.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from voicebot.tts.cosyvoice2.overlap import overlapped
+from bench.overlap import overlapped
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 
 pytestmark = pytest.mark.golden

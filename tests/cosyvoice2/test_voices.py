@@ -80,13 +80,15 @@ def test_disk_cache_is_reused_and_keyed_by_content(tmp_path, frontend, monkeypat
         VoiceLibrary(frontend, cache).load_dir(voices_dir)
 
 
-def test_refresh_rebuilds_from_source(tmp_path, frontend, cv2_dir):
+def test_derive_rebuilds_from_source_and_put_swaps_it_in(tmp_path, frontend, cv2_dir):
     library = VoiceLibrary(frontend, tmp_path / "cache")
     old = library.add_wav("anna", _write_voice(tmp_path, "anna", 1.0, "Hi."), "Hi.")
     library.load_spk2info(cv2_dir / "spk2info.pt")
     for name in ("anna", "tiny_zero_shot_spk"):
         before = library[name]
-        after = library.refresh(name)
+        after = library.derive(name)
+        assert library[name] is before  # derived, not yet in use
+        library.put(after)
         assert library[name] is after and after.prompt_feat.data_ptr() != before.prompt_feat.data_ptr()
         torch.testing.assert_close(after.prompt_feat, before.prompt_feat)
     assert library["anna"].embedding.data_ptr() != old.embedding.data_ptr()

@@ -94,6 +94,11 @@ class Synthesizer(ABC):
     def open(self, voice: str | None = None) -> SynthesisContext:
         """Per-session state; `voice` None means the configured default. KeyError if unknown."""
 
+    def admit(self) -> float | None:
+        """Before open(): None when one more session fits, else the seconds after which to retry
+        (the caller answers `busy` with it). Engines without admission control always admit."""
+        return None
+
     @abstractmethod
     def info(self) -> EngineInfo: ...
 

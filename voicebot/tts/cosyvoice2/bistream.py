@@ -3,8 +3,9 @@
 Text arrives incrementally; the LM input interleaves blocks of mix_ratio = (5 text, 15 speech):
 first the prompt speech tokens, then after every 15 generated tokens a forced (or sampled) fill
 token pauses generation until 5 more text tokens have arrived. `push()` takes new text ids and
-yields the speech tokens they unlock; `finish()` feeds the leftover text and task_id and decodes
-until eos.
+returns the program (lm.py) that decodes the speech tokens they unlock; `finish()` the program that
+feeds the leftover text and task_id and decodes until eos. Each program must run to its end before
+the next call; `lm.run_alone` runs one at batch 1, the LM pool many in one batch.
 
 Where the official code raises on a special id that is not valid at that point (the unused
 speech_token_size + 1 anywhere, a fill after the text has ended), those ids are masked before
@@ -14,21 +15,22 @@ official ones whenever the official code does not raise.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from voicebot.tts.cosyvoice2.lm import MAX_TOKEN_TEXT_RATIO, CosyVoice2LM, KVCache, token_ids
-from voicebot.tts.cosyvoice2.sampling import Sampler
+from voicebot.tts.cosyvoice2.lm import MAX_TOKEN_TEXT_RATIO, CosyVoice2LM, Program, Step, token_ids
 
 
 class Bistream:
-    def __init__(self, lm: CosyVoice2LM, cache: KVCache, sample: Sampler,
+    """One bistream request in a cache slot of `max_seq_len` positions."""
+
+    def __init__(self, lm: CosyVoice2LM, max_seq_len: int,
                  prompt_text: Tensor | Sequence[int] | None = None,
                  prompt_speech: Tensor | Sequence[int] | None = None,
                  max_token_text_ratio: float = MAX_TOKEN_TEXT_RATIO) -> None:
-        self.lm, self.cache, self.sample = lm, cache, sample
+        self.lm, self.max_seq_len = lm, max_seq_len
         self.device = lm.llm_decoder.weight.device
         self.max_token_text_ratio = max_token_text_ratio
         prompt_text, prompt_speech = token_ids(prompt_text, self.device), token_ids(prompt_speech, self.device)
@@ -46,8 +48,8 @@ class Bistream:
         self.out: list[int] = []  # every output, fills included: the sampler's history, as official
         self.truncated = False  # finish() stopped at its length limit or the cache's end, before eos
 
-    def push(self, text: Tensor | Sequence[int]) -> Iterator[int]:
-        """Add text ids now; the returned generator must be exhausted before the next call."""
+    def push(self, text: Tensor | Sequence[int]) -> Program:
+        """Add text ids now; the returned program must run to its end before the next call."""
         ids = token_ids(text, self.device)
         self.n_text += len(ids)
         with torch.inference_mode():
@@ -55,7 +57,7 @@ class Bistream:
         return self._decode_with_text()
 
     @torch.inference_mode()
-    def _decode_with_text(self) -> Iterator[int]:
+    def _decode_with_text(self) -> Program:
         lm, (n_text, n_speech) = self.lm, self.lm.mix_ratio
         while self.prompt.shape[1] and self.text.shape[1] >= n_text:
             self.input = torch.cat([self.input, self.text[:, :n_text], self.prompt[:, :n_speech]], dim=1)
@@ -69,12 +71,8 @@ class Bistream:
             block, self.text = self.text[:, :n_text], self.text[:, n_text:]
             self.input = block if after_fill else torch.cat([self.input, block], dim=1)
         while True:
-            logp = self._forward()
-            if len(self.out) == self.next_fill:
-                token = lm.fill_token
-            else:
-                logp[[lm.eos, lm.eos + 1]] = -float("inf")
-                token = self.sample(logp, self.out)
+            forced = lm.fill_token if len(self.out) == self.next_fill else None
+            token = yield self._step(banned=(lm.eos, lm.eos + 1), forced=forced)
             self.out.append(token)
             if token == lm.fill_token:
                 self.next_fill = len(self.out) + n_speech
@@ -83,19 +81,17 @@ class Bistream:
             self.input = lm.speech_embedding.weight[token].reshape(1, 1, -1)
 
     @torch.inference_mode()
-    def finish(self) -> Iterator[int]:
+    def finish(self) -> Program:
         """No more text: decode until eos, at most int(n_text·max_ratio) speech tokens in all (the
-        official code has no limit) and never past the end of the cache."""
+        official code has no limit) and never past the end of the slot."""
         lm = self.lm
         self.input = torch.cat([self.input, self.text, self.task_id], dim=1)
         self.text = self.text[:, :0]
         n_speech = sum(t < lm.speech_token_size for t in self.out)
         limit = int(self.n_text * self.max_token_text_ratio)
         self.truncated = True  # until eos is sampled
-        while n_speech < limit and self.pos + self.input.shape[1] <= self.cache.max_seq_len:
-            logp = self._forward()
-            logp[[lm.eos + 1, lm.fill_token]] = -float("inf")
-            token = self.sample(logp, self.out)
+        while n_speech < limit and self.pos + self.input.shape[1] <= self.max_seq_len:
+            token = yield self._step(banned=(lm.eos + 1, lm.fill_token))
             self.out.append(token)
             if token == lm.eos:
                 self.truncated = False
@@ -104,10 +100,10 @@ class Bistream:
             n_speech += 1
             self.input = lm.speech_embedding.weight[token].reshape(1, 1, -1)
 
-    def _forward(self) -> Tensor:
+    def _step(self, banned: tuple[int, ...], forced: int | None = None) -> Step:
         n = self.input.shape[1]
-        if self.pos + n > self.cache.max_seq_len:
-            raise RuntimeError(f"KV cache of {self.cache.max_seq_len} positions is full; split the text")
-        pos = torch.arange(self.pos, self.pos + n, device=self.device)
+        if self.pos + n > self.max_seq_len:
+            raise RuntimeError(f"KV cache of {self.max_seq_len} positions is full; split the text")
+        step = Step(self.input, self.pos, self.out, banned, forced)
         self.pos += n
-        return self.lm(self.input, pos, self.cache)
+        return step

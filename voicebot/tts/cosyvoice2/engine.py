@@ -4,41 +4,56 @@ Text is cut into sentences as it arrives (SentenceSegmenter) and each sentence i
 `text_input: bistream` (the default) the sentences of a reply are pushed one by one into an LM
 request that mixes text and speech tokens (official inference_bistream), a new request every
 60-odd text tokens; with `text_input: sentences` each sentence, split into utterances if long, is
-one official unistream request, which starts from the voice's cached LM prompt prefix. Either way
-the LM decodes speech tokens into the session's KV cache while Token2WavStream renders them chunk
-by chunk. All model work runs on one Worker thread per device in small steps (a few LM tokens, and at
-most the flow/HiFT chunk they complete), so concurrent sessions interleave and a cancelled reply
-stops after the step in flight. One thread also serialises every use of a session's KV cache: a
-new reply's first step always runs after the cancelled reply's last one.
+one official unistream request, which starts from the voice's cached LM prompt prefix.
+
+All model work runs on the device's `Scheduler` thread (voicebot/serving/scheduler.py): each
+utterance holds a slot of the pooled LM cache for its life, the decode steps of every speaking
+session run as one batch, and the flow/HiFT chunks their tokens complete run earliest deadline
+first, the chunks of several sessions in one flow call and one HiFT call (Token2Wav.render).
+`Utterance.chunks` is the step loop: tokens up to the next chunk boundary, then that chunk's audio,
+so each session's generator is drawn in one fixed order whoever else is speaking, and a cancelled
+reply leaves the batch at the next step.
+
+A voice's prompt state (features, LM prefix, flow prompt state) is derived once per voice on a
+background thread and swapped in between steps: a session's periodic reset never stalls the others.
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
+import concurrent.futures
+import functools
 import logging
+import math
+import statistics
+import time
+from collections import deque
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator
 
 import numpy as np
 import torch
 
 from voicebot.config import Cosyvoice2Config
 from voicebot.engine_reports import EngineInfo, ResetReport
-from voicebot.serving.worker import Worker
-from voicebot.tts.base import SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
+from voicebot.serving.lm_pool import LMPool, LMRow
+from voicebot.serving.scheduler import Scheduler
+from voicebot.tts.base import SAMPLE_RATE, SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
 from voicebot.tts.segmenter import sentences
 from voicebot.tts.cosyvoice2.bistream import Bistream
 from voicebot.tts.cosyvoice2.frontend import Frontend, language, only_punctuation
-from voicebot.tts.cosyvoice2.lm import KVCache, PromptPrefix, generate, prompt_prefix
-from voicebot.tts.cosyvoice2.loader import load_cosyvoice2, resolve_device, resolve_dtype, resolve_model_dir
+from voicebot.tts.cosyvoice2.lm import PromptPrefix, prompt_prefix, unistream
+from voicebot.tts.cosyvoice2.loader import CosyVoice2Modules, load_cosyvoice2, resolve_device, resolve_dtype, resolve_model_dir
 from voicebot.tts.cosyvoice2.quant import quantize_lm
 from voicebot.tts.cosyvoice2.sampling import RasSampler
-from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav, Token2WavStream
+from voicebot.tts.cosyvoice2.token2wav import ChunkRequest, FlowPrompt, Token2Wav, Token2WavStream
 from voicebot.tts.cosyvoice2.voices import Voice, VoiceLibrary
 
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = "tts.cosyvoice2.model"
+SESSION_LIFETIMES = 64  # closed sessions' lifetimes kept for the retry-after estimate
+DEFAULT_RETRY_AFTER_S = 30.0  # before any session has closed
 
 
 # --- the shared engine
@@ -52,38 +67,79 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.default_voice = default_voice
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.worker = Worker(f"cosyvoice2-{self.device}", threads=1)
+        self.scheduler: Scheduler | None = None
         self.library: VoiceLibrary | None = None
         self.contexts: set[CosyVoice2Context] = set()
         self.model_dir: Path | None = None
-        # voice name -> (the Voice it was computed from, its LM prompt prefix); worker thread only
+        # voice name -> (the Voice it was computed from, its LM prompt prefix); scheduler thread only
         self._lm_prefixes: dict[str, tuple[Voice, PromptPrefix]] = {}
+        # Voice states are derived here, one at a time, beside the scheduler (never on it).
+        self._voice_thread = concurrent.futures.ThreadPoolExecutor(
+            1, "cosyvoice2-voices", initializer=torch.set_num_threads, initargs=(1,))
+        self._refreshing: dict[str, asyncio.Future[int]] = {}  # voice -> its refresh in flight
+        self._lifetimes: deque[float] = deque(maxlen=SESSION_LIFETIMES)
 
     def load(self) -> None:
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         self.model_dir = resolve_model_dir(self.config.model, self.config.model_cache, CONFIG_KEY)
         modules = load_cosyvoice2(self.model_dir, self.device, self.dtype)
-        self.hparams, self.lm = modules.hparams, modules.lm
-        if self.config.lm_int8:  # after the strict checkpoint load: the wrappers change the module tree
-            quantize_lm(self.lm)
-        self.token2wav = Token2Wav(modules.flow, modules.hift, mode=self.config.stream_mode,
-                                   max_prompt_states=self.config.flow_prompt_states)
         library = VoiceLibrary(Frontend.from_model_dir(self.model_dir, cuda=self.device.type == "cuda"),
                                self.config.voice_cache_dir)
         if (self.model_dir / "spk2info.pt").is_file():
             library.load_spk2info(self.model_dir / "spk2info.pt")
         if self.config.voices_dir and Path(self.config.voices_dir).is_dir():
             library.load_dir(self.config.voices_dir)
+        self.serve(modules, library)
+
+    def serve(self, modules: CosyVoice2Modules, library: VoiceLibrary) -> None:
+        """Serve these modules and voices: `load` does it with the configured model directory,
+        bench/serve.py with released-size modules of random weights."""
+        self.model_dir, self.hparams, self.lm = modules.model_dir, modules.hparams, modules.lm
+        if self.config.lm_int8:  # after the strict checkpoint load: the wrappers change the module tree
+            quantize_lm(self.lm)
+        self.token2wav = Token2Wav(modules.flow, modules.hift, mode=self.config.stream_mode,
+                                   max_prompt_states=self.config.flow_prompt_states)
         if self.default_voice not in library:
             raise ValueError(f"tts.voice {self.default_voice!r} is not a CosyVoice 2 voice; have {library.names()}")
         self.library = library
         self._warm_flow_prompt_state(library[self.default_voice])
-        log.info("cosyvoice2 loaded from %s on %s/%s, %d voices", self.model_dir, self.device, self.dtype,
-                 len(library.names()))
+        pool = LMPool(self.lm, self.config.batch_slots, self.config.kv_cache_tokens, self.config.prefill_chunk_tokens,
+                      graphs=self.device.type == "cuda" and self.config.cuda_graphs)
+        batch = self.config.batching
+        self.scheduler = Scheduler(f"cosyvoice2-{self.device}", pool, self._render, max_batch=None if batch else 1,
+                                   max_render_batch=self.config.render_batch if batch else 1,
+                                   sample_rate=SAMPLE_RATE, tokens_per_s=self.hparams["token_frame_rate"])
+        self.scheduler.calibrate()
+        self.scheduler.start()
+        log.info("cosyvoice2 loaded from %s on %s/%s, %d voices, %d LM slots (%.0f MiB), capacity %s sessions",
+                 self.model_dir, self.device, self.dtype, len(library.names()), pool.slots, pool.nbytes() / 2**20,
+                 self.scheduler.capacity())
+
+    def _render(self, chunks: list[ChunkRequest]) -> list[np.ndarray]:
+        return [audio.reshape(-1).float().cpu().numpy() for audio in self.token2wav.render(chunks)]
 
     def voices(self) -> list[VoiceInfo]:
         return self.library.list() if self.library else []
+
+    def admit(self) -> float | None:
+        """None to admit one more session; else seconds after which to retry. A session is
+        admitted while the sessions open, each speaking `admission_duty` of the time, stay in real
+        time at the measured step costs; the first is always admitted (it slows nobody else)."""
+        capacity = self.scheduler.capacity() if self.scheduler else None
+        speaking = math.ceil((len(self.contexts) + 1) * self.config.admission_duty)
+        if not self.contexts or capacity is None or speaking <= capacity:
+            return None
+        self.scheduler.refused += 1
+        return self._retry_after()
+
+    def _retry_after(self) -> float:
+        """Room comes back when a session closes: the median lifetime of closed sessions, less the
+        age of the oldest open one."""
+        if not self._lifetimes:
+            return DEFAULT_RETRY_AFTER_S
+        oldest = time.monotonic() - min(c.opened for c in self.contexts)
+        return round(max(1.0, statistics.median(self._lifetimes) - oldest), 1)
 
     def open(self, voice: str | None = None) -> CosyVoice2Context:
         kind = CosyVoice2BistreamContext if self.config.text_input == "bistream" else CosyVoice2Context
@@ -91,51 +147,101 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.contexts.add(context)
         return context
 
+    def _closed(self, context: CosyVoice2Context) -> None:
+        if context in self.contexts:
+            self.contexts.discard(context)
+            self._lifetimes.append(time.monotonic() - context.opened)
+
     def info(self) -> EngineInfo:
         loaded = self.library is not None
         # The LM's attention kernel; the flow's is always SDPA (its chunk masks are not causal).
         details = {"dtype": str(self.dtype).removeprefix("torch."), "attention": self.lm.attention if loaded else None,
                    "lm_int8": self.config.lm_int8, "text_input": self.config.text_input, "kv_cache_tokens": self.config.kv_cache_tokens,
-                   "sessions": len(self.contexts), "pending_steps": self.worker.pending}
+                   "sessions": len(self.contexts)}
         if loaded:
             details |= {"model_dir": str(self.model_dir), "voices": self.library.names(),
                         "stream_mode": self.token2wav.mode, "voice_state_bytes": self.library.nbytes(),
                         "flow_prompt_state_bytes": sum(self.token2wav.prompt_state_bytes().values()),
-                        "lm_prefix_bytes": sum(prefix.nbytes() for _, prefix in list(self._lm_prefixes.values()))}
+                        "lm_prefix_bytes": sum(prefix.nbytes() for _, prefix in list(self._lm_prefixes.values())),
+                        "lm_pool_bytes": self.scheduler.pool.nbytes(), "scheduler": self.scheduler.stats()}
         return EngineInfo("tts", self.name, str(self.device), loaded, details)
 
     def close(self) -> None:
-        self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        self._voice_thread.shutdown(wait=False, cancel_futures=True)
 
     def _check_voice(self, voice: str) -> str:
         if self.library is None or voice not in self.library:
             raise KeyError(voice)
         return voice
 
-    def new_cache(self) -> KVCache:
-        return self.lm.new_cache(self.config.kv_cache_tokens)
+    def sampler(self, generator: torch.Generator) -> RasSampler:
+        return RasSampler.from_hparams(self.hparams["llm"]["sampling"], generator)
 
     def lm_prefix(self, voice: Voice) -> PromptPrefix:
         """The voice's [sos | prompt text] LM keys/values, computed once per Voice object: a
-        refreshed voice (a new object) gets a new prefix, never the old one's."""
+        refreshed voice (a new object) comes with its own. Scheduler thread only."""
         cached = self._lm_prefixes.get(voice.name)
         if cached is None or cached[0] is not voice:
             cached = (voice, prompt_prefix(self.lm, voice.prompt_text))
             self._lm_prefixes[voice.name] = cached
         return cached[1]
 
-    def rederive_voice(self, name: str) -> Voice:
-        """Drop everything cached for a voice and rebuild it from its source (the periodic reset):
-        its features, its LM prompt prefix (sentences mode) and its flow prompt state. Worker thread only."""
-        stale = flow_prompt(self.library[name], self.device, self.dtype)
-        voice = self.library.refresh(name)
-        if self.config.text_input == "sentences":  # the only mode that starts from the LM prefix
-            self.lm_prefix(voice)  # a new Voice object, so a new prefix
-        # Token2Wav keys prompt states by content, which a refresh from an unchanged source keeps,
-        # so the entry must go or it would be found again.
-        self.token2wav.evict_prompt_state(stale)
-        self._warm_flow_prompt_state(voice)
-        return voice
+    # --- voice refresh (the periodic reset), off the scheduler
+
+    async def refresh_voice(self, name: str) -> int:
+        """Re-derive a voice's state from its source and swap it in; the bytes of the state it
+        replaced. Concurrent calls for one voice share one derivation (the later ones get 0)."""
+        if name in self._refreshing:
+            await asyncio.shield(self._refreshing[name])
+            return 0
+        future = asyncio.get_running_loop().create_future()
+        self._refreshing[name] = future
+        try:
+            fresh = await asyncio.wrap_future(self._voice_thread.submit(self._derive_voice, name))
+            freed = await self.scheduler.call(functools.partial(self._swap_voice, *fresh), deadline=math.inf)
+            future.set_result(freed)
+            return freed
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: joiners may be gone
+            raise
+        finally:
+            del self._refreshing[name]
+
+    def _derive_voice(self, name: str) -> tuple[Voice, PromptPrefix | None, object | None]:
+        """On the voices thread: everything a voice's replies read, computed from its source. The
+        models' weights are only read, so this runs beside the scheduler's steps."""
+        voice = self.library.derive(name)
+        prefix = prompt_prefix(self.lm, voice.prompt_text) if self.config.text_input == "sentences" else None
+        prompt = flow_prompt(voice, self.device, self.dtype)
+        flow_state = None if self.token2wav.mode == "recompute" else self.token2wav.flow.prompt_cache(
+            prompt.token, prompt.feat, prompt.embedding)
+        return voice, prefix, flow_state
+
+    def _swap_voice(self, voice: Voice, prefix: PromptPrefix | None, flow_state: object | None) -> int:
+        """On the scheduler thread, between steps: the derived state replaces the old at once."""
+        old = self.library[voice.name]
+        freed = old.nbytes()
+        self.library.put(voice)
+        stale_prefix = self._lm_prefixes.pop(voice.name, None)
+        if stale_prefix is not None:
+            freed += stale_prefix[1].nbytes()
+        if prefix is not None:
+            self._lm_prefixes[voice.name] = (voice, prefix)
+        if flow_state is not None:
+            key = flow_prompt(voice, self.device, self.dtype).key()
+            stale = self.token2wav.prompt_state_bytes().get(key, 0)
+            # Token2Wav has no public "put" (token2wav.py is not this module's): its LRU of prompt
+            # states is written as Token2Wav.prompt_state writes it.
+            states = self.token2wav._prompt_states
+            states[key] = flow_state
+            states.move_to_end(key)
+            while len(states) > self.token2wav.max_prompt_states:
+                states.popitem(last=False)
+            freed += stale
+        return freed
 
     def _warm_flow_prompt_state(self, voice: Voice) -> None:
         if self.token2wav.mode != "recompute":
@@ -143,73 +249,70 @@ class CosyVoice2Synthesizer(Synthesizer):
             self.token2wav.prompt_state(flow_prompt(voice, self.device, self.dtype))
 
 
-# --- one session
-
-
 def flow_prompt(voice: Voice, device: torch.device, dtype: torch.dtype) -> FlowPrompt:
     return FlowPrompt(voice.flow_prompt_speech.to(device), voice.prompt_feat.to(device, dtype),
                       voice.embedding.to(device, dtype))
 
 
-class _Utterance:
-    """One utterance's blocking work on the worker thread: speech tokens drawn a few at a time from
-    `tokens` (an LM generator), each flow/HiFT chunk rendered as soon as its tokens exist."""
-
-    def __init__(self, stream: Token2WavStream, per_step: int, tokens: Iterator[int] = iter(())) -> None:
-        self.stream = stream
-        self.per_step = per_step
-        self.tokens = tokens
-
-    def step(self) -> tuple[list[np.ndarray], bool]:
-        """Decode a few tokens and render whatever chunk they complete; True once `tokens` is exhausted."""
-        # Never decode past the next chunk's last token: its audio goes out in this very step.
-        n = max(1, min(self.per_step, self.stream.tokens_for_next_chunk - len(self.stream.tokens)))
-        new = list(itertools.islice(self.tokens, n))
-        return _numpy(self.stream.push(new)), len(new) < n
-
-    def finish(self) -> list[np.ndarray]:
-        """The utterance's last chunk: call once its tokens are all decoded."""
-        return _numpy([self.stream.finish()])
+# --- one utterance, one session
 
 
-def _numpy(chunks: list[torch.Tensor]) -> list[np.ndarray]:
-    return [c.reshape(-1).float().cpu().numpy() for c in chunks if c.numel()]
+class PlaybackClock:
+    """When a session's listener runs out of the audio yielded so far: the deadline of its
+    requests. A new reply has nothing buffered, so its first requests are already due."""
+
+    def __init__(self) -> None:
+        self.until = 0.0
+
+    def reply_started(self) -> None:
+        self.until = time.monotonic()
+
+    def deadline(self) -> float:
+        return self.until
+
+    def played(self, samples: int) -> None:
+        self.until = max(self.until, time.monotonic()) + samples / SAMPLE_RATE
 
 
-class _BistreamUtterance(_Utterance):
-    """An utterance whose text arrives sentence by sentence (official inference_bistream): each
-    sentence is pushed into the LM as it comes, and the LM decodes what that text unlocks."""
+class Utterance:
+    """One utterance in flight: its LM row (a slot of the pool, fed by one program after another)
+    and the Token2WavStream its tokens render through.
 
-    def __init__(self, engine: CosyVoice2Synthesizer, cache: KVCache, voice: Voice, generator: torch.Generator) -> None:
-        dev, dtype = engine.device, engine.dtype
-        sampler = RasSampler.from_hparams(engine.hparams["llm"]["sampling"], generator)
-        self.lm = Bistream(engine.lm, cache, sampler, voice.prompt_text.to(dev), voice.lm_prompt_speech.to(dev))
-        super().__init__(engine.token2wav.stream(flow_prompt(voice, dev, dtype), generator=generator),
-                         engine.config.lm_tokens_per_step)
-        self.frontend = engine.library.frontend.text
-        self.text = ""  # the sentences it voices so far
+    `chunks()` is the step loop every driver uses (the contexts below, bench/, tests): it asks the
+    scheduler for the tokens up to the next chunk boundary, then for that chunk's audio, until the
+    row's program ends. `close()` frees the slot (always call it: a cancelled reply included). The
+    stream's token list is touched here, on the loop, only while no request of it is in flight.
+    """
 
-    @property
-    def full(self) -> bool:
-        """Start the next sentence in a new utterance: this one has the official utterance length
-        (token_min_n text tokens), or has used half its KV cache."""
-        return (self.lm.n_text >= self.frontend.token_min_n
-                or 2 * self.lm.pos > self.lm.cache.max_seq_len)
+    def __init__(self, scheduler: Scheduler, row: LMRow, stream: Token2WavStream, clock: PlaybackClock,
+                 bistream: _BistreamState | None = None) -> None:
+        self.scheduler, self.row, self.stream, self.clock = scheduler, row, stream, clock
+        self.bistream = bistream  # the text side of a bistream utterance
 
-    def push_text(self, sentence: str) -> None:
-        # The space the sentence split removed: "Hi." + " How" tokenizes as the whole text would.
-        joiner = " " if self.text and language(sentence) == "en" else ""
-        self.text += joiner + sentence  # as written: what the pacer reports as heard
-        self.tokens = self.lm.push(self.frontend.encode(joiner + self.frontend.normalize(sentence)))
+    async def chunks(self, finish: bool) -> AsyncIterator[np.ndarray]:
+        """Audio until the row's program ends, then the utterance's last chunk if `finish`."""
+        ended = False
+        while not ended:
+            # Never decode past the next chunk's last token: its audio goes out first.
+            wanted = max(1, self.stream.tokens_for_next_chunk - len(self.stream.tokens))
+            tokens, ended = await self.scheduler.decode(self.row, wanted, self.clock.deadline())
+            self.stream.add(tokens)
+            async for piece in self._ready():
+                yield piece
+        if finish:
+            self.stream.end()
+            async for piece in self._ready():  # the last chunk
+                yield piece
 
-    def end_text(self) -> None:
-        self.tokens = self.lm.finish()
+    async def _ready(self) -> AsyncIterator[np.ndarray]:
+        while (chunk := self.stream.next_chunk()) is not None:
+            audio = await self.scheduler.render(chunk, self.clock.deadline())
+            if audio.size:  # the fast vocoder may hold a whole chunk back
+                self.clock.played(len(audio))
+                yield audio
 
-    def finish(self) -> list[np.ndarray]:
-        if self.lm.truncated:
-            log.warning("cosyvoice2: utterance cut at the LM's length limit or KV cache end (%d positions): %r",
-                        self.lm.pos, self.text)
-        return super().finish()
+    def close(self) -> None:
+        self.scheduler.release(self.row)
 
 
 class CosyVoice2Context(SentenceSynthesisContext):
@@ -217,65 +320,93 @@ class CosyVoice2Context(SentenceSynthesisContext):
         self.engine = engine
         self.voice = voice
         self.generation = 0
-        # Allocated on first use, on the worker: opening a session is cheap and never blocks the loop.
-        self.cache: KVCache | None = None
+        self.opened = time.monotonic()
+        self.clock = PlaybackClock()
+        # One generator for the LM sampler and the vocoder noise: each utterance draws in one fixed order.
         self.generator = torch.Generator(engine.device)
         self.generator.seed()
 
     def set_voice(self, voice: str) -> None:
         self.voice = self.engine._check_voice(voice)
 
+    async def stream(self, text: AsyncIterator[str]) -> AsyncIterator[SpeechChunk]:
+        self.clock.reply_started()
+        async for chunk in super().stream(text):
+            yield chunk
+
     async def speak(self, sentence: str, segment: int) -> AsyncIterator[SpeechChunk]:
         engine = self.engine
         text_frontend = engine.library.frontend.text
         voice = engine.library[self.voice]
-        for utterance in text_frontend.split(sentence):
-            job = await engine.worker.run(self._start, voice, text_frontend.encode(utterance))
-            async for piece in self._render(job, finish=True):
-                yield SpeechChunk(piece, sentence, segment)
+        for utterance_text in text_frontend.split(sentence):
+            ids = text_frontend.encode(utterance_text)
+            job = await self.open_utterance(voice, functools.partial(self._unistream, voice, ids))
+            try:
+                async for piece in job.chunks(finish=True):
+                    yield SpeechChunk(piece, sentence, segment)
+            finally:
+                job.close()
 
-    async def _render(self, job: _Utterance, finish: bool) -> AsyncIterator[np.ndarray]:
-        """Step `job` until its tokens run out (then render its last chunk if `finish`). A cancelled
-        consumer stops here: the step in flight finishes, no further one is queued."""
-        exhausted = False
-        while not exhausted:
-            audio, exhausted = await self.engine.worker.run(job.step)
-            for piece in audio:
-                yield piece
-        if finish:
-            for piece in await self.engine.worker.run(job.finish):
-                yield piece
+    async def open_utterance(self, voice: Voice, start) -> Utterance:
+        """An LM slot (the voice's prompt prefix in it, in sentences mode) and what
+        `start(row, prefix)` makes of it on the scheduler thread (its token stream, and the text
+        side of a bistream utterance); the caller must close() it."""
+        scheduler, deadline = self.engine.scheduler, self.clock.deadline()
+        prefix = None
+        if self.engine.config.text_input == "sentences":
+            prefix = await scheduler.call(functools.partial(self.engine.lm_prefix, voice), deadline)
+        row = await scheduler.open_row(self.engine.sampler(self.generator), prefix, deadline)
+        try:
+            stream, bistream = await scheduler.call(functools.partial(start, row, prefix), deadline)
+        except BaseException:
+            scheduler.release(row)
+            raise
+        return Utterance(scheduler, row, stream, self.clock, bistream)
 
-    def _cache(self) -> KVCache:
-        if self.cache is None:
-            self.cache = self.engine.new_cache()
-        return self.cache
-
-    def _start(self, voice: Voice, text_ids: list[int]) -> _Utterance:
+    def _unistream(self, voice: Voice, ids: list[int], row: LMRow, prefix: PromptPrefix) -> tuple[Token2WavStream, None]:
         engine = self.engine
         dev = engine.device
-        sampler = RasSampler.from_hparams(engine.hparams["llm"]["sampling"], self.generator)
-        tokens = generate(engine.lm, self._cache(), sampler, text_ids, voice.prompt_text.to(dev),
-                          voice.lm_prompt_speech.to(dev), prefix=engine.lm_prefix(voice))
-        stream = engine.token2wav.stream(flow_prompt(voice, dev, engine.dtype), generator=self.generator)
-        return _Utterance(stream, engine.config.lm_tokens_per_step, tokens)
-
-    def state_bytes(self) -> int:
-        return self.cache.nbytes() if self.cache is not None else 0
+        program = unistream(engine.lm, engine.scheduler.pool.max_seq_len, ids, voice.prompt_text.to(dev),
+                            voice.lm_prompt_speech.to(dev), prefix=prefix)
+        engine.scheduler.pool.start(row, program)
+        return engine.token2wav.stream(flow_prompt(voice, dev, engine.dtype), generator=self.generator), None
 
     async def reset(self) -> ResetReport:
-        engine = self.engine
-        freed = self.state_bytes()
-        self.cache = None
-        self.cache = await engine.worker.run(engine.new_cache)
-        # The voice's prompt state is shared, so a reset re-derives it for every session using it.
-        await engine.worker.run(engine.rederive_voice, self.voice)
+        """Sessions hold no LM state between replies (a slot lives one utterance), so what a reset
+        renews is the voice's shared prompt state: re-derived beside the scheduler, swapped in."""
+        freed = await self.engine.refresh_voice(self.voice)
         self.generation += 1
-        return ResetReport(engine.name, self.generation, freed)
+        return ResetReport(self.engine.name, self.generation, freed)
 
     async def close(self) -> None:
-        self.cache = None
-        self.engine.contexts.discard(self)
+        self.engine._closed(self)
+
+
+class _BistreamState:
+    """A bistream utterance's text side, on the scheduler thread."""
+
+    def __init__(self, engine: CosyVoice2Synthesizer, row: LMRow, voice: Voice) -> None:
+        dev = engine.device
+        self.engine, self.row = engine, row
+        self.lm = Bistream(engine.lm, engine.scheduler.pool.max_seq_len, voice.prompt_text.to(dev),
+                           voice.lm_prompt_speech.to(dev))
+        self.frontend = engine.library.frontend.text
+        self.text = ""  # the sentences it voices so far
+
+    @property
+    def full(self) -> bool:
+        """Start the next sentence in a new utterance: this one has the official utterance length
+        (token_min_n text tokens), or has used half its KV slot."""
+        return self.lm.n_text >= self.frontend.token_min_n or 2 * self.lm.pos > self.lm.max_seq_len
+
+    def push_text(self, sentence: str) -> None:
+        # The space the sentence split removed: "Hi." + " How" tokenizes as the whole text would.
+        joiner = " " if self.text and language(sentence) == "en" else ""
+        self.text += joiner + sentence  # as written: what the pacer reports as heard
+        self.engine.scheduler.pool.start(self.row, self.lm.push(self.frontend.encode(joiner + self.frontend.normalize(sentence))))
+
+    def end_text(self) -> None:
+        self.engine.scheduler.pool.start(self.row, self.lm.finish())
 
 
 class CosyVoice2BistreamContext(CosyVoice2Context):
@@ -290,29 +421,42 @@ class CosyVoice2BistreamContext(CosyVoice2Context):
     async def stream(self, text: AsyncIterator[str]) -> AsyncIterator[SpeechChunk]:
         engine = self.engine
         voice = engine.library[self.voice]
-        job: _BistreamUtterance | None = None
+        self.clock.reply_started()
+        job: Utterance | None = None
+        state: _BistreamState | None = None
         segment = -1
-        async for sentence in sentences(text):
-            if only_punctuation(sentence):
-                continue
-            if job is not None and job.full:
-                async for chunk in self._end(job, segment):
+        try:
+            async for sentence in sentences(text):
+                if only_punctuation(sentence):
+                    continue
+                if state is not None and state.full:
+                    async for chunk in self._end(job, state, segment):
+                        yield chunk
+                    job.close()
+                    job = state = None
+                if job is None:
+                    job = await self.open_utterance(voice, functools.partial(self._bistream, voice))
+                    state = job.bistream
+                    segment += 1
+                await engine.scheduler.call(functools.partial(state.push_text, sentence), self.clock.deadline())
+                async for piece in job.chunks(finish=False):
+                    yield SpeechChunk(piece, state.text, segment)
+            if job is not None:
+                async for chunk in self._end(job, state, segment):
                     yield chunk
-                job = None
-            if job is None:
-                job = await engine.worker.run(self._start_bistream, voice)
-                segment += 1
-            await engine.worker.run(job.push_text, sentence)
-            async for piece in self._render(job, finish=False):
-                yield SpeechChunk(piece, job.text, segment)
-        if job is not None:
-            async for chunk in self._end(job, segment):
-                yield chunk
+        finally:
+            if job is not None:
+                job.close()
 
-    async def _end(self, job: _BistreamUtterance, segment: int) -> AsyncIterator[SpeechChunk]:
-        await self.engine.worker.run(job.end_text)
-        async for piece in self._render(job, finish=True):
-            yield SpeechChunk(piece, job.text, segment)
+    def _bistream(self, voice: Voice, row: LMRow, prefix: None) -> tuple[Token2WavStream, _BistreamState]:
+        engine = self.engine
+        stream = engine.token2wav.stream(flow_prompt(voice, engine.device, engine.dtype), generator=self.generator)
+        return stream, _BistreamState(engine, row, voice)
 
-    def _start_bistream(self, voice: Voice) -> _BistreamUtterance:
-        return _BistreamUtterance(self.engine, self._cache(), voice, self.generator)
+    async def _end(self, job: Utterance, state: _BistreamState, segment: int) -> AsyncIterator[SpeechChunk]:
+        await self.engine.scheduler.call(state.end_text, self.clock.deadline())
+        async for piece in job.chunks(finish=True):
+            yield SpeechChunk(piece, state.text, segment)
+        if state.lm.truncated:
+            log.warning("cosyvoice2: utterance cut at the LM's length limit or KV slot end (%d positions): %r",
+                        state.lm.pos, state.text)

@@ -1,13 +1,20 @@
 """CosyVoice 2 language model: a Qwen2 decoder over a static KV cache, plus the speech-token heads.
 
 The Qwen2 part is written out here (gpt-fast style) instead of using transformers: the KV cache is
-preallocated and written at explicit positions, so a decode step always has the same shapes (one
-token against the whole cache, masked) and can later be batched or captured in a CUDA graph. The
-Qwen text lm_head is never built: CosyVoice reads hidden states through its own `llm_decoder`.
+one preallocated pool with a slot (row) per request, written at explicit positions, so a decode step
+always has the same shapes (one token per row against the cache, masked per row) and rows of
+different lengths decode in one batch, joining and leaving between steps (voicebot/serving/lm_pool.py),
+or as a CUDA graph. The Qwen text lm_head is never built: CosyVoice reads hidden states through its
+own `llm_decoder`.
+
+A request's sequence logic (unistream `generate`, `Bistream`) is written once, as a *program*: a
+generator that yields a `Step` (the embeddings to feed and where) and is sent the token chosen from
+that step's log-probs; it yields plain ints for the speech tokens it emits. `run_alone` drives one
+program at batch 1 (the golden tests, the benchmarks); the LM pool drives many in one batch.
 
 Attention runs on the flash-attn package where it can (CUDA, fp16/bf16, installed), else on torch
-SDPA; see `attention_backend`. The flash path attends over exactly the written prefix, so its shapes
-grow with each step instead of staying fixed.
+SDPA; see `attention_backend`. The flash path reads each row's written prefix (`cache_seqlens`), so
+it never touches unwritten slots; SDPA masks them per row.
 
 Module names follow the official Qwen2LM so llm.pt loads strictly (`llm.model.model.layers.N...`).
 """
@@ -16,8 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from voicebot.tts.cosyvoice2.sampling import Sampler
+from voicebot.tts.cosyvoice2.sampling import Sampler, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +86,12 @@ def attention_backend(device: torch.device, dtype: torch.dtype) -> str:
         if not (isinstance(exc, ModuleNotFoundError) and exc.name == "flash_attn"):  # not merely absent
             log.warning("flash_attn does not import (%s: %s); attention runs on torch SDPA", type(exc).__name__, exc)
         return "sdpa"
-    return "flash_attn" if hasattr(flash_attn, "flash_attn_func") else "sdpa"
+    return "flash_attn" if hasattr(flash_attn, "flash_attn_with_kvcache") else "sdpa"
 
 
 class KVCache:
-    """One session's keys and values: [layers, B, kv_heads, max_seq_len, head_dim], written by position."""
+    """Keys and values of `batch` slots: [layers, slots, kv_heads, max_seq_len, head_dim], written by
+    position. One slot is one request's whole context; a pool of them serves many requests at once."""
 
     def __init__(self, cfg: Qwen2Config, max_seq_len: int, batch: int = 1,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
@@ -115,17 +123,17 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(input_pos: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(T,) positions -> cos, sin (T, head_dim), rotate-half layout. Computed per call: it is tiny
-    and keeps the model free of buffers that would have to be rebuilt after a meta-device load."""
+    """(..., T) positions -> cos, sin (..., T, head_dim), rotate-half layout. Computed per call: it is
+    tiny and keeps the model free of buffers that would have to be rebuilt after a meta-device load."""
     exponent = torch.arange(0, head_dim, 2, device=input_pos.device, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / theta**exponent
-    freqs = input_pos.float()[:, None] * inv_freq[None, :]
+    freqs = input_pos.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (B, H, T, hd); cos/sin: (T, hd)
+    # x: (B, H, T, hd); cos/sin: (B, 1, T, hd), one row of positions per batch row
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -139,29 +147,36 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, n_keys: int, input_pos: Tensor,
-                k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        # x: (B, T, D); k_cache/v_cache: (B, n_kv, S, hd), updated in place. Queries attend over the
-        # first n_keys slots under mask (T, n_keys) bool, or with flash-attn when mask is None.
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, n_keys: int, pos: Tensor,
+                slots: Tensor | None, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        # x: (B, T, D), row b at positions pos[b] (B, T), consecutive, stored in cache slot slots[b]
+        # (rows 0..B-1 when None); k_cache/v_cache: (slots, n_kv, S, hd), updated in place.
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache.index_copy_(2, input_pos, k)
-        v_cache.index_copy_(2, input_pos, v)
-        k, v = k_cache[:, :, :n_keys], v_cache[:, :, :n_keys]
+        rows = torch.arange(B, device=x.device) if slots is None else slots
         if mask is None:
             # Optional dependency, importable since Qwen2.attention chose it.
-            from flash_attn import flash_attn_func
+            from flash_attn import flash_attn_with_kvcache
 
-            # flash-attn takes (B, T, heads, hd) views as they are (it only needs hd contiguous) and
-            # shares kv heads itself. causal=True aligns the mask bottom-right: query i sees keys up to
-            # n_keys - T + i, which is its own position because input_pos is always the T consecutive
-            # positions ending at n_keys - 1 (a prefill, or one decode step).
-            y = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+            # flash-attn takes (B, S, heads, hd) views of our layout as they are (it only needs hd
+            # contiguous), shares kv heads itself and appends k/v to each row's cache at
+            # cache_seqlens[b] = pos[b, 0]; causal aligns each row's queries bottom-right, so query
+            # t sees keys up to its own position pos[b, t].
+            y = flash_attn_with_kvcache(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                        k.transpose(1, 2), v.transpose(1, 2),
+                                        cache_seqlens=pos[:, 0].to(torch.int32),
+                                        cache_batch_idx=rows.to(torch.int32), causal=True)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+            # Index assignment with (B, 1) rows and (B, T) positions around a slice: the target is
+            # (B, T, n_kv, hd), every row written at its own positions in one kernel.
+            k_cache[rows[:, None], :, pos] = k.transpose(1, 2)
+            v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
+            keys = k_cache[:B, :, :n_keys] if slots is None else k_cache[slots, :, :n_keys]  # a view, or a gather
+            values = v_cache[:B, :, :n_keys] if slots is None else v_cache[slots, :, :n_keys]
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True).transpose(1, 2)
         return self.o_proj(y.reshape(B, T, -1))
 
 
@@ -184,9 +199,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, n_keys: int, input_pos: Tensor,
-                k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, n_keys, input_pos, k_cache, v_cache)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, n_keys: int, pos: Tensor,
+                slots: Tensor | None, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, n_keys, pos, slots, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -210,20 +225,29 @@ class Qwen2(nn.Module):
             self._attention = (w.device, w.dtype, attention_backend(w.device, w.dtype))
         return self._attention[2]
 
-    def forward(self, x: Tensor, input_pos: Tensor, cache: KVCache) -> Tensor:
-        # x: (B, T, D) at positions input_pos (T,) -> (B, T, D) after the final norm
-        cos, sin = rope_cos_sin(input_pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        n_written = int(input_pos[-1]) + 1  # the step's one host sync
+    def forward(self, x: Tensor, input_pos: Tensor, cache: KVCache, slots: Tensor | None = None,
+                n_keys: int | None = None) -> Tensor:
+        """x (B, T, D) -> (B, T, D) after the final norm. input_pos: (T,) positions shared by every
+        row, or (B, T) per row (rows at different lengths); each row's T positions are consecutive.
+        slots: (B,) the cache slots the rows live in, default 0..B-1. n_keys: how many cache slots
+        SDPA attends over, default the written prefix in KV_BUCKET steps (a fixed value keeps the
+        step free of host syncs, for CUDA graphs)."""
+        B = x.shape[0]
+        pos = input_pos.expand(B, -1) if input_pos.ndim == 1 else input_pos
+        cos, sin = (t[:, None] for t in rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype))
         if self.attention == "flash_attn":
-            n_keys, mask = n_written, None  # flash-attn applies the causal mask itself
+            mask = None  # flash-attn masks per row itself, from cache_seqlens
         else:
-            # Attend over the written prefix rounded up to KV_BUCKET slots, the rest of the bucket
-            # masked: a handful of fixed shapes (capturable, e.g. as CUDA graphs) instead of the whole
-            # cache, whose unwritten slots cost as much as the step's weights on CPU at 2048 slots.
-            n_keys = min(cache.max_seq_len, -(-n_written // KV_BUCKET) * KV_BUCKET)
-            mask = torch.arange(n_keys, device=x.device)[None, :] <= input_pos[:, None]  # (T, n_keys)
+            if n_keys is None:
+                # Attend over the longest row's written prefix rounded up to KV_BUCKET slots, the
+                # rest masked: a handful of fixed shapes instead of the whole cache, whose unwritten
+                # slots cost as much as the step's weights on CPU at 2048 slots.
+                n_written = int(pos.max()) + 1  # the step's one host sync
+                n_keys = min(cache.max_seq_len, -(-n_written // KV_BUCKET) * KV_BUCKET)
+            # (B, 1, T, n_keys): each row's query t sees the keys up to its own position.
+            mask = (torch.arange(n_keys, device=x.device) <= pos[:, :, None])[:, None]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, n_keys, input_pos, cache.k[i], cache.v[i])
+            x = layer(x, cos, sin, mask, n_keys, pos, slots, cache.k[i], cache.v[i])
         return self.norm(x)
 
 
@@ -284,10 +308,15 @@ class CosyVoice2LM(nn.Module):
         w = self.llm_embedding.weight
         return w[0].reshape(1, 1, -1), w[1].reshape(1, 1, -1)
 
-    def forward(self, x: Tensor, input_pos: Tensor, cache: KVCache) -> Tensor:
-        """(1, T, D) inputs at positions input_pos (T,) -> log-probs of the next speech token (V,)."""
-        h = self.qwen(x, input_pos, cache)
-        return self.llm_decoder(h[:, -1]).float().log_softmax(-1)[0]
+    def forward(self, x: Tensor, input_pos: Tensor, cache: KVCache, slots: Tensor | None = None) -> Tensor:
+        """(B, T, D) inputs at positions input_pos (see Qwen2.forward) -> log-probs of each row's
+        next speech token (B, V), float32."""
+        h = self.qwen(x, input_pos, cache, slots)
+        return self.logp(h[:, -1])
+
+    def logp(self, hidden: Tensor) -> Tensor:
+        """(B, D) last hidden states -> (B, V) float32 log-probs."""
+        return self.llm_decoder(hidden).float().log_softmax(-1)
 
 
 def token_ids(ids: Tensor | Sequence[int] | None, device: torch.device) -> Tensor:
@@ -329,46 +358,118 @@ def prompt_prefix(lm: CosyVoice2LM, prompt_text: Tensor | Sequence[int] | None) 
     return PromptPrefix(ids, cache.k, cache.v)
 
 
+@dataclass
+class Step:
+    """What a program asks of the LM next: feed `x` (1, T, D) at cache positions pos .. pos+T-1,
+    then choose the next token from the last position's log-probs: `forced` if set (the forward
+    still writes the cache), else drawn by the request's sampler with `banned` ids masked, the
+    sampler seeing `history`."""
+
+    x: Tensor
+    pos: int
+    history: Sequence[int]
+    banned: tuple[int, ...] = ()
+    forced: int | None = None
+    length: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.length = self.x.shape[1]
+
+
+# Yields Steps (each answered with the chosen token by send()) and the speech tokens it emits (ints,
+# answered by next()); ends when the request is done or, in bistream, until more text arrives.
+Program = Generator["Step | int", "int | None", None]
+
+
+def choose(steps: Sequence[Step], logp: Tensor, samplers: Sequence[Sampler]) -> list[int]:
+    """The tokens a batch's log-probs (B, V) give, one row per step: its `forced` token, else drawn
+    by its sampler with its `banned` ids masked (in place), all rows in one `sample_rows` call."""
+    drawn = [i for i, step in enumerate(steps) if step.forced is None]
+    for i in drawn:
+        if steps[i].banned:
+            logp[i, list(steps[i].banned)] = -float("inf")
+    tokens = [step.forced for step in steps]
+    if drawn:
+        rows = logp if len(drawn) == len(steps) else logp[drawn]
+        for i, token in zip(drawn, sample_rows([samplers[i] for i in drawn], rows, [steps[i].history for i in drawn])):
+            tokens[i] = token
+    return tokens  # type: ignore[return-value]
+
+
 @torch.inference_mode()
+def run_alone(lm: CosyVoice2LM, cache: KVCache, sample: Sampler, program: Program) -> Iterator[int]:
+    """Drive one program at batch 1 in `cache` (slot 0): the speech tokens it emits."""
+    device = lm.llm_decoder.weight.device
+    try:
+        message = next(program)
+        while True:
+            if isinstance(message, Step):
+                pos = torch.arange(message.pos, message.pos + message.length, device=device)
+                message = program.send(choose([message], lm(message.x, pos, cache), [sample])[0])
+            else:
+                yield message
+                message = next(program)
+    except StopIteration:
+        return
+
+
+def load_prefix(cache: KVCache, prefix: PromptPrefix, slot: int = 0) -> None:
+    """Copy a voice's prompt prefix into a cache slot (instead of prefilling it)."""
+    cache.k[:, slot : slot + 1, :, : prefix.length] = prefix.k
+    cache.v[:, slot : slot + 1, :, : prefix.length] = prefix.v
+
+
+@torch.inference_mode()
+def unistream(lm: CosyVoice2LM, max_seq_len: int, text: Tensor | Sequence[int],
+              prompt_text: Tensor | Sequence[int] | None = None,
+              prompt_speech: Tensor | Sequence[int] | None = None,
+              min_token_text_ratio: float = MIN_TOKEN_TEXT_RATIO,
+              max_token_text_ratio: float = MAX_TOKEN_TEXT_RATIO,
+              prefix: PromptPrefix | None = None) -> Program:
+    """The program of official Qwen2LM.inference (unistream), in a cache slot of max_seq_len positions.
+
+    Limits count only the tts text: at least int(n·min_ratio) tokens (eos alone is masked until
+    then), at most int(n·max_ratio), and never past the end of the slot. A `prefix` (the voice's
+    `prompt_prefix` for this prompt_text) must already be in the slot (`load_prefix`): its
+    positions are not fed again.
+    """
+    device = lm.llm_decoder.weight.device
+    text, prompt_text, prompt_speech = (token_ids(t, device) for t in (text, prompt_text, prompt_speech))
+    x = build_lm_input(lm, text, prompt_text, prompt_speech)
+    min_len = int(len(text) * min_token_text_ratio)
+    max_len = min(int(len(text) * max_token_text_ratio), max_seq_len - x.shape[1] + 1)
+    if max_len < min_len:
+        raise ValueError(f"KV cache of {max_seq_len} cannot hold a {x.shape[1]}-token prefix "
+                         f"plus {min_len} speech tokens; split the text")
+    pos = 0
+    if prefix is not None:
+        if not torch.equal(prefix.prompt_text, prompt_text):
+            raise ValueError("the LM prompt prefix was computed for another prompt text")
+        x, pos = x[:, prefix.length :], prefix.length
+    out: list[int] = []
+    for i in range(max_len):
+        token = yield Step(x, pos, out, banned=(lm.eos,) if i < min_len else ())
+        if token in lm.stop_tokens:
+            return
+        yield token
+        out.append(token)
+        pos += x.shape[1]
+        x = lm.speech_embedding.weight[token].reshape(1, 1, -1)
+
+
 def generate(lm: CosyVoice2LM, cache: KVCache, sample: Sampler, text: Tensor | Sequence[int],
              prompt_text: Tensor | Sequence[int] | None = None,
              prompt_speech: Tensor | Sequence[int] | None = None,
              min_token_text_ratio: float = MIN_TOKEN_TEXT_RATIO,
              max_token_text_ratio: float = MAX_TOKEN_TEXT_RATIO,
              prefix: PromptPrefix | None = None) -> Iterator[int]:
-    """Decode speech tokens one at a time (official Qwen2LM.inference, unistream).
-
-    Limits count only the tts text: at least int(n·min_ratio) tokens (eos alone is masked until
-    then), at most int(n·max_ratio), and never past the end of `cache`. A `prefix` (the voice's
-    `prompt_prefix` for this prompt_text) is copied into the cache instead of being prefilled.
-    """
-    device = lm.llm_decoder.weight.device
-    text, prompt_text, prompt_speech = (token_ids(t, device) for t in (text, prompt_text, prompt_speech))
-    x = build_lm_input(lm, text, prompt_text, prompt_speech)
-    min_len = int(len(text) * min_token_text_ratio)
-    max_len = min(int(len(text) * max_token_text_ratio), cache.max_seq_len - x.shape[1] + 1)
-    if max_len < min_len:
-        raise ValueError(f"KV cache of {cache.max_seq_len} cannot hold a {x.shape[1]}-token prefix "
-                         f"plus {min_len} speech tokens; split the text")
-    pos = torch.arange(x.shape[1], device=device)
+    """Decode speech tokens one at a time at batch 1 (`unistream`, run alone in slot 0 of `cache`);
+    a `prefix` is copied into the cache first."""
+    program = unistream(lm, cache.max_seq_len, text, prompt_text, prompt_speech, min_token_text_ratio,
+                        max_token_text_ratio, prefix)
     if prefix is not None:
-        if not torch.equal(prefix.prompt_text, prompt_text):
-            raise ValueError("the LM prompt prefix was computed for another prompt text")
-        cache.k[:, :, :, : prefix.length] = prefix.k
-        cache.v[:, :, :, : prefix.length] = prefix.v
-        x, pos = x[:, prefix.length :], pos[prefix.length :]
-    out: list[int] = []
-    for i in range(max_len):
-        logp = lm(x, pos, cache)
-        if i < min_len:
-            logp[lm.eos] = -float("inf")
-        token = sample(logp, out)
-        if token in lm.stop_tokens:
-            return
-        yield token
-        out.append(token)
-        x = lm.speech_embedding.weight[token].reshape(1, 1, -1)
-        pos = pos[-1:] + 1
+        load_prefix(cache, prefix)
+    return run_alone(lm, cache, sample, program)
 
 
 def build_lm(hparams: dict[str, Any]) -> CosyVoice2LM:

@@ -109,16 +109,17 @@ class VoiceLibrary:
         self._spk2info.pop(name, None)
         return voice
 
-    def refresh(self, name: str) -> Voice:
-        """Re-derive a voice's prompt state from its source (the reset drops it; nothing stale survives)."""
+    def derive(self, name: str) -> Voice:
+        """A voice's prompt state derived again from its source, not yet in use (`put` swaps it in)."""
         old = self._voices[name]
         if name in self._spk2info:
             entry = torch.load(str(self._spk2info[name]), map_location="cpu", weights_only=True)[name]
-            fresh = self._from_spk2info(name, entry)
-        else:
-            fresh = self._cached_or_computed(name, Path(old.source), old.transcript)
-        self._put(fresh)
-        return fresh
+            return self._from_spk2info(name, entry)
+        return self._cached_or_computed(name, Path(old.source), old.transcript)
+
+    def put(self, voice: Voice) -> None:
+        """Use `voice` from now on, in place of any voice of its name."""
+        self._put(voice)
 
     # --- computing and caching
 

@@ -1,0 +1,282 @@
+"""Many speaking sessions through the real CosyVoice 2 engine and scheduler, batched and not.
+
+N simulated sessions (default 1, 2, 4, 8, 16, 32) each speak real reply text at a duty cycle (30 %
+of the time speaking): the text arrives word by word as from a fast LLM, a listener plays the audio
+in real time. Per N, printed as measured: first audio after the reply text arrives (p50/p95),
+underruns (a chunk arriving after the listener ran out), real-time factor per stream, aggregate
+seconds of speech per wall second, the batch-size histograms (LM steps, flow/HiFT renders) and
+deadline misses; then the same runs with batching off (every LM row and every chunk alone: today's
+cost) and the ratios. `--lm-targets` first
+prints the issue's LM figures: one decode step at 16 rows vs 1 row, aggregate tokens/s at 16 rows
+vs unbatched.
+
+    python -m bench.serve --size tiny --seconds 5                  # seconds: the CI smoke run
+    python -m bench.serve --size released --lm-targets --sessions 1,2 --seconds 60   # minutes
+    python -m bench.serve --size released --device cuda --dtype float16 --sessions 64   # bench/gpu_check.sh
+
+Released size means random weights (dense timing does not depend on them) through the engine's
+`serve()`; the frontend and voice come from the tiny fixture model (tests/cosyvoice2/tiny_frontend.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import torch
+
+from bench.cosyvoice2 import FIXTURES, released_hparams
+from voicebot.config import REPO_ROOT, Cosyvoice2Config
+from voicebot.serving.lm_pool import LMPool
+from voicebot.tts.base import SAMPLE_RATE
+from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer
+from voicebot.tts.cosyvoice2.flow import build_flow
+from voicebot.tts.cosyvoice2.frontend import Frontend
+from voicebot.tts.cosyvoice2.hift import build_hift
+from voicebot.tts.cosyvoice2.hparams import load_hparams
+from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Step, build_lm
+from voicebot.tts.cosyvoice2.loader import CosyVoice2Modules, cpu_weight_layout
+from voicebot.tts.cosyvoice2.voices import VoiceLibrary
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "cosyvoice2"))
+from tiny_frontend import make_model_dir  # noqa: E402  (the fixture model's frontend stand-ins)
+
+REPLIES = [
+    "Sure, I can help with that. The stream starts at eight tonight.",
+    "Thanks for the follow! Welcome to the channel, make yourself at home.",
+    "That was a close one. Let's try the left path this time and see what happens.",
+    "Good question. The patch notes say the boss has less health now, so it should be easier.",
+    "Ha, no, I'm not a real person, but I do enjoy the chat a lot.",
+    "We'll take a short break in five minutes. Grab some water and stretch.",
+]
+WORD_DELAY_S = 0.02  # a fast LLM: 50 words a second
+
+
+@dataclass
+class Reply:
+    first_audio_s: float  # first text delta to first audio
+    audio_s: float
+    wall_s: float  # first text delta to last audio
+    underruns: int
+    underrun_s: float
+
+
+async def speak(context, text: str) -> Reply:
+    async def deltas():
+        for i, word in enumerate(text.split(" ")):
+            yield (" " if i else "") + word
+            await asyncio.sleep(WORD_DELAY_S)
+
+    began = time.monotonic()
+    first = playing_until = None
+    samples, underruns, underrun_s = 0, 0, 0.0
+    async for chunk in context.stream(deltas()):
+        now = time.monotonic()
+        if first is None:
+            first, playing_until = now - began, now
+        elif now > playing_until:  # the listener ran out of audio before this chunk came
+            underruns += 1
+            underrun_s += now - playing_until
+            playing_until = now
+        playing_until += len(chunk.audio) / SAMPLE_RATE
+        samples += len(chunk.audio)
+    return Reply(first or 0.0, samples / SAMPLE_RATE, time.monotonic() - began, underruns, underrun_s)
+
+
+async def session(synth: CosyVoice2Synthesizer, index: int, duty: float, until: float, replies: list[Reply]) -> None:
+    rng = random.Random(index)
+    context = synth.open()
+    context.generator.manual_seed(index)
+    try:
+        await asyncio.sleep(rng.uniform(0, min(2.0, (until - time.monotonic()) / 4)))  # not all on one step
+        while time.monotonic() < until:
+            reply = await speak(context, rng.choice(REPLIES))
+            replies.append(reply)
+            await asyncio.sleep(reply.audio_s * (1 - duty) / duty * rng.uniform(0.5, 1.5))
+    finally:
+        await context.close()
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run_sessions(synth: CosyVoice2Synthesizer, n: int, duty: float, seconds: float, label: str) -> dict:
+    scheduler = synth.scheduler
+    batches_before, misses_before = Counter(scheduler.batch_sizes), scheduler.deadline_misses
+    renders_before = Counter(scheduler.render_sizes)
+    replies: list[Reply] = []
+
+    async def run():
+        until = time.monotonic() + seconds
+        tasks = [asyncio.ensure_future(session(synth, i, duty, until, replies)) for i in range(n)]
+        # Replies in flight at the end finish; a hard bound in case the device is far behind.
+        done, pending = await asyncio.wait(tasks, timeout=seconds * 4 + 120)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            task.result()
+
+    began = time.monotonic()
+    asyncio.run(run())
+    wall = time.monotonic() - began
+    batches = Counter(scheduler.batch_sizes)
+    batches.subtract(batches_before)
+    firsts = [r.first_audio_s for r in replies]
+    row = {
+        "replies": len(replies),
+        "first p50": pct(firsts, 50), "first p95": pct(firsts, 95),
+        "underruns": sum(r.underruns for r in replies), "underrun s": sum(r.underrun_s for r in replies),
+        "RTF/stream": statistics.mean(r.wall_s / r.audio_s for r in replies if r.audio_s) if replies else float("nan"),
+        "speech s/s": sum(r.audio_s for r in replies) / wall,
+        "misses": scheduler.deadline_misses - misses_before,
+    }
+    renders = Counter(scheduler.render_sizes)
+    renders.subtract(renders_before)
+    hist = " ".join(f"{b}:{c}" for b, c in sorted(batches.items()) if c)
+    hist += "  renders " + " ".join(f"{b}:{c}" for b, c in sorted(renders.items()) if c)
+    print(f"{label:10s} N={n:3d} " + " ".join(f"{k} {v:7.3f}" if isinstance(v, float) else f"{k} {v:4d}"
+                                            for k, v in row.items()) + f"  batches {hist}", flush=True)
+    return row
+
+
+# --- the LM targets
+
+
+def _steps_at(x: torch.Tensor, start: int, n: int):
+    for i in range(n):
+        yield Step(x, start + i, ())
+
+
+class DecodeTimer:
+    """`rows` rows at a context of about `context` positions, stepped on demand."""
+
+    def __init__(self, lm: CosyVoice2LM, rows: int, context: int = 200, steps: int = 64) -> None:
+        self.pool = LMPool(lm, rows, context + steps + 8)
+        w = lm.llm_decoder.weight
+        x = torch.zeros(1, 1, w.shape[1], device=w.device, dtype=w.dtype)
+        self.rows = [self.pool.open(lambda logp, history: 0) for _ in range(rows)]
+        for row in self.rows:
+            self.pool.start(row, _steps_at(x, context, steps))
+        self.cuda = w.device.type == "cuda"
+        self.step()  # warm-up (and on CUDA the graph capture)
+
+    def step(self) -> float:
+        began = time.perf_counter()
+        self.pool.decode(self.rows)
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - began
+
+
+def print_lm_targets(lm: CosyVoice2LM, reps: int = 9) -> None:
+    """1 row and 16 rows stepped alternately (ABAB: a shared machine's load drifts), medians."""
+    print(f"\nLM decode step, context 200, {reps} alternating steps each "
+          f"(load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)", flush=True)
+    timers = {1: DecodeTimer(lm, 1), 16: DecodeTimer(lm, 16)}
+    times: dict[int, list[float]] = {1: [], 16: []}
+    for _ in range(reps):
+        for rows, timer in timers.items():
+            times[rows].append(timer.step())
+    one, sixteen = statistics.median(times[1]), statistics.median(times[16])
+    print(f"  1 row:   {1000 * one:8.1f} ms (min {1000 * min(times[1]):.1f})", flush=True)
+    print(f"  16 rows: {1000 * sixteen:8.1f} ms (min {1000 * min(times[16]):.1f})   = {sixteen / one:.2f}x one row's "
+          f"step (target <= 3x)", flush=True)
+    batched, unbatched = 16 / sixteen, 1 / one  # unbatched, 16 sessions still get one row per step
+    print(f"  aggregate tokens/s at 16 sessions: batched {batched:.1f}, unbatched {unbatched:.1f}, "
+          f"= {batched / unbatched:.2f}x (target >= 5x)", flush=True)
+
+
+# --- the engine
+
+
+def build(size: str, device: str, dtype: str, root: Path, slots: int) -> CosyVoice2Synthesizer:
+    model_dir = make_model_dir(root / "model", FIXTURES)
+    voices = root / "voices"
+    voices.mkdir()
+    t = np.arange(6 * 24000) / 24000  # 6 s: 150 prompt tokens, the baseline's prompt
+    sf.write(voices / "bench.wav", (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), 24000, subtype="FLOAT")
+    (voices / "bench.txt").write_text("This is the voice of the stream, speaking clearly for the prompt.")
+    config = Cosyvoice2Config(model=str(model_dir), voices_dir=voices, voice_cache_dir=root / "cache", device=device,
+                              dtype=dtype, batch_slots=slots, kv_cache_tokens=1024)
+    synth = CosyVoice2Synthesizer(config, default_voice="bench")
+    if size == "tiny":
+        synth.load()  # the real loading path
+        return synth
+    hp = released_hparams(FIXTURES, root)
+    dev, torch_dtype = synth.device, synth.dtype
+    torch.manual_seed(0)
+    lm, flow, hift = build_lm(hp).eval(), build_flow(hp["flow"]).eval(), build_hift(hp["hift"]).eval()
+    lm, flow, hift = (cpu_weight_layout(m) for m in (lm.to(dev, torch_dtype), flow.to(dev, torch_dtype), hift.to(dev)))
+    library = VoiceLibrary(Frontend.from_model_dir(model_dir, cuda=dev.type == "cuda"), config.voice_cache_dir)
+    library.load_dir(voices)
+    synth.serve(CosyVoice2Modules(model_dir, hp, lm, flow, hift, dev, torch_dtype), library)
+    return synth
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=["tiny", "released"], default="tiny")
+    parser.add_argument("--sessions", default="1,2,4,8,16,32", help="session counts to run ('' for none)")
+    parser.add_argument("--duty", type=float, default=0.3, help="share of the time each session speaks")
+    parser.add_argument("--seconds", type=float, default=20.0, help="wall seconds each N runs (replies then finish)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lm-targets", action="store_true", help="print the LM decode targets first")
+    parser.add_argument("--no-unbatched", action="store_true", help="skip the runs with batching off")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    counts = [int(n) for n in args.sessions.split(",") if n]
+    if not counts:  # the LM figures alone: no flow, HiFT or voice to build
+        with tempfile.TemporaryDirectory() as tmp:
+            device = torch.device(args.device)
+            dtype = torch.float32 if args.dtype == "auto" and device.type == "cpu" else getattr(torch, args.dtype, torch.float16)
+            lm = build_lm(released_hparams(FIXTURES, Path(tmp)) if args.size == "released" else load_hparams(FIXTURES))
+            print_lm_targets(cpu_weight_layout(lm.eval().to(device, dtype)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        began = time.perf_counter()
+        synth = build(args.size, args.device, args.dtype, Path(tmp), slots=max([16, *counts]))
+        print(f"{args.size} engine on {synth.device}/{synth.dtype} in {time.perf_counter() - began:.1f} s, "
+              f"{args.threads} threads; calibrated decode step s by batch: {synth.scheduler.costs.decode}", flush=True)
+        try:
+            if args.lm_targets:
+                print_lm_targets(synth.lm)
+            if counts:
+                print(f"\n{args.duty:.0%} duty, {args.seconds:g} s per N; first audio after the reply text arrives (s)",
+                      flush=True)
+            results = {}
+            for mode in ("batched", "unbatched"):
+                if mode == "unbatched" and args.no_unbatched:
+                    break
+                synth.scheduler.max_batch = synth.scheduler.pool.slots if mode == "batched" else 1
+                synth.scheduler.max_render_batch = synth.config.render_batch if mode == "batched" else 1
+                for n in counts:
+                    results[mode, n] = run_sessions(synth, n, args.duty, args.seconds, mode)
+            if counts and not args.no_unbatched:
+                print("\nbatched / unbatched: speech s per wall s (higher is better), first audio p50 (lower is better)")
+                for n in counts:
+                    b, u = results["batched", n], results["unbatched", n]
+                    print(f"  N={n:3d}  throughput {b['speech s/s'] / u['speech s/s']:5.2f}x   "
+                          f"first audio p50 {b['first p50']:.3f} vs {u['first p50']:.3f} s", flush=True)
+            print(f"\nadmission: capacity {synth.scheduler.capacity()} speaking sessions at the measured costs "
+                  f"(render s per audio s {synth.scheduler.costs.render_per_audio_s})", flush=True)
+        finally:
+            synth.close()
+
+
+if __name__ == "__main__":
+    main()

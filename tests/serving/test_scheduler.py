@@ -1,0 +1,195 @@
+"""The scheduler thread (voicebot/serving/scheduler.py): ordering, bounds, slots, costs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.serving.test_lm_pool import REQUESTS, alone, lm, ras  # noqa: F401 (lm is a fixture)
+from voicebot.serving.lm_pool import LMPool
+from voicebot.serving.scheduler import Overloaded, Scheduler, StepCosts
+from voicebot.tts.cosyvoice2.lm import unistream
+
+
+RENDERED: list[list] = []  # the chunks of each render call, in order
+
+
+def render(chunks: list) -> list[np.ndarray]:
+    RENDERED.append(list(chunks))
+    return [np.full(10, chunk, dtype=np.float32) for chunk in chunks]
+
+
+def make_scheduler(lm, **kwargs) -> Scheduler:
+    return Scheduler("test", LMPool(lm, slots=2, max_seq_len=256, prefill_chunk=8), render, max_pending=8, **kwargs)
+
+
+@pytest.fixture
+def scheduler(lm):
+    s = make_scheduler(lm)
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("max_render_batch, calls", [(1, [[10], [20], [30]]), (2, [[10, 20], [30]])])
+def test_renders_run_earliest_deadline_first_batched(lm, max_render_batch, calls):
+    scheduler = make_scheduler(lm, max_render_batch=max_render_batch)
+    scheduler.start()
+    RENDERED.clear()
+
+    async def run():
+        gate = threading.Event()
+        blocker = asyncio.ensure_future(scheduler.call(gate.wait, deadline=0))
+        await asyncio.sleep(0.05)  # the thread is inside the blocking call: the renders queue up
+        renders = [asyncio.ensure_future(scheduler.render(d, deadline=float(d))) for d in (30, 10, 20)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await blocker
+        return await asyncio.gather(*renders)
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        scheduler.stop()
+    assert RENDERED == calls and [r[0] for r in results] == [30, 10, 20]  # each answered with its own audio
+    assert scheduler.costs.render_per_audio_s is not None
+    assert sum(scheduler.render_sizes.values()) == len(calls)
+
+
+def test_past_its_bound_a_submit_is_refused(scheduler):
+    async def run():
+        gate = threading.Event()
+        held = [asyncio.ensure_future(scheduler.call(gate.wait, deadline=0))]
+        await asyncio.sleep(0.05)
+        held += [asyncio.ensure_future(scheduler.call(lambda: None, deadline=0)) for _ in range(7)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(Overloaded):
+            await scheduler.call(lambda: None, deadline=0)
+        gate.set()
+        await asyncio.gather(*held)
+        return scheduler.pending
+
+    assert asyncio.run(run()) == 0
+
+
+def test_decode_through_the_thread_equals_alone_and_a_cancelled_open_gives_its_slot_back(scheduler, lm):
+    text, prompt_text, prompt_speech, seed = REQUESTS[1]
+
+    async def run():
+        row = await scheduler.open_row(ras(seed), None, deadline=0)
+        await scheduler.call(lambda: scheduler.pool.start(row, unistream(lm, 256, text, prompt_text, prompt_speech)), 0)
+        tokens, ended = [], False
+        while not ended:
+            got, ended = await scheduler.decode(row, 5, deadline=0)
+            assert len(got) <= 5
+            tokens += got
+        scheduler.release(row)
+        # all slots taken, then an open is cancelled while it waits: when a slot frees it goes back
+        held = [await scheduler.open_row(ras(0), None, 0) for _ in range(2)]
+        waiting = asyncio.ensure_future(scheduler.open_row(ras(0), None, 0))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        scheduler.release(held[0])
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if scheduler.pool.free == 1:
+                break
+        free_after_cancel = scheduler.pool.free
+        scheduler.release(held[1])
+        return tokens, free_after_cancel
+
+    tokens, free_after_cancel = asyncio.run(run())
+    assert tokens == alone(lm, text, prompt_text, prompt_speech, seed)
+    assert free_after_cancel == 1
+
+
+def test_a_released_row_answers_its_decode_as_ended(scheduler, lm):
+    async def run():
+        row = await scheduler.open_row(ras(0), None, 0)
+        scheduler.release(row)
+        await asyncio.sleep(0.05)
+        return await scheduler.decode(row, 5, 0)
+
+    assert asyncio.run(run()) == ([], True)
+
+
+def test_calibration_measures_each_batch_size_and_capacity_follows_the_costs(lm):
+    scheduler = Scheduler("test", LMPool(lm, slots=8, max_seq_len=256), render)
+    scheduler.calibrate(steps=1)
+    assert sorted(scheduler.costs.decode) == [1, 2, 4, 8] and scheduler.pool.free == 8
+    costs = StepCosts()
+    for batch, seconds in {1: 0.010, 2: 0.012, 4: 0.016, 8: 0.024}.items():
+        costs.add_decode(batch, seconds)
+    assert costs.decode_step(3) == pytest.approx(0.014) and costs.decode_step(16) == pytest.approx(0.040)
+    scheduler.costs = costs
+    # 25 steps a second: 8 rows cost 0.6 of the device, within headroom 0.8; then renders cost 0.05 each
+    assert scheduler.capacity() == 8
+    costs.add_render(0.5, 10.0)
+    assert costs.load(4, 25, 8) == pytest.approx(25 * 0.016 + 4 * 0.05) and scheduler.capacity() == 6  # 25·0.020 + 6·0.05 = 0.8
+    # without batching every session needs its own 25 steps a second: 25 · 0.010 · 2 + 2 · 0.05 = 0.6, 3 sessions 0.9
+    scheduler.max_batch = 1
+    assert costs.load(2, 25, 1) == pytest.approx(0.6) and scheduler.capacity() == 2
+
+
+def test_metrics_are_read_from_the_scheduler(lm):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from voicebot.serving.metrics import register_scheduler_metrics
+
+    scheduler = Scheduler("dev0", LMPool(lm, slots=4, max_seq_len=256), render)
+    scheduler.calibrate(steps=1)
+    scheduler.batch_sizes[3] += 2
+    scheduler.refused += 1
+    registry = CollectorRegistry()
+    register_scheduler_metrics(registry, scheduler)
+    text = generate_latest(registry).decode()
+    assert 'voicebot_scheduler_decode_steps_total{batch_size="3",scheduler="dev0"} 2.0' in text
+    assert 'voicebot_scheduler_refused_total{scheduler="dev0"} 1.0' in text
+    assert 'voicebot_scheduler_free_slots{scheduler="dev0"} 4.0' in text
+    assert f'voicebot_scheduler_capacity_sessions{{scheduler="dev0"}} {float(scheduler.capacity())}' in text
+
+
+@pytest.mark.parametrize("decode_deadline", ["later", "sooner"])
+def test_a_render_with_slack_waits_for_company_or_more_urgent_decoding_a_due_one_never(lm, decode_deadline):
+    """While another row decodes, a render whose listener has a minute of audio left waits up to
+    render_hold_steps steps, or, when that row's deadline is sooner, until the row has its tokens;
+    one already due (a new reply's first chunk) goes at the next step."""
+    scheduler = make_scheduler(lm, render_hold_steps=3)
+    steps_at_render: list[int] = []
+    scheduler.render_chunks = lambda chunks: steps_at_render.append(sum(scheduler.batch_sizes.values())) or [
+        np.zeros(10, dtype=np.float32) for _ in chunks]
+    scheduler.start()
+
+    async def run():
+        text, prompt_text, prompt_speech, _ = REQUESTS[1]
+        row = await scheduler.open_row(lambda logp, history: int(logp[:60].argmax()), None, 0)
+        await scheduler.call(lambda: scheduler.pool.start(row, unistream(lm, 256, text, prompt_text, prompt_speech,
+                                                                         min_token_text_ratio=20)), 0)
+        deadline = time.monotonic() + (600 if decode_deadline == "later" else 30)
+        decoding = asyncio.ensure_future(scheduler.decode(row, 60, deadline))
+        await asyncio.sleep(0.05)
+        before = sum(scheduler.batch_sizes.values())
+        await scheduler.render("due", deadline=0.0)
+        due_after = steps_at_render[-1] - before
+        started = sum(scheduler.batch_sizes.values())
+        await scheduler.render("spare", deadline=time.monotonic() + 60)
+        held_for = steps_at_render[-1] - started
+        tokens, _ = await decoding
+        scheduler.release(row)
+        return due_after, held_for, sum(scheduler.batch_sizes.values()) - started
+
+    try:
+        due_after, held_for, steps_left = asyncio.run(run())
+    finally:
+        scheduler.stop()
+    # (a step or two may pass while a request travels to the thread)
+    assert due_after <= 2
+    if decode_deadline == "later":
+        assert 3 <= held_for <= 5
+    else:
+        assert held_for == steps_left > 10  # the decoding row went first, all its steps

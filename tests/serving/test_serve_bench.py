@@ -1,0 +1,27 @@
+"""bench/serve.py at tiny size for a few seconds: the CI smoke run of the many-sessions benchmark."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.cosyvoice2 import FIXTURES
+from voicebot.config import REPO_ROOT
+
+
+def test_serve_bench_runs_batched_and_unbatched_at_tiny_size():
+    if not (FIXTURES / "golden.safetensors").is_file():
+        pytest.skip(f"no CosyVoice 2 fixtures at {FIXTURES}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "bench.serve", "--size", "tiny", "--seconds", "1", "--sessions", "2",
+                          "--threads", "1"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    for mode in ("batched", "unbatched"):
+        for n in (2,):
+            row = next(line for line in lines if line.startswith(mode) and f"N={n:3d}" in line)
+            assert "first p50" in row and "speech s/s" in row and "batches" in row
+    assert any("throughput" in line for line in lines) and any("admission: capacity" in line for line in lines)
