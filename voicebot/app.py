@@ -113,6 +113,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at capacity: one more session would overload {pool}",
                           CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=retry_after, overloaded=pool)
             return False
+        if not listener and (retry_after := rt.synthesizer.admit()) is not None:
+            await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at capacity: one more session would slow {rt.synthesizer.name}'s "
+                          "speaking sessions below real time", CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=retry_after,
+                          overloaded=rt.synthesizer.name)
+            return False
         return True
 
     @app.websocket("/v1/voice")

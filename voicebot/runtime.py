@@ -93,6 +93,7 @@ class Runtime:
         silero_session()
         for engine in (self.recognizer, self.synthesizer, *self.responders.values()):
             engine.load()
+        self.synthesizer.register_metrics(self.metrics.registry)
         pools = [self.audio_worker, *self.recognizer.workers(), *self.synthesizer.workers()]
         self.admission = Admission(pools, s.limits.max_worker_load)
         self.ready = True

@@ -102,6 +102,9 @@ class Synthesizer(ABC):
     @abstractmethod
     def info(self) -> EngineInfo: ...
 
+    def register_metrics(self, registry) -> None:
+        """Add the engine's own Prometheus collectors (a device scheduler's) to the app's registry."""
+
     def workers(self) -> list[Worker]:
         """The thread pools this engine runs on, for admission control (voicebot/serving/capacity.py).
         An engine that answers admission itself (a batching device scheduler) lists none."""

@@ -38,6 +38,7 @@ from voicebot.config import Cosyvoice2Config
 from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.serving.lm_pool import LMPool, LMRow
 from voicebot.serving.scheduler import Scheduler
+from voicebot.serving.metrics import register_scheduler_metrics
 from voicebot.tts.base import SAMPLE_RATE, SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
 from voicebot.tts.segmenter import sentences
 from voicebot.tts.cosyvoice2.bistream import Bistream
@@ -121,6 +122,9 @@ class CosyVoice2Synthesizer(Synthesizer):
 
     def voices(self) -> list[VoiceInfo]:
         return self.library.list() if self.library else []
+
+    def register_metrics(self, registry) -> None:
+        register_scheduler_metrics(registry, self.scheduler)
 
     def admit(self) -> float | None:
         """None to admit one more session; else seconds after which to retry. A session is
