@@ -49,6 +49,9 @@ class DelayTracker:
         self._near: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * SAMPLE_RATE / BLOCK))
         self._far: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * SAMPLE_RATE / BLOCK))
         self._since_estimate = 0
+        # The median of the last few estimates: one window can fool GCC-PHAT (the end of a reply,
+        # a repeated phrase) without moving the reported delay.
+        self._recent: deque[float] = deque(maxlen=5)
         self.delay_s: float | None = None
         self.estimates = 0
 
@@ -76,7 +79,8 @@ class DelayTracker:
         # A clear peak only: music or a noisy room gives a flat correlation, and a guess would misalign.
         if lags[peak] < 8 * np.median(np.abs(lags)):
             return
-        self.delay_s = peak / SAMPLE_RATE
+        self._recent.append(peak / SAMPLE_RATE)
+        self.delay_s = float(np.median(self._recent))
         self.estimates += 1
 
 
@@ -110,6 +114,11 @@ class EchoCanceller:
     @property
     def delay_ms(self) -> float | None:
         return None if self.tracker.delay_s is None else round(self.tracker.delay_s * 1000, 1)
+
+    @property
+    def far_pending_s(self) -> float:
+        """Reply audio sent and not yet matched with input."""
+        return self._far_samples / SAMPLE_RATE
 
     @property
     def attenuation_db(self) -> float | None:
