@@ -95,6 +95,10 @@ class EndpointConfig(Section):
     smart_limit_ms: int = Field(1500, ge=100, le=10000)
     # Probability of "complete" at or above which the turn ends (the model's own threshold).
     smart_threshold: float = Field(0.5, gt=0, lt=1)
+    # smart: start the responder and synthesis on the transcript at each pause, into a holding
+    # buffer; sent at once if the turn ends with that transcript, discarded (never heard, never in
+    # the history) if the user goes on.
+    prepare_replies: bool = True
 
     @model_validator(mode="after")
     def _smart_order(self) -> "EndpointConfig":
