@@ -134,6 +134,7 @@ async function onEvent(ev) {
       logLine("user", `you: ${ev.text}`, recognizer(ev));
       $("model").textContent = recognizer(ev);
       break;
+    case "turn.end": page.lastTurn = turnEnd(ev); break;
     case "reply.delta": replyLine(ev.reply_id).textContent += ev.text; break;
     case "reply.done": replyLine(ev.reply_id).textContent = ev.text; remember(page.replies, ev.text); break;
     case "audio.end": {
@@ -141,7 +142,8 @@ async function onEvent(ev) {
       const t = ev.timings ?? {};
       if (t.first_audio_ms != null) {
         $("latency").textContent = `${Math.round(t.first_audio_ms)} ms from the end of your speech to the first reply audio`
-          + (page.lastPlayoutMs != null ? ` (+${page.lastPlayoutMs} ms playout buffer here)` : "");
+          + (page.lastPlayoutMs != null ? ` (+${page.lastPlayoutMs} ms playout buffer here)` : "")
+          + (page.lastTurn ? `; ${page.lastTurn}` : "");
       }
       break;
     }
@@ -161,6 +163,15 @@ async function onEvent(ev) {
       logLine("err", `error ${ev.code}: ${ev.message}`);
       break;
   }
+}
+
+/** What ended the turn (turn.end): the pause the server waited, and how long the model took to judge it. */
+function turnEnd(ev) {
+  const t = ev.timings ?? {};
+  const judged = ev.probability != null ? ` (complete: ${Math.round(ev.probability * 100)} %)` : "";
+  const model = t.decision_ms != null ? `, judged in ${Math.round(t.decision_ms)} ms` : "";
+  const by = { smart: "end-of-turn model", silence: "silence", "input.end": "you (input.end)" }[ev.by] ?? ev.by;
+  return `turn ended by ${by}${judged} after a ${t.pause_ms} ms pause${model}`;
 }
 
 /** Which model the transcript came from; `fallback` is the dialect model's result when it ran. */
