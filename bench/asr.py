@@ -15,18 +15,21 @@ import argparse
 import asyncio
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from voicebot.asr.base import SAMPLE_RATE, Hypothesis
-from voicebot.asr.funasr_model import FunasrModel, state_bytes
-from voicebot.asr.paraformer import ParaformerRecognizer
-from voicebot.asr.router import Router
-from voicebot.asr.testing import build_model_dir, synthetic_speech
-from voicebot.config import DialectFallbackConfig, ParaformerConfig
-from voicebot.models import is_complete
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.asr.tiny_models
+
+from tests.asr.tiny_models import build_model_dir, synthetic_speech  # noqa: E402
+from voicebot.asr.base import SAMPLE_RATE, Hypothesis  # noqa: E402
+from voicebot.asr.funasr_model import FunasrModel, state_bytes  # noqa: E402
+from voicebot.asr.paraformer import ParaformerRecognizer  # noqa: E402
+from voicebot.asr.router import Router  # noqa: E402
+from voicebot.config import DialectFallbackConfig, ParaformerConfig  # noqa: E402
+from voicebot.models import is_complete  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "bench-output"
 CHUNK = 9600  # 600 ms, the decode step of chunk_size [0, 10, 5]

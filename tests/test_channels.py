@@ -10,9 +10,10 @@ import json
 import websockets
 
 from tests.conftest import make_settings, speech_pcm
-from voicebot.app import Runtime
 from voicebot.channels import LISTENER_QUEUE_MAX, Listener
+from voicebot.messages import AudioFrame
 from voicebot.protocol import CloseCode
+from voicebot.runtime import Runtime
 from voicebot.session import Session
 
 
@@ -52,7 +53,7 @@ def test_a_stalled_listener_is_dropped_and_the_speaker_gets_every_frame():
         sender = asyncio.create_task(session.run_sender())
         frames = [bytes([i % 256]) * 9600 for i in range(3 * LISTENER_QUEUE_MAX)]  # 200 ms frames
         for frame in frames:
-            await session.outbox.put(frame)
+            await session.outbox.put(AudioFrame(frame))
         await session.outbox.put(None)
         await sender
         await asyncio.sleep(0)  # the healthy listener takes its last frame

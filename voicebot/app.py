@@ -13,84 +13,23 @@ import logging
 import signal
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from voicebot import __version__, auth, protocol
+from voicebot import __version__, auth, openai_audio, protocol
 from voicebot.asr.funasr_ws import funasr_segmenter, serve_funasr
-from voicebot.channels import ChannelHub, run_listener
+from voicebot.channels import run_listener
 from voicebot.config import Settings, load_settings
-from voicebot.debug import InputRecorder
-from voicebot.engines import build_recognizer, build_responders, build_synthesizer
-from voicebot.metrics import Metrics
 from voicebot.obs_plugin import ObsSocket
 from voicebot.protocol import CloseCode, ErrorCode
-from voicebot.reply.resume import ConversationStore
-from voicebot.reply.safety import SpeechFilter
-from voicebot.serving.worker import Worker
+from voicebot.runtime import Runtime
 from voicebot.session import Session
+from voicebot.transport import Socket, receive_loop
 
 log = logging.getLogger("voicebot")
-
-
-@dataclass
-class Runtime:
-    """Everything sessions share: settings, loaded engines, metrics, the live sessions."""
-
-    settings: Settings
-    metrics: Metrics = field(default_factory=Metrics)
-    recognizer: object = None
-    synthesizer: object = None
-    responders: dict = field(default_factory=dict)
-    default_responder: str = "echo"
-    # Gate and VAD for every session: small onnxruntime/numpy calls, kept off the event loop.
-    audio_worker: Worker = field(default_factory=lambda: Worker("audio", threads=2))
-    sessions: dict[str, Session] = field(default_factory=dict)
-    ready: bool = False
-    draining: bool = False
-    loop: asyncio.AbstractEventLoop | None = None
-    started_at: float = field(default_factory=time.monotonic)
-    channels: ChannelHub = field(init=False)
-    input_recorder: InputRecorder = field(init=False)
-    conversations: ConversationStore = field(init=False)  # for sessions that resume
-    speech_filter: SpeechFilter = field(init=False)  # blocklist and max length of what is spoken
-
-    def __post_init__(self) -> None:
-        self.channels = ChannelHub(self.metrics, self.settings.server.max_listeners)
-        self.input_recorder = InputRecorder(self.settings.server.record_input_s)
-        reply = self.settings.reply
-        self.conversations = ConversationStore(reply.resume_ttl_s, reply.resume_max_conversations)
-        self.speech_filter = SpeechFilter.from_config(reply)
-
-    def load(self) -> None:
-        s = self.settings
-        self.recognizer = build_recognizer(s)
-        self.synthesizer = build_synthesizer(s)
-        self.responders = build_responders(s)
-        self.default_responder = s.reply.engine
-        from voicebot.audio.endpoint import silero_session
-
-        silero_session()
-        for engine in (self.recognizer, self.synthesizer, *self.responders.values()):
-            engine.load()
-        self.ready = True
-
-    async def close(self) -> None:
-        for session in list(self.sessions.values()):
-            await session.close()
-        for engine in (self.recognizer, self.synthesizer):
-            if engine is not None:
-                engine.close()
-        for responder in self.responders.values():
-            await responder.aclose()
-        self.audio_worker.shutdown()
-
-    def replies_in_progress(self) -> int:
-        return sum(1 for s in self.sessions.values() if s.replying)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -112,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="voicebot", version=__version__, lifespan=lifespan)
     app.state.runtime = rt
+    app.include_router(openai_audio.router)  # /v1/audio/speech, /v1/audio/transcriptions
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -195,41 +135,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-async def run_session(ws: WebSocket, rt: Runtime) -> None:
+async def run_session(ws: Socket, rt: Runtime) -> None:
     session = Session(rt, ws.send_text, ws.send_bytes)
     rt.sessions[session.id] = session
     rt.metrics.active_sessions.inc()
     rt.metrics.sessions_total.inc()
     sender = asyncio.create_task(session.run_sender())
+    close_requested = asyncio.create_task(session.close_requested.wait())
     try:
-        while session.close_request is None:
-            receive = asyncio.create_task(ws.receive())
-            done, _ = await asyncio.wait({receive, sender}, return_when=asyncio.FIRST_COMPLETED)
-            if sender in done:  # the socket failed while sending
-                receive.cancel()
-                break
-            message = receive.result()
-            if message["type"] == "websocket.disconnect":
-                break
-            if message.get("text") is not None:
-                await session.on_text(message["text"])
-            elif message.get("bytes") is not None:
-                await session.on_bytes(message["bytes"])
+        # Also ended by the sender (the socket failed while sending) and by a close request (flooding).
+        await receive_loop(ws, session.on_message, until=(sender, close_requested))
         if session.close_request is not None:
             code, reason = session.close_request
-            await session.error(ErrorCode.FLOODING, reason)
+            await session.outbox.error(ErrorCode.FLOODING, reason)
             await session.close()
             await session.outbox.put(None)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(sender, 2)
-            await ws.close(code, reason)
-    except (WebSocketDisconnect, RuntimeError):
-        pass
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError):  # the client may be gone already
+                await ws.close(code, reason)
     finally:
         await session.close()
-        sender.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await sender
+        for task in (sender, close_requested):
+            task.cancel()
+        await asyncio.gather(sender, close_requested, return_exceptions=True)
         rt.sessions.pop(session.id, None)
         rt.metrics.active_sessions.dec()
 

@@ -19,11 +19,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
 from voicebot import PROTOCOL_VERSION, protocol
 from voicebot.metrics import Metrics
 from voicebot.protocol import CloseCode, ErrorCode
+from voicebot.transport import Wire, receive_loop
 
 log = logging.getLogger("voicebot.channels")
 
@@ -34,8 +35,6 @@ LISTENER_QUEUE_MAX = 64
 # A dropped listener gets this long to take its close frame before the connection is abandoned.
 CLOSE_TIMEOUT_S = 1.0
 
-Outbound = str | bytes
-
 
 class Listener:
     """One read-only connection following a channel, with its own bounded queue."""
@@ -43,10 +42,10 @@ class Listener:
     def __init__(self, send_text: Callable[[str], Awaitable], send_bytes: Callable[[bytes], Awaitable]) -> None:
         self._send_text = send_text
         self._send_bytes = send_bytes
-        self.queue: asyncio.Queue[Outbound] = asyncio.Queue(LISTENER_QUEUE_MAX)
+        self.queue: asyncio.Queue[Wire] = asyncio.Queue(LISTENER_QUEUE_MAX)
         self.dropped = asyncio.Event()
 
-    def offer(self, item: Outbound) -> bool:
+    def offer(self, item: Wire) -> bool:
         """Queue without waiting; False when the listener has fallen behind."""
         try:
             self.queue.put_nowait(item)
@@ -98,7 +97,7 @@ class ChannelHub:
         self._notify(name, protocol.event("channel.speaker", channel=name, speaking=False))
         self._forget_if_empty(name)
 
-    def mirror(self, session_id: str, item: Outbound) -> None:
+    def mirror(self, session_id: str, item: Wire) -> None:
         """Offer one outbound message of a session to its channel's listeners (never waits)."""
         name = self._speaking.get(session_id)
         if name is None:
@@ -177,19 +176,17 @@ async def run_listener(ws: WebSocket, hub: ChannelHub, name: str) -> None:
 
 async def _read_only(ws: WebSocket, listener: Listener) -> None:
     """Answer pings; anything else a listener sends is an error (it cannot speak)."""
-    with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-        while True:
-            message = await ws.receive()
-            if message["type"] == "websocket.disconnect":
-                return
-            try:
-                parsed = protocol.parse_text(message["text"]) if message.get("text") is not None else None
-            except protocol.ProtocolError as exc:
-                reply = protocol.error(exc.code, exc.message)
-            else:
-                if isinstance(parsed, protocol.Ping):
-                    reply = protocol.event("pong", id=parsed.id)
-                else:
-                    reply = protocol.error(ErrorCode.READ_ONLY, "a listener only receives; speak through a session")
-            listener.offer(json.dumps(reply))
 
+    async def on_message(message: Wire) -> None:
+        try:
+            parsed = protocol.parse_text(message) if isinstance(message, str) else None
+        except protocol.ProtocolError as exc:
+            reply = protocol.error(exc.code, exc.message)
+        else:
+            if isinstance(parsed, protocol.Ping):
+                reply = protocol.event("pong", id=parsed.id)
+            else:
+                reply = protocol.error(ErrorCode.READ_ONLY, "a listener only receives; speak through a session")
+        listener.offer(json.dumps(reply))
+
+    await receive_loop(ws, on_message)

@@ -39,6 +39,9 @@ class ServerConfig(Section):
     # Tests and troubleshooting only: keep the first N seconds of raw input of the 8 most recent
     # sessions in memory, served at /debug/input/{session_id}.wav. 0 = off (and no such route).
     record_input_s: float = Field(0.0, ge=0, le=60)
+    # Download missing models (with progress) at start-up, as `python -m voicebot.models fetch`
+    # does; off: start-up never touches the network and names what is missing.
+    download_models: bool = False
 
 
 class LimitsConfig(Section):

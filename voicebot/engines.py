@@ -1,4 +1,10 @@
-"""Build the engines a config selects. Imports are lazy: an engine's libraries load only if chosen."""
+"""Build the engines a config selects. Imports are lazy: an engine's libraries load only if chosen.
+
+The three engine interfaces live beside their engines, each in its package's base.py:
+voicebot/asr/base.py (Recognizer, RecognizerStream), voicebot/reply/base.py (Responder) and
+voicebot/tts/base.py (Synthesizer, SynthesisContext); what all three report (ResetReport,
+EngineInfo) is in voicebot/engine_reports.py. Where each model's weights come from: voicebot/models.py.
+"""
 
 from __future__ import annotations
 

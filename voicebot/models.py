@@ -1,30 +1,35 @@
-"""Where model weights come from: a local directory, or a ModelScope id fetched ahead of time.
+"""Where model weights come from, for every engine: a local directory, or a ModelScope id fetched ahead of time.
 
-The server never downloads on its own. At start-up `resolve` turns each configured model into a
-local directory or fails with one message naming the config key, the model id and the command
-that fetches it. Before a show, on a machine with network:
+One policy: engines only `resolve` (never touching the network), turning each configured model
+into a local directory or failing with one ModelNotAvailable naming the config key, the model id
+and the command that fetches it. Downloads happen only when asked for: before a show, on a
+machine with network,
 
     python -m voicebot.models fetch --config configs/a10.yaml
 
-downloads every model the config names into its cache (with progress) and prints their sizes.
+downloads every model the config names into its cache (with progress) and prints their sizes;
+or, explicitly, `server.download_models: true` makes start-up run the same fetch first.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from voicebot.config import Settings, load_settings
 
-# A directory holding these is a complete model snapshot of its kind.
+# A downloaded snapshot holding these is complete; the first, the model's own config file, is what
+# makes a local directory a model of its kind (its loader names any other file it misses).
 FUNASR_FILES = ("config.yaml", "model.pt")
 COSYVOICE2_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt")
+MODELSCOPE_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 class ModelNotAvailable(RuntimeError):
-    """A configured model is neither a local directory nor in the cache."""
+    """A configured model is neither a local directory nor in the cache (every engine raises this)."""
 
 
 @dataclass(frozen=True)
@@ -46,14 +51,14 @@ def is_complete(path: Path, files: tuple[str, ...] = FUNASR_FILES) -> bool:
 def resolve(model: ModelRef) -> Path:
     """The local directory of `model`; never touches the network."""
     local = Path(model.ref).expanduser()
-    if is_complete(local, model.files):
+    if local.is_dir():
+        if not (local / model.files[0]).is_file():
+            raise ModelNotAvailable(f"{model.key} = {model.ref!r} is a directory without {model.files[0]}: not a model")
         return local
+    if not MODELSCOPE_ID.fullmatch(model.ref):
+        raise ModelNotAvailable(f"{model.key} = {model.ref!r}: no such directory, and not a ModelScope id")
     if is_complete(model.cached_dir, model.files):
         return model.cached_dir
-    if local.is_dir():
-        raise ModelNotAvailable(
-            f"{model.key} = {model.ref!r} is a directory without {' and '.join(model.files)}: not a model"
-        )
     raise ModelNotAvailable(
         f"{model.key} = {model.ref!r}: no such local directory and not downloaded into {model.cache}. "
         f"Fetch it on a machine with network: `python -m voicebot.models fetch --config <your config>` "
@@ -85,18 +90,29 @@ def _size(path: Path) -> int:
 
 
 def fetch(model: ModelRef) -> Path:
-    """Download `model` into its cache unless it is local already (resumes a partial download)."""
+    """Download `model` into its cache unless it is local or cached already (resumes a partial download)."""
     local = Path(model.ref).expanduser()
-    if is_complete(local, model.files):
-        return local
+    if local.is_dir() or is_complete(model.cached_dir, model.files):
+        return resolve(model)
     from modelscope import snapshot_download  # heavy, and only needed here
 
     model.cached_dir.mkdir(parents=True, exist_ok=True)
-    # ModelScope shows a progress bar per file.
-    snapshot_download(model.ref, local_dir=str(model.cached_dir))
+    try:
+        snapshot_download(model.ref, local_dir=str(model.cached_dir))  # a progress bar per file
+    except Exception as exc:  # no network, unknown id, disk full: one line, not a traceback
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        raise ModelNotAvailable(
+            f"{model.key} = {model.ref!r}: downloading ModelScope model {model.ref!r} into {model.cached_dir} "
+            f"failed ({type(exc).__name__}: {first_line})"
+        ) from None
     if not is_complete(model.cached_dir, model.files):
         raise ModelNotAvailable(f"{model.key} = {model.ref!r}: download finished without {model.files}")
     return model.cached_dir
+
+
+def fetch_all(settings: Settings) -> list[Path]:
+    """Every model the config needs, downloaded where missing (`server.download_models`, and `fetch`)."""
+    return [fetch(model) for model in required_models(settings)]
 
 
 def main(argv: list[str] | None = None) -> int:

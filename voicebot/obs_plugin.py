@@ -24,15 +24,15 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketState
 
+from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import StreamResampler, float_to_pcm16
 from voicebot.metrics import Metrics
 
 log = logging.getLogger("voicebot.obs")
 
 HEADER = struct.Struct("<QIIIII")  # timestamp, sample rate, channels, bit depth, id length, name length
-SESSION_RATE = 16000
 # Limits on what a header may declare. OBS runs at 44.1 or 48 kHz with up to 8 channels (7.1).
 MIN_RATE, MAX_RATE = 8000, 192000
 MAX_CHANNELS = 8
@@ -96,7 +96,7 @@ class ObsAudio:
         mono = frames.mean(axis=1, dtype=np.float32) / 32768.0
         if self._resampler is None or self._resampler.in_rate != chunk.sample_rate:
             # OBS's rate changes only when its audio settings change (which restarts its audio).
-            self._resampler = StreamResampler(chunk.sample_rate, SESSION_RATE)
+            self._resampler = StreamResampler(chunk.sample_rate, LISTEN_RATE)
         return float_to_pcm16(self._resampler.process(mono))
 
 
@@ -115,7 +115,7 @@ class ObsSocket:
     async def receive(self) -> dict:
         if not self._started:
             self._started = True
-            start = {"type": "session.start", "sample_rate": SESSION_RATE, "channel": self._channel}
+            start = {"type": "session.start", "sample_rate": LISTEN_RATE, "channel": self._channel}
             return {"type": "websocket.receive", "text": json.dumps(start)}
         while True:
             message = await self._ws.receive()
@@ -167,6 +167,14 @@ class ObsSocket:
     def _log_summary(self) -> None:
         if self._bad:
             log.warning("obs plugin on channel %r disconnected; messages skipped: %s", self._channel, self._bad)
+
+    @property
+    def client_state(self) -> WebSocketState:
+        return self._ws.client_state
+
+    @property
+    def application_state(self) -> WebSocketState:
+        return self._ws.application_state
 
     async def send_text(self, _text: str) -> None:
         """Dropped: the plugin ignores what the server sends (listeners on the channel get it)."""

@@ -16,11 +16,11 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from voicebot import PROTOCOL_VERSION
+from voicebot.audio.rates import SPEAK_RATE as OUTPUT_SAMPLE_RATE
 
 MIN_SAMPLE_RATE = 8000
 MAX_SAMPLE_RATE = 48000
 MAX_CHUNK_SECONDS = 1.0
-OUTPUT_SAMPLE_RATE = 24000
 FRAME_MS = 200
 # A channel name, as in `session.start {channel}` and `/v1/voice?role=listener&channel=NAME`.
 CHANNEL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

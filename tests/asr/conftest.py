@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from voicebot.asr.testing import build_model_dir
+from tests.asr.tiny_models import build_model_dir
 
 torch.set_num_threads(1)
 

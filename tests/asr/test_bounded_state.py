@@ -6,9 +6,9 @@ import asyncio
 
 import numpy as np
 
+from tests.asr.tiny_models import synthetic_speech
 from voicebot.asr.funasr_model import state_bytes
 from voicebot.asr.paraformer import ParaformerRecognizer
-from voicebot.asr.testing import synthetic_speech
 from voicebot.config import DialectFallbackConfig, EndpointConfig, ParaformerConfig
 
 PIECE = 1600  # 100 ms, a typical WebSocket frame

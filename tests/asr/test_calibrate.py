@@ -8,8 +8,8 @@ import sys
 import soundfile
 import yaml
 
+from tests.asr.tiny_models import synthetic_speech
 from voicebot.asr.funasr_model import FunasrModel
-from voicebot.asr.testing import synthetic_speech
 from voicebot.config import REPO_ROOT
 
 

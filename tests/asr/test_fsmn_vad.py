@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
+from tests.asr.tiny_models import synthetic_speech
 from voicebot.asr.funasr_protocol import FunasrSession
 from voicebot.asr.paraformer import ParaformerRecognizer
-from voicebot.asr.testing import synthetic_speech
 from voicebot.audio.endpoint import EventKind
 from voicebot.audio.resample import float_to_pcm16
 from voicebot.config import ParaformerConfig

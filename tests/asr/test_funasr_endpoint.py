@@ -2,98 +2,187 @@
 
 The real app: tiny Paraformer as `asr.engine: paraformer`, the server's Silero endpointer, and
 espeak-ng Mandarin speech with pauses, so utterances end by VAD as well as by the client.
+funasr-client's merged result keeps only `2pass-offline` messages, as the C++ server labels its
+final results in every mode; with no second-pass model configured every mode must merge to the
+same transcript.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
-import wave
+import subprocess
 
 import numpy as np
 import pytest
-import uvicorn
+import soundfile
 
+from tests.asr.server import serve
 from tests.audio import espeak_speech, to_pcm16
-from voicebot.app import create_app
-from voicebot.config import Settings
+from tests.conftest import make_settings
+
+TOKEN = "funasr-secret"
+FINAL_MODES = {"2pass-online", "2pass-offline"}
 
 
 @pytest.fixture(scope="module")
 def server_url(tiny_models):
-    settings = Settings(asr={"engine": "paraformer", "paraformer": {"model": str(tiny_models["streaming"])}},
-                        tts={"voice": "zh"})
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"ws://127.0.0.1:{port}/funasr"
-    server.should_exit = True
-    thread.join(10)
+    settings = make_settings(asr={"engine": "paraformer", "paraformer": {"model": str(tiny_models["streaming"])}},
+                             tts={"voice": "zh"}, server={"token": TOKEN})
+    with serve(settings) as port:
+        yield f"ws://127.0.0.1:{port}/funasr"
 
 
 @pytest.fixture(scope="module")
-def wav_path(tmp_path_factory):
+def speech() -> np.ndarray:
     silence = np.zeros(16000, np.float32)
-    speech = [espeak_speech(text, voice="cmn") for text in ("今天天气很好", "我们去公园散步吧")]
-    audio = np.concatenate([silence[:4000], speech[0], silence, speech[1], silence])
-    path = tmp_path_factory.mktemp("funasr-client") / "two-sentences.wav"
-    with wave.open(str(path), "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(16000)
-        wav.writeframes(to_pcm16(audio))
-    return path
+    sentences = [espeak_speech(text, voice="cmn") for text in ("今天天气很好", "我们去公园散步吧")]
+    return np.concatenate([silence[:4000], sentences[0], silence, sentences[1], silence])
+
+
+@pytest.fixture(scope="module")
+def audio_file(speech, tmp_path_factory):
+    """The two sentences as a file in a format funasr-client names by its extension."""
+    directory = tmp_path_factory.mktemp("funasr-client")
+
+    # The same 16-bit samples in every lossless file (libsndfile's float-to-int rounding differs
+    # between its wav and flac encoders, and one LSB changes a random-weight model's text).
+    samples = np.frombuffer(to_pcm16(speech), "<i2")
+
+    def write(suffix: str):
+        path = directory / f"two-sentences.{suffix}"
+        if not path.exists():
+            soundfile.write(path, samples if suffix in ("wav", "flac") else speech, 16000)
+        return path
+
+    return write
+
+
+def with_token(url: str) -> str:
+    # funasr-client and the HTML5 page take a URL: the token goes in its query
+    return f"{url}?token={TOKEN}"
 
 
 def stream(url: str, path, mode: str) -> list[dict]:
     from funasr_client import async_file_asr_stream
 
     async def run():
-        return [m async for m in async_file_asr_stream(path, url, mode=mode)]
+        return [m async for m in async_file_asr_stream(path, with_token(url), mode=mode)]
 
     return asyncio.run(asyncio.wait_for(run(), 60))
 
 
-def well_formed(messages: list[dict], modes: set[str]) -> None:
+def merged(url: str, path, mode: str) -> dict:
+    from funasr_client import async_file_asr
+
+    return asyncio.run(asyncio.wait_for(async_file_asr(path, with_token(url), mode=mode), 60))
+
+
+def well_formed(messages: list[dict], name: str = "two-sentences.wav") -> None:
     assert messages, "no messages"
     for message in messages:
-        assert message["mode"] in modes and message["wav_name"] == "two-sentences.wav"
+        assert message["mode"] in FINAL_MODES and message["wav_name"] == name
         assert isinstance(message["text"], str) and isinstance(message["is_final"], bool)
+        assert "error" not in message
     assert messages[-1]["is_final"] and not any(m["is_final"] for m in messages[:-1])
 
 
-def test_2pass(server_url, wav_path):
-    messages = stream(server_url, wav_path, "2pass")
-    well_formed(messages, {"2pass-online", "2pass-offline"})
-    finals = [m for m in messages if m["mode"] == "2pass-offline" and m["text"]]
-    assert len(finals) == 2  # two sentences, two VAD endpoints
-    assert any(m["mode"] == "2pass-online" for m in messages)
-    assert all(0 < m["confidence"] <= 1 and m["asr_model"] == "asr.paraformer.model" for m in finals)
+def finals(messages: list[dict]) -> list[dict]:
+    return [m for m in messages if m["mode"] == "2pass-offline" and m["text"]]
 
 
-def test_online(server_url, wav_path):
-    messages = stream(server_url, wav_path, "online")
-    well_formed(messages, {"online"})
-    assert len([m for m in messages if m["text"]]) >= 2
+@pytest.fixture(scope="module")
+def transcript(server_url, audio_file) -> str:
+    """The 2pass result: one final per sentence, each after its VAD endpoint."""
+    messages = stream(server_url, audio_file("wav"), "2pass")
+    well_formed(messages)
+    assert len(finals(messages)) == 2 and any(m["mode"] == "2pass-online" for m in messages)
+    assert all(0 < m["confidence"] <= 1 and m["asr_model"] == "asr.paraformer.model" for m in finals(messages))
+    return "".join(m["text"] for m in finals(messages))
 
 
-def test_runtime_clients_root_path(server_url, wav_path):
+@pytest.mark.parametrize("mode", ["2pass", "online", "offline"])
+def test_merged_result_in_every_mode(server_url, audio_file, transcript, mode):
+    result = merged(server_url, audio_file("wav"), mode)
+    assert result["text"] == transcript != "" and result["is_final"]
+
+
+def test_online_deltas_are_the_finals(server_url, audio_file, transcript):
+    messages = stream(server_url, audio_file("wav"), "online")
+    well_formed(messages)
+    assert len(finals(messages)) == 2
+    assert "".join(m["text"] for m in messages if m["mode"] == "2pass-online") == transcript
+
+
+def test_offline_sends_finals_only(server_url, audio_file, transcript):
+    messages = stream(server_url, audio_file("wav"), "offline")
+    well_formed(messages)
+    assert {m["mode"] for m in messages} == {"2pass-offline"} and len(finals(messages)) == 2
+
+
+def test_runtime_clients_root_path(server_url, audio_file, transcript):
     # The runtime's own clients cannot add a path: they connect to ws://host:port/.
     root = server_url.removesuffix("funasr")
-    well_formed(stream(root, wav_path, "2pass"), {"2pass-online", "2pass-offline"})
+    assert merged(root, audio_file("wav"), "2pass")["text"] == transcript
 
 
-def test_offline(server_url, wav_path):
-    from funasr_client import async_file_asr
+def test_lossless_file_decoded_as_the_same_speech(server_url, audio_file, transcript):
+    # funasr-client sends a .flac as it is, wav_format "flac": decoded, not taken for PCM
+    messages = stream(server_url, audio_file("flac"), "offline")
+    well_formed(messages, name="two-sentences.flac")
+    assert "".join(m["text"] for m in finals(messages)) == transcript
 
-    messages = stream(server_url, wav_path, "offline")
-    well_formed(messages, {"offline"})
-    assert len([m for m in messages if m["text"]]) == 2
-    merged = asyncio.run(asyncio.wait_for(async_file_asr(wav_path, server_url, mode="2pass"), 60))
-    assert merged["text"] and merged["is_final"]
+
+def test_mp3_file_decoded(server_url, audio_file):
+    messages = stream(server_url, audio_file("mp3"), "offline")
+    well_formed(messages, name="two-sentences.mp3")
+    assert finals(messages)  # lossy: other samples, so other text from random weights; but speech
+
+
+def test_file_outside_offline_mode_is_refused_clearly(server_url, audio_file):
+    (error,) = stream(server_url, audio_file("mp3"), "2pass")
+    assert error["is_final"] and error["mode"] == "2pass-offline" and error["wav_name"] == "two-sentences.mp3"
+    assert error["text"].startswith("ERROR.") and "offline mode" in error["error"]
+
+
+def test_without_the_token_refused(server_url, audio_file):
+    from funasr_client import async_file_asr_stream
+
+    async def run():
+        return [m async for m in async_file_asr_stream(audio_file("wav"), server_url, mode="offline")]
+
+    from websockets.exceptions import ConnectionClosedError
+
+    with pytest.raises(ConnectionClosedError) as refused:
+        asyncio.run(asyncio.wait_for(run(), 30))
+    assert refused.value.rcvd.code == 4401 and refused.value.rcvd.reason == "unauthorized"
+
+
+def test_wss_with_a_self_signed_certificate(tiny_models, audio_file, transcript, tmp_path):
+    # docs/funasr.md's set-up: the openssl command, uvicorn serving TLS; funasr-client does not verify
+    key, cert = tmp_path / "server.key", tmp_path / "server.crt"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=voicebot",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    settings = make_settings(asr={"engine": "paraformer", "paraformer": {"model": str(tiny_models["streaming"])}},
+                             tts={"voice": "zh"}, server={"token": TOKEN})
+    with serve(settings, ssl_keyfile=str(key), ssl_certfile=str(cert)) as port:
+        result = merged(f"wss://127.0.0.1:{port}/funasr", audio_file("wav"), "2pass")
+    assert result["text"] == transcript and result["is_final"]
+
+
+def test_a_client_that_ends_twice_and_closes_leaves_no_traceback(server_url, caplog):
+    # Every way a socket ends is handled by the one receive loop (voicebot/transport.py); a client
+    # that sends its end twice and closes at once must not show up as an error in the server log.
+    import websockets
+
+    async def run():
+        async with websockets.connect(f"{server_url}?token={TOKEN}") as ws:
+            await ws.send('{"mode": "offline", "wav_name": "w", "is_speaking": true}')
+            await ws.send(to_pcm16(np.zeros(8000, np.float32)))
+            await ws.send('{"is_speaking": false}')
+            await ws.send('{"is_speaking": false}')
+        await asyncio.sleep(0.5)  # the server reads, answers into the closed socket, and ends
+
+    with caplog.at_level("DEBUG"):
+        asyncio.run(asyncio.wait_for(run(), 30))
+    assert not [r for r in caplog.records if r.exc_info or r.levelname in ("ERROR", "CRITICAL")], caplog.text

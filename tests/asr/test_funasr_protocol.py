@@ -1,15 +1,23 @@
-"""The FunASR 2-pass protocol logic, without sockets: a scripted endpointer and the tiny model."""
+"""The FunASR 2-pass protocol logic, without sockets: a scripted endpointer and the tiny model.
+
+The expected shapes are the C++ 2-pass server's (runtime/websocket/bin/websocket-server-2pass.cpp):
+results labelled 2pass-online / 2pass-offline in every mode, one is_final at the end, and a
+refused stream ended by a final result whose text says why.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 
 import numpy as np
 import pytest
+import soundfile
 
-from voicebot.asr.funasr_protocol import FunasrSession, ProtocolError
-from voicebot.asr.testing import synthetic_speech
+from tests.asr.tiny_models import synthetic_speech
+from voicebot.asr.funasr_protocol import FunasrSession
+from voicebot.audio.files import FILE_FORMATS
 from voicebot.audio.endpoint import EventKind, VadEvent
 from voicebot.audio.resample import float_to_pcm16
 
@@ -39,11 +47,11 @@ class ScriptedSegmenter:
         return [VadEvent(EventKind.END, np.zeros(0, np.float32))]
 
 
-def converse(recognizer, mode: str, pcm: bytes, frame: int = FRAME, segmenter=None) -> list[dict]:
+def converse(recognizer, mode: str, pcm: bytes, frame: int = FRAME, segmenter=None, **fields) -> list[dict]:
     async def run():
         session = FunasrSession(recognizer, segmenter or ScriptedSegmenter())
         init = {"mode": mode, "chunk_size": [5, 10, 5], "chunk_interval": 10, "wav_name": "clip",
-                "wav_format": "pcm", "audio_fs": 16000, "is_speaking": True, "hotwords": "", "itn": True}
+                "wav_format": "pcm", "audio_fs": 16000, "is_speaking": True, "hotwords": "", "itn": True} | fields
         replies = await session.on_text(json.dumps(init))
         for start in range(0, len(pcm), frame):
             replies += await session.on_audio(pcm[start : start + frame])
@@ -75,19 +83,35 @@ def test_2pass_deltas_then_final(recognizer):
     assert all(r["wav_name"] == "clip" and "timestamp" not in r for r in replies)
 
 
-def test_online_deltas_concatenate(recognizer):
+def test_online_deltas_concatenate_and_each_utterance_ends_in_2pass_offline(recognizer):
+    # As the C++ server: 2pass-online deltas, then the utterance's streamed text as 2pass-offline
+    # (funasr-client merges only 2pass-offline: with "online" labels its merged text was empty).
     replies = converse(recognizer, "online", PCM)
-    assert {r["mode"] for r in replies} == {"online"}
-    assert "".join(r["text"] for r in replies) == one_shot(recognizer)
+    online = [r for r in replies if r["mode"] == "2pass-online"]
+    assert [r["mode"] for r in replies] == ["2pass-online"] * len(online) + ["2pass-offline"]
+    assert "".join(r["text"] for r in online) == replies[-1]["text"] == one_shot(recognizer)
     assert replies[-1]["is_final"] and not any(r["is_final"] for r in replies[:-1])
+    assert 0 < replies[-1]["confidence"] <= 1
 
 
 def test_offline_one_result_per_utterance(recognizer):
     # Three utterances cut by the endpointer, then the client's end (nothing left: empty final).
     replies = converse(recognizer, "offline", PCM, segmenter=ScriptedSegmenter(utterance_samples=16000 * 4 // 3))
-    assert [r["mode"] for r in replies] == ["offline"] * len(replies)
+    assert [r["mode"] for r in replies] == ["2pass-offline"] * len(replies)
     assert len([r for r in replies if r["text"]]) == 3
     assert replies[-1]["is_final"] and not any(r["is_final"] for r in replies[:-1])
+
+
+@pytest.mark.parametrize("wav_format", ["PCM", "Pcm"])
+def test_wav_format_pcm_in_any_case(recognizer, wav_format):
+    # The HTML5 client's file mode sends "PCM" for a .wav file; the C++ server takes it.
+    replies = converse(recognizer, "offline", PCM, wav_format=wav_format)
+    assert replies[-1]["text"] == one_shot(recognizer) and "error" not in replies[-1]
+
+
+def test_audio_fs_as_a_string(recognizer):
+    replies = converse(recognizer, "offline", PCM, audio_fs="16000")
+    assert replies[-1]["text"] == one_shot(recognizer) and "error" not in replies[-1]
 
 
 def test_frames_splitting_samples_and_8k_input(recognizer):
@@ -115,14 +139,82 @@ def test_is_end_is_acknowledged(recognizer):
     assert last["is_final"] and last["is_end"] and last["mode"] == "2pass-offline"
 
 
-@pytest.mark.parametrize("message, complaint", [
-    ("{not json", "not JSON"),
-    ('["a list"]', "JSON object"),
-    ('{"mode": "3pass"}', "mode must be"),
-    ('{"wav_format": "mp3"}', "wav_format"),
-    ('{"audio_fs": 96000}', "audio_fs"),
+def _encoded(audio: np.ndarray, wav_format: str) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, audio, 16000, format=wav_format.upper())
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("wav_format", ["wav", "flac"])
+def test_offline_file_is_decoded_losslessly(recognizer, wav_format):
+    # The file's header is read, not recognised as samples; frames split it anywhere.
+    data = _encoded(synthetic_speech(4.0, seed=40), wav_format)
+    replies = converse(recognizer, "offline", data, frame=1001, wav_format=wav_format)
+    assert replies[-1]["text"] == one_shot(recognizer) and replies[-1]["is_final"]
+    assert all("error" not in r for r in replies)
+
+
+def test_offline_mp3_is_decoded(recognizer):
+    assert "mp3" in FILE_FORMATS  # libsndfile >= 1.1, bundled with soundfile's wheels
+    speech = synthetic_speech(4.0, seed=40)
+    replies = converse(recognizer, "offline", _encoded(speech, "mp3"), wav_format="mp3")
+    # Lossy, so not the same samples; what matters is that the header is not taken for PCM.
+    assert replies[-1]["text"] and replies[-1]["is_final"] and "error" not in replies[-1]
+    raw = converse(recognizer, "offline", _encoded(speech, "mp3"), wav_format="pcm")
+    assert raw[-1]["text"] != replies[-1]["text"]
+
+
+def test_undecodable_file_ends_the_stream_with_an_error(recognizer):
+    replies = converse(recognizer, "offline", b"ID3 not really an mp3" * 100, wav_format="mp3")
+    assert replies[-1]["is_final"] and replies[-1]["text"].startswith("ERROR.") and "mp3" in replies[-1]["error"]
+
+
+@pytest.mark.parametrize("fields, complaint", [
+    ({"mode": "3pass"}, "mode must be"),
+    ({"wav_format": "mp3", "mode": "2pass"}, "offline mode"),
+    ({"wav_format": "wav", "mode": "online"}, "offline mode"),
+    ({"wav_format": "m4a", "mode": "offline"}, "cannot be decoded"),
+    ({"audio_fs": 96000}, "audio_fs"),
+    ({"audio_fs": "fast"}, "audio_fs"),
 ])
-def test_bad_messages_are_refused_clearly(recognizer, message, complaint):
+def test_refused_first_message_ends_the_stream_with_an_error_result(recognizer, fields, complaint):
+    # As the C++ server ends a stream it cannot decode: a final result whose text says why, with
+    # the client's wav_name; the audio that follows is dropped, counted and reported.
+    async def run():
+        session = FunasrSession(recognizer, ScriptedSegmenter())
+        first = await session.on_text(json.dumps({"wav_name": "mine.wav", "is_speaking": True} | fields))
+        dropped = await session.on_audio(PCM[:FRAME])
+        end = await session.on_text(json.dumps({"is_speaking": False}))
+        return first, dropped, end, session.dropped_bytes
+
+    first, dropped, end, dropped_bytes = asyncio.run(run())
+    (error,) = first
+    assert error["mode"] == "2pass-offline" and error["wav_name"] == "mine.wav" and error["is_final"]
+    assert error["text"] == f"ERROR. {error['error']}" and complaint in error["error"]
+    assert dropped == [] and dropped_bytes == FRAME
+    assert f"{FRAME} bytes" in end[0]["error"] and end[0]["is_final"]
+
+
+@pytest.mark.parametrize("message, complaint", [("{not json", "not JSON"), ('["a list"]', "JSON object")])
+def test_unreadable_message_ends_the_stream(recognizer, message, complaint):
     session = FunasrSession(recognizer, ScriptedSegmenter())
-    with pytest.raises(ProtocolError, match=complaint):
-        asyncio.run(session.on_text(message))
+    (error,) = asyncio.run(session.on_text(message))
+    assert error["is_final"] and complaint in error["error"] and error["text"].startswith("ERROR.")
+
+
+def test_refusal_mid_stream_keeps_what_was_said_then_a_new_stream_starts(recognizer):
+    async def run():
+        session = FunasrSession(recognizer, ScriptedSegmenter())
+        await session.on_text(json.dumps({"mode": "2pass", "wav_name": "a"}))
+        for start in range(0, len(PCM), FRAME):
+            await session.on_audio(PCM[start : start + FRAME])
+        refused = await session.on_text(json.dumps({"mode": "3pass"}))
+        await session.on_text(json.dumps({"mode": "offline", "wav_name": "b", "is_speaking": True}))
+        await session.on_audio(PCM)
+        again = await session.on_text(json.dumps({"is_speaking": False}))
+        return refused, again, session.dropped_bytes
+
+    refused, again, dropped_bytes = asyncio.run(run())
+    assert refused[-2]["mode"] == "2pass-offline" and refused[-2]["text"] == one_shot(recognizer)
+    assert refused[-1]["is_final"] and "mode must be" in refused[-1]["error"]
+    assert again[-1]["wav_name"] == "b" and again[-1]["text"] == one_shot(recognizer) and dropped_bytes == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -59,3 +60,45 @@ def test_shipped_configs_name_their_models(name, count):
     if settings.tts.engine == "cosyvoice2":
         assert refs[-1].key == "tts.cosyvoice2.model" and "llm.pt" in refs[-1].files
     assert settings.asr.paraformer.chunk_size == (0, 10, 5)
+
+
+def test_start_up_downloads_only_when_the_setting_says_so(tiny_models, tmp_path, monkeypatch):
+    from voicebot.runtime import Runtime
+
+    downloads = []
+
+    def fake_snapshot_download(model_id, local_dir):
+        downloads.append(model_id)
+        shutil.copytree(tiny_models["streaming"], local_dir, dirs_exist_ok=True)
+        return local_dir
+
+    import modelscope
+
+    monkeypatch.setattr(modelscope, "snapshot_download", fake_snapshot_download)
+    paraformer = {"model": "someone/some-model", "model_cache": str(tmp_path / "cache")}
+    settings = load_settings(write_config(tmp_path / "c.yaml", paraformer))
+    refused = Runtime(settings)
+    with pytest.raises(models.ModelNotAvailable) as error:
+        refused.load()
+    asyncio.run(refused.close())
+    assert "asr.paraformer.model" in str(error.value) and "someone/some-model" in str(error.value)
+    assert downloads == []  # the default: start-up never downloads
+
+    settings.server.download_models = True
+    runtime = Runtime(settings)
+    runtime.load()
+    assert downloads == ["someone/some-model"] and runtime.ready
+    asyncio.run(runtime.close())
+
+
+def test_a_failed_download_is_one_clear_error(tmp_path, monkeypatch):
+    import modelscope
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Failed to resolve 'modelscope.cn'\nlong traceback text")
+
+    monkeypatch.setattr(modelscope, "snapshot_download", offline)
+    with pytest.raises(models.ModelNotAvailable) as error:
+        models.fetch(models.ModelRef("tts.cosyvoice2.model", "iic/CosyVoice2-0.5B", tmp_path, models.COSYVOICE2_FILES))
+    message = str(error.value)
+    assert "tts.cosyvoice2.model" in message and "iic/CosyVoice2-0.5B" in message and "long traceback" not in message

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import yaml
 
+from tests.asr.tiny_models import synthetic_speech
 from voicebot.asr.funasr_model import CheckpointMismatch, FunasrModel
 from voicebot.asr.paraformer import ParaformerRecognizer
-from voicebot.asr.testing import synthetic_speech
 from voicebot.config import ParaformerConfig
 from voicebot.models import ModelNotAvailable
 

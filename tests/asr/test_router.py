@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from tests.asr.tiny_models import synthetic_speech
 from voicebot.asr.paraformer import ParaformerRecognizer
-from voicebot.asr.testing import synthetic_speech
 from voicebot.config import DialectFallbackConfig, ParaformerConfig
 
 AUDIO = synthetic_speech(3.0, seed=21)

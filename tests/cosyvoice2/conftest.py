@@ -1,8 +1,9 @@
 """Fixtures for the CosyVoice 2 tests.
 
-The golden fixture directory is $VOICEBOT_CV2_FIXTURES, by default ../shared/fixtures/cosyvoice2
-relative to the repository root. Golden tests read every expected value, shape and
-hyper-parameter from it, so another fixture set of the same format can be swapped in.
+The golden fixture directory is $VOICEBOT_CV2_FIXTURES, by default tests/data/cosyvoice2 (in the
+repository; its README says what each file is and where it came from). Golden tests read every
+expected value, shape and hyper-parameter from it, so another fixture set of the same format can be
+swapped in.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from voicebot.tts.cosyvoice2.loader import load_checkpoint
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-FIXTURES = Path(os.environ.get("VOICEBOT_CV2_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures" / "cosyvoice2"))
+FIXTURES = Path(os.environ.get("VOICEBOT_CV2_FIXTURES", REPO_ROOT / "tests" / "data" / "cosyvoice2"))
 
 
 @pytest.fixture(scope="session")
 def cv2_dir() -> Path:
     if not (FIXTURES / "golden.safetensors").is_file():
-        pytest.skip(f"no CosyVoice 2 fixtures at {FIXTURES} (set VOICEBOT_CV2_FIXTURES)")
+        # the set ships with the repository: a missing one is a broken checkout or a wrong variable
+        pytest.fail(f"no CosyVoice 2 fixtures at {FIXTURES} (VOICEBOT_CV2_FIXTURES names another set)")
     torch.set_num_threads(1)  # the machine is shared; the fixtures hold at 1 thread too
     return FIXTURES
 

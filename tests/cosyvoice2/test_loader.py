@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from voicebot.models import ModelNotAvailable as ModelUnavailable
 from voicebot.tts.cosyvoice2.hparams import load_hparams
-from voicebot.tts.cosyvoice2.loader import (ModelUnavailable, load_checkpoint, load_cosyvoice2, resolve_dtype,
-                                            resolve_model_dir)
+from voicebot.tts.cosyvoice2.loader import load_checkpoint, load_cosyvoice2, resolve_dtype, resolve_model_dir
 
 YAML = """
 n: 3

@@ -1,16 +1,17 @@
-"""Token2Wav's `exact` and `fast` modes on the fixture model: what `fast` changes, and by how much.
+"""Token2Wav's `exact` and `fast` modes on the fixture model: what `fast` changes, checked against
+the official outputs each mode should reproduce.
 
 `fast` differs from `exact` in two ways: it renders the final chunk chunk-causally from the cache
 instead of re-running the whole utterance with full attention, and it vocodes with HiFTStream
 (seamless, tests/cosyvoice2/test_stream_seams.py) instead of the official overlap and cross-fade.
-Measured on the fixtures (tiny random weights, 12 prompt + 120 tokens, chunks 38/50/final 32 tokens):
+So `fast` must be the official chunk-causal mel (`flow.mel.stream_finalize`) vocoded in one HiFT
+call, and `exact` the official stream (tts.stream.chunk*, tests/cosyvoice2/test_token2wav_golden.py).
 
-    final chunk mel:  max abs 0.40 against a peak of 4.8, relative L2 7.7 %
-    whole utterance:  max abs 0.024 against a peak of 0.077, relative L2 8.5 %
-                      (the official seams and the final chunk; before the first seam they are equal)
-
-The bounds below leave some room above those; bench/cosyvoice2.py prints the same figures at the
-released sizes (random weights). Trained weights may differ; those cannot be measured here.
+How far apart the two are is a property of the weights, not of the code, so it is measured, not
+bounded here: on the fixtures (tiny random weights, 12 prompt + 120 tokens, chunks 38/50/final 32
+tokens) the final chunk mel is 7.7 % (relative L2) from full attention and the whole utterance 8.5 %;
+on another random set of other sizes and seeds the final chunk measured 20 %. bench/cosyvoice2.py
+prints the same figures at the released sizes (random weights); trained weights cannot be measured here.
 """
 
 from __future__ import annotations
@@ -20,16 +21,13 @@ import gc
 import pytest
 import torch
 
+from voicebot.tts.cosyvoice2.hift import SourceNoise
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 
 pytestmark = pytest.mark.golden
 
-FAST_FINAL_MEL_REL_L2 = 0.10
-FAST_SPEECH_REL_L2 = 0.15
-
-
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
+MEL_ATOL = 1e-4  # the fixture README's fp32 acceptance thresholds
+SPEECH_ATOL = 2e-4
 
 
 def test_fast_mode_differs_from_exact_by_the_final_chunk_and_the_seams(cv2_golden: dict, t2w: Token2Wav,
@@ -44,14 +42,20 @@ def test_fast_mode_differs_from_exact_by_the_final_chunk_and_the_seams(cv2_golde
     assert fast.shape == exact.shape
     # the first HiFT call is the same in both (same mel, from frame 0); fast holds more of it back
     first = chunks["fast"][0].shape[1]
-    torch.testing.assert_close(fast[:, :first], exact[:, :first], rtol=0, atol=2e-4)
-    assert 0 < _rel_l2(fast, exact) <= FAST_SPEECH_REL_L2
+    torch.testing.assert_close(fast[:, :first], exact[:, :first], rtol=0, atol=SPEECH_ATOL)
+    assert not torch.allclose(fast, exact, rtol=0, atol=SPEECH_ATOL)  # the final chunk and the seams
+    # fast = the official chunk-causal mel, vocoded as one call (zero noise, as the stream runs here)
+    mel = cv2_golden["flow.mel.stream_finalize"]
+    noise = SourceNoise.zeros(mel.shape[2] * t2w.hift.samples_per_frame, t2w.hift.m_source.n_harmonics)
+    with torch.inference_mode():
+        expected = t2w.hift.inference(mel, noise=noise)[0]
+    torch.testing.assert_close(fast, expected, rtol=0, atol=SPEECH_ATOL)
 
 
 def test_fast_final_chunk_mel_is_the_official_streaming_finalize(cv2_golden: dict, t2w: Token2Wav,
                                                                   prompt: FlowPrompt) -> None:
-    """The cached final chunk is the official flow with streaming=True, finalize=True; its distance
-    from the full-attention final chunk (`exact`) is the documented deviation."""
+    """The cached final chunk is the official flow with streaming=True, finalize=True (its distance
+    from the full-attention final chunk of `exact` is the weights' own, measured in the docstring)."""
     flow, tokens = t2w.flow, cv2_golden["flow.token"]
     cache = t2w.prompt_state(prompt).fork()
     args = (prompt.token, prompt.feat, prompt.embedding)
@@ -61,8 +65,7 @@ def test_fast_final_chunk_mel_is_the_official_streaming_finalize(cv2_golden: dic
         offset = end
     fast = flow.inference(tokens, *args, streaming=True, finalize=True, cache=cache)
     frames = slice(2 * offset, None)
-    torch.testing.assert_close(fast, cv2_golden["flow.mel.stream_finalize"][:, :, frames], rtol=0, atol=1e-4)
-    assert _rel_l2(fast, cv2_golden["flow.mel.nonstream"][:, :, frames]) <= FAST_FINAL_MEL_REL_L2
+    torch.testing.assert_close(fast, cv2_golden["flow.mel.stream_finalize"][:, :, frames], rtol=0, atol=MEL_ATOL)
 
 
 def test_hundred_utterances_hold_no_state(cv2_golden: dict, t2w: Token2Wav, prompt: FlowPrompt) -> None:

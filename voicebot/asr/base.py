@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.audio.rates import LISTEN_RATE
+from voicebot.engine_reports import EngineInfo, ResetReport
 
-SAMPLE_RATE = 16000
+SAMPLE_RATE = LISTEN_RATE  # what every recognizer hears
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,28 @@
 
 Existing FunASR clients (the runtime's C++/Java/Python/HTML5 clients, `funasr-client`) send a
 JSON message {mode, chunk_size, wav_name, wav_format, audio_fs, is_speaking, hotwords, itn, ...},
-then raw s16le PCM frames, then {"is_speaking": false}. We answer as the C++ 2-pass server does:
+then audio frames, then {"is_speaking": false}. We answer as the C++ 2-pass server
+(runtime/websocket/bin/websocket-server-2pass.cpp) does, whose results are labelled `2pass-online`
+and `2pass-offline` whatever the mode asked for (funasr-client's merge keeps only `2pass-offline`):
 
-* mode "online": {"mode": "online", "text": <new text only>} after each decode step;
-* mode "offline": {"mode": "offline", "text": <utterance>} at each endpoint;
-* mode "2pass": "2pass-online" deltas, then "2pass-offline" with the final (second-pass) text;
+* mode "2pass": `2pass-online` deltas (the new text only) after each decode step, then one
+  `2pass-offline` with the utterance's final text at each endpoint;
+* mode "online": the same deltas, and at each endpoint a `2pass-offline` with the utterance's
+  streamed text (the C++ server sends its accumulated online text there);
+* mode "offline": one `2pass-offline` per utterance;
 * `is_final` is true on exactly one message: the last, sent after the client's is_speaking=false
   (clients such as funasr-client stop reading at the first is_final=true); it also carries
   `is_end: true` when the client's message did (the runtime's Python client waits for that);
 * extra fields: `confidence`, `asr_model`, `fallback` on final results.
+
+Audio is raw s16le PCM (`wav_format` pcm, any case, as the C++ server takes it), or, in offline
+mode, a whole file in any format the installed libsndfile decodes (wav, mp3, flac, ogg, ...),
+decoded at is_speaking=false. A message we cannot follow (not JSON, an unknown mode, a file format
+outside offline mode or one libsndfile lacks, a sample rate out of range) ends the stream as the C++
+server ends one: with a final result whose `text` says what was wrong (`error` holds the reason
+alone), after the results of the audio already received. Audio sent after that is dropped until a
+new first message starts a new stream; the amount is counted and reported at the client's next
+message.
 
 No `timestamp` is sent: the streaming Paraformer has no per-character times, and clients that get
 one zip it with the characters. `hotwords` and `itn` are accepted and ignored (the Paraformer
@@ -21,6 +34,7 @@ Endpoints come from a `Segmenter` (the server's VAD), the same one the /v1/voice
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -29,14 +43,22 @@ import numpy as np
 
 from voicebot.asr.base import SAMPLE_RATE, Hypothesis, Recognizer, RecognizerStream
 from voicebot.audio.endpoint import EventKind, VadEvent
+from voicebot.audio.files import FILE_FORMATS, UndecodableAudio, decode_file
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
 
 Mode = Literal["online", "offline", "2pass"]
 _MODES = ("online", "offline", "2pass")
+ONLINE, OFFLINE = "2pass-online", "2pass-offline"  # the result labels, in every mode
+
+# An uploaded file is held whole until is_speaking=false: 64 MiB is ~35 min of 16 kHz 16-bit wav,
+# hours of mp3. Beyond it the stream ends with an error (the audio is counted as dropped).
+MAX_FILE_BYTES = 64 * 2**20
+# A decoded file goes to the segmenter in pieces, as a live stream would arrive.
+_FILE_PIECE = SAMPLE_RATE  # samples (1 s)
 
 
 class ProtocolError(ValueError):
-    """A client message we cannot use; the handler reports it and keeps the connection."""
+    """A client message we cannot follow; the session ends the stream with its reason."""
 
 
 class Segmenter(Protocol):
@@ -49,21 +71,39 @@ class Segmenter(Protocol):
 class ClientConfig:
     mode: Mode = "2pass"
     wav_name: str = "stream"
+    # "pcm", or a FILE_FORMATS name (offline mode only): funasr-client and the HTML5 page send the
+    # file's extension
     wav_format: str = "pcm"
     audio_fs: int = SAMPLE_RATE
 
     def update(self, message: dict) -> None:
+        """Apply a client message; raises ProtocolError (with wav_name applied) on a field we refuse."""
+        # The name first: the error result of a refused message must carry it.
+        self.wav_name = str(message.get("wav_name", self.wav_name))
         mode = message.get("mode", self.mode)
         if mode not in _MODES:
             raise ProtocolError(f"mode must be one of {', '.join(_MODES)}, not {mode!r}")
-        audio_fs = message.get("audio_fs", self.audio_fs)
-        if not isinstance(audio_fs, int) or not 8000 <= audio_fs <= 48000:
-            raise ProtocolError(f"audio_fs must be an integer sample rate in 8000-48000, not {audio_fs!r}")
-        wav_format = message.get("wav_format") or self.wav_format
+        audio_fs = _sample_rate(message.get("audio_fs", self.audio_fs))
+        wav_format = str(message.get("wav_format") or self.wav_format).lower()
         if wav_format != "pcm":
-            raise ProtocolError(f"only wav_format 'pcm' is supported for streams, not {wav_format!r}")
+            if wav_format not in FILE_FORMATS:
+                raise ProtocolError(f"wav_format {wav_format!r} cannot be decoded here; send pcm, or in offline "
+                                    f"mode a file in one of: {', '.join(sorted(FILE_FORMATS))}")
+            if mode != "offline":
+                raise ProtocolError(f"wav_format {wav_format!r} is a file: files are taken in offline mode; "
+                                    f"{mode} mode streams pcm")
         self.mode, self.audio_fs, self.wav_format = mode, audio_fs, wav_format
-        self.wav_name = str(message.get("wav_name", self.wav_name))
+
+
+def _sample_rate(value: object) -> int:
+    # Some clients send the rate as a string or a float ("16000", 16000.0).
+    try:
+        rate = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        rate = float("nan")
+    if isinstance(value, bool) or not rate.is_integer() or not 8000 <= rate <= 48000:
+        raise ProtocolError(f"audio_fs must be a sample rate in 8000-48000 Hz, not {value!r}")
+    return int(rate)
 
 
 class FunasrSession:
@@ -77,23 +117,43 @@ class FunasrSession:
         self._stream: RecognizerStream | None = None
         self._sent = ""  # partial text of the current utterance already sent
         self._odd_byte = b""
+        self._file = bytearray()  # a whole file (wav_format other than pcm), decoded at the end
+        self._refused = False  # the stream ended with an error; audio is dropped until a new first message
+        self.dropped_bytes = 0  # audio bytes received and not recognised, over the connection
+        self._dropped_unreported = 0
 
     async def on_text(self, text: str) -> list[dict]:
         try:
             message = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ProtocolError(f"not JSON: {exc}") from exc
+            return await self._refuse(f"not JSON: {exc}")
         if not isinstance(message, dict):
-            raise ProtocolError("a text message must be a JSON object")
-        previous_fs = self.config.audio_fs
-        self.config.update(message)
-        if self.config.audio_fs != previous_fs:
+            return await self._refuse("a text message must be a JSON object")
+        if self._refused:
+            if not message.get("is_speaking", True):
+                return [self._dropped_report()] if self._dropped_unreported else []
+            self._refused = False  # a new first message: a new stream
+        previous = (self.config.audio_fs, self.config.wav_format)
+        try:
+            self.config.update(message)
+        except ProtocolError as exc:
+            return await self._refuse(str(exc))
+        if (self.config.audio_fs, self.config.wav_format) != previous:
             self._resampler = StreamResampler(self.config.audio_fs, SAMPLE_RATE)
         if message.get("is_speaking", True):
             return []
         return await self._end_of_input(bool(message.get("is_end")))
 
     async def on_audio(self, data: bytes) -> list[dict]:
+        if self._refused:
+            self._drop(len(data))
+            return []
+        if self.config.wav_format != "pcm":
+            if len(self._file) + len(data) > MAX_FILE_BYTES:
+                self._drop(len(data))
+                return await self._refuse(f"the file is over {MAX_FILE_BYTES // 2**20} MiB")
+            self._file += data
+            return []
         data = self._odd_byte + data
         # A frame may split a sample; keep the odd byte for the next frame.
         self._odd_byte = data[len(data) & ~1 :]
@@ -106,17 +166,50 @@ class FunasrSession:
             self._stream = None
 
     async def _end_of_input(self, is_end: bool) -> list[dict]:
-        events = await self.segmenter.process(self._resampler.flush())
+        if self.config.wav_format != "pcm":
+            try:
+                audio, _ = await asyncio.to_thread(decode_file, bytes(self._file))
+            except UndecodableAudio as exc:
+                return await self._refuse(f"the {self.config.wav_format} file: {exc}")
+            self._file.clear()
+            events = []
+            for start in range(0, len(audio), _FILE_PIECE):
+                events += await self.segmenter.process(audio[start : start + _FILE_PIECE])
+        else:
+            events = await self.segmenter.process(self._resampler.flush())
         self._resampler = StreamResampler(self.config.audio_fs, SAMPLE_RATE)
         events += await self.segmenter.force_end()
         messages = await self._events(events)
-        final_mode = {"online": "online", "offline": "offline", "2pass": "2pass-offline"}[self.config.mode]
-        if not messages or messages[-1]["mode"] != final_mode:
-            messages.append(self._message(final_mode, ""))
+        if not messages or messages[-1]["mode"] != OFFLINE:
+            messages.append(self._message(OFFLINE, ""))
         messages[-1]["is_final"] = True
         if is_end:  # the runtime's Python client (>= 1.4) waits for this acknowledgement
             messages[-1]["is_end"] = True
         return messages
+
+    async def _refuse(self, reason: str) -> list[dict]:
+        """End the stream: the results of the audio received so far, then the error as the final result."""
+        messages = []
+        if not self._refused:
+            self._drop(len(self._file))
+            self._file.clear()
+            events = await self.segmenter.process(self._resampler.flush()) + await self.segmenter.force_end()
+            self._resampler = StreamResampler(self.config.audio_fs, SAMPLE_RATE)
+            messages = await self._events(events)
+        self._refused = True
+        error = self._message(OFFLINE, f"ERROR. {reason}")
+        error |= {"error": reason, "is_final": True}
+        return [*messages, error]
+
+    def _drop(self, n_bytes: int) -> None:
+        self.dropped_bytes += n_bytes
+        self._dropped_unreported += n_bytes
+
+    def _dropped_report(self) -> dict:
+        reason = (f"{self._dropped_unreported} bytes of audio sent after the stream ended with an error were not "
+                  f"recognised; send a new first message to start a new stream")
+        self._dropped_unreported = 0
+        return self._message(OFFLINE, f"ERROR. {reason}") | {"error": reason, "is_final": True}
 
     async def _events(self, events: list[VadEvent]) -> list[dict]:
         messages: list[dict] = []
@@ -135,15 +228,16 @@ class FunasrSession:
     def _partial(self, partial: str) -> dict:
         # Partials only grow within an utterance; clients expect the new text only.
         delta, self._sent = partial[len(self._sent) :], partial
-        return self._message("online" if self.config.mode == "online" else "2pass-online", delta)
+        return self._message(ONLINE, delta)
 
     def _final(self, hypothesis: Hypothesis) -> list[dict]:
+        messages = []
         if self.config.mode == "online":
             # Online clients concatenate deltas: send the tail the flush added, if any.
             tail = hypothesis.text[len(self._sent) :] if hypothesis.text.startswith(self._sent) else ""
-            return [self._message("online", tail, hypothesis)] if tail else []
-        mode = "offline" if self.config.mode == "offline" else "2pass-offline"
-        return [self._message(mode, hypothesis.text, hypothesis)]
+            if tail:
+                messages.append(self._message(ONLINE, tail))
+        return [*messages, self._message(OFFLINE, hypothesis.text, hypothesis)]
 
     def _message(self, mode: str, text: str, hypothesis: Hypothesis | None = None) -> dict:
         message = {"mode": mode, "wav_name": self.config.wav_name, "text": text, "is_final": False}
@@ -151,3 +245,4 @@ class FunasrSession:
             event = hypothesis.to_event()
             message |= {"confidence": event["confidence"], "asr_model": event["model"], "fallback": event["fallback"]}
         return message
+

@@ -8,7 +8,6 @@ the FunASR runtime), else by the server's own Silero endpointer.
 from __future__ import annotations
 
 import json
-import logging
 
 import numpy as np
 from fastapi import WebSocket
@@ -18,8 +17,7 @@ from voicebot.asr.funasr_protocol import FunasrSession, ProtocolError, Segmenter
 from voicebot.audio.endpoint import Endpointer, VadEvent
 from voicebot.config import EndpointConfig
 from voicebot.serving.worker import Worker
-
-log = logging.getLogger(__name__)
+from voicebot.transport import Wire, receive_loop
 
 
 class EndpointerSegmenter:
@@ -47,23 +45,19 @@ def funasr_segmenter(recognizer: Recognizer, endpoint: EndpointConfig, audio_wor
 async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segmenter) -> None:
     """Serve one accepted connection until the client goes away."""
     session = FunasrSession(recognizer, segmenter)
+
+    async def on_message(message: Wire) -> None:
+        try:
+            if isinstance(message, str):
+                replies = await session.on_text(message)
+            else:
+                replies = await session.on_audio(message)
+        except ProtocolError as exc:
+            replies = [{"wav_name": session.config.wav_name, "error": str(exc), "is_final": False}]
+        for reply in replies:
+            await ws.send_text(json.dumps(reply, ensure_ascii=False))
+
     try:
-        while True:
-            message = await ws.receive()
-            if message["type"] == "websocket.disconnect":
-                break
-            try:
-                if message.get("text") is not None:
-                    replies = await session.on_text(message["text"])
-                elif message.get("bytes") is not None:
-                    replies = await session.on_audio(message["bytes"])
-                else:
-                    continue
-            except ProtocolError as exc:
-                replies = [{"wav_name": session.config.wav_name, "error": str(exc), "is_final": False}]
-            for reply in replies:
-                await ws.send_text(json.dumps(reply, ensure_ascii=False))
-    except RuntimeError:  # the client went away while we were sending
-        log.debug("/funasr client disconnected")
+        await receive_loop(ws, on_message)
     finally:
         await session.close()

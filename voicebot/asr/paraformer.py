@@ -18,7 +18,7 @@ from voicebot.asr.fsmn_vad import FsmnVad
 from voicebot.asr.funasr_model import Decoded, FunasrModel, state_bytes
 from voicebot.asr.router import Router, to_hypothesis
 from voicebot.config import EndpointConfig, ParaformerConfig
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.models import ModelRef, resolve
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from voicebot.asr.base import Hypothesis, Recognizer, RecognizerStream
 from voicebot.config import PocketsphinxConfig
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.serving.worker import Worker
 
 class PocketsphinxRecognizer(Recognizer):

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from voicebot.audio.rates import LISTEN_RATE
 from voicebot.config import EndpointConfig
 
-SAMPLE_RATE = 16000
+SAMPLE_RATE = LISTEN_RATE  # Silero's 16 kHz graph
 WINDOW = 512
 CONTEXT = 64
 WINDOW_MS = WINDOW * 1000 / SAMPLE_RATE  # 32 ms

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from voicebot.audio.rates import SPEAK_RATE
+
 
 class Framer:
-    def __init__(self, sample_rate: int = 24000, frame_ms: int = 200) -> None:
+    def __init__(self, sample_rate: int = SPEAK_RATE, frame_ms: int = 200) -> None:
         self.frame_samples = sample_rate * frame_ms // 1000
         self._pending = np.zeros(0, np.float32)
 

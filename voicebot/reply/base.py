@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import AsyncIterator
 
-from voicebot.engine import EngineInfo
+from voicebot.engine_reports import EngineInfo
 
 Message = dict[str, str]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
-from voicebot.engine import EngineInfo
+from voicebot.engine_reports import EngineInfo
 from voicebot.reply.base import Message, Responder
 
 

@@ -24,7 +24,7 @@ from typing import AsyncIterator
 import httpx
 
 from voicebot.config import OpenAICompatConfig
-from voicebot.engine import EngineInfo
+from voicebot.engine_reports import EngineInfo
 from voicebot.reply.base import Message, Responder, ResponderError
 from voicebot.reply.persona import Personas
 

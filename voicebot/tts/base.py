@@ -15,9 +15,10 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.audio.rates import SPEAK_RATE
+from voicebot.engine_reports import EngineInfo, ResetReport
 
-SAMPLE_RATE = 24000
+SAMPLE_RATE = SPEAK_RATE  # every synthesizer's output
 
 
 @dataclass(frozen=True)

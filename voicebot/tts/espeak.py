@@ -18,7 +18,7 @@ import numpy as np
 
 from voicebot.audio.resample import StreamResampler
 from voicebot.config import EspeakConfig
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import SAMPLE_RATE, SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from voicebot.config import Cosyvoice2Config
-from voicebot.engine import EngineInfo, ResetReport
+from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
 from voicebot.tts.segmenter import sentences

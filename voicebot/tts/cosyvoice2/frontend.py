@@ -138,11 +138,11 @@ class TextFrontend:
             return [text] if text else []
         lang = language(text)
         length: Callable[[str], int] = len if lang == "zh" else (lambda s: len(self.encode(s)))
-        return [u for u in _merge(sentences(text, lang), length, self.token_max_n, self.token_min_n, self.merge_len)
+        return [u for u in _merge(split_at_sentence_marks(text, lang), length, self.token_max_n, self.token_min_n, self.merge_len)
                 if not only_punctuation(u)]
 
 
-def sentences(text: str, lang: str) -> list[str]:
+def split_at_sentence_marks(text: str, lang: str) -> list[str]:
     """Cut after each sentence mark (keeping a closing quote that follows it); end with a full stop."""
     ends = SENTENCE_END[lang]
     if text[-1] not in ends:

@@ -9,7 +9,6 @@ CosyVoice-BlankEN/config.json; the checkpoints load strictly with weights_only=T
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,52 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from voicebot.models import COSYVOICE2_FILES, ModelRef, resolve
 from voicebot.tts.cosyvoice2.flow import Flow, build_flow
 from voicebot.tts.cosyvoice2.hift import HiFT, build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, build_lm
 
-_MODEL_FILES = ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt")
-_MODELSCOPE_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # HiFT checkpoints spell weight norm either way; torch's old and new weight_norm APIs.
 _WEIGHT_NORM_SPELLINGS = ((".weight_g", ".parametrizations.weight.original0"),
                           (".weight_v", ".parametrizations.weight.original1"))
 
 
-class ModelUnavailable(RuntimeError):
-    """The configured model is neither a local directory nor downloadable."""
-
-
 def resolve_model_dir(model: str, cache_dir: str | Path, config_key: str) -> Path:
-    """`model` is a local model directory or a ModelScope id (e.g. iic/CosyVoice2-0.5B).
-
-    An id is looked up in <cache_dir>/<id> and downloaded there (with progress bars) when that copy
-    is incomplete; a failed download raises one ModelUnavailable naming `config_key` and the id.
-    """
-    local = Path(model).expanduser()
-    if local.is_dir():
-        if not (local / "cosyvoice2.yaml").is_file():
-            raise ModelUnavailable(f"{config_key} = {model!r} is a directory without cosyvoice2.yaml")
-        return local
-    if not _MODELSCOPE_ID.fullmatch(model):
-        raise ModelUnavailable(f"{config_key} = {model!r}: no such directory, and not a ModelScope id")
-    target = Path(cache_dir).expanduser() / model
-    if all((target / name).is_file() for name in _MODEL_FILES):
-        return target
-    try:
-        from modelscope import snapshot_download  # heavy; only needed to download
-
-        snapshot_download(model, local_dir=str(target))  # resumes a partial download
-    except Exception as exc:  # no network, unknown id, disk full: one message, not a retry storm
-        raise ModelUnavailable(
-            f"{config_key} = {model!r}: not a local directory, and downloading ModelScope model "
-            f"{model!r} into {target} failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
-            f"Download it on a machine with network, or set {config_key} to a local model directory."
-        ) from None
-    missing = [name for name in _MODEL_FILES if not (target / name).is_file()]
-    if missing:
-        raise ModelUnavailable(f"{config_key} = {model!r}: download finished without {', '.join(missing)}")
-    return target
+    """`model` (a local model directory or a ModelScope id, e.g. iic/CosyVoice2-0.5B) as a local
+    directory, by the one resolver of every engine (voicebot/models.py): never downloads."""
+    return resolve(ModelRef(config_key, model, Path(cache_dir).expanduser(), COSYVOICE2_FILES))
 
 
 def _align_weight_norm_keys(state: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:

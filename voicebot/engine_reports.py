@@ -1,4 +1,7 @@
-"""What every engine (recognizer, responder, synthesizer) has in common."""
+"""What every engine (recognizer, responder, synthesizer) reports: its reset, and itself to /readyz.
+
+The interfaces themselves: voicebot/engines.py lists them, and builds the engines a config selects.
+"""
 
 from __future__ import annotations
 

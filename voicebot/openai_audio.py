@@ -1,0 +1,320 @@
+"""OpenAI-compatible speech and transcription endpoints, on the runtime's own engines.
+
+`POST /v1/audio/speech` speaks `input` with the configured synthesizer and streams the audio as it
+is synthesized: `response_format` pcm (24 kHz s16le mono, as OpenAI's) or wav (the same after a
+header whose sizes say "unknown length", since the length is not known when it is sent; wav is
+also the default here, where OpenAI's is mp3, which we do not encode); `stream_format` audio (the
+bytes) or sse (the same bytes, base64 in `speech.audio.delta` events, then `speech.audio.done`). `voice`
+is any configured voice; `model` is accepted and not used (the server has one synthesizer).
+`speed` other than 1 and `instructions` are refused: no engine here takes them per request.
+
+`POST /v1/audio/transcriptions` decodes the uploaded file (voicebot/audio/files.py), cuts it into
+utterances with the Silero endpointer (the server's `endpoint` settings), and recognizes each
+with the configured recognizer: `response_format` json, text or verbose_json, whose segments
+carry the recognizer's own `confidence` (geometric mean of token posteriors, null where the
+engine has none; `avg_logprob` is its log) and `model`.
+
+Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and status. With
+`server.token` set the token is required, as the API key (`Authorization: Bearer`).
+Model work stays off the event loop: the engines run on their own workers, and the endpointer and
+the file decoder run in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hmac
+import json
+import logging
+import math
+import struct
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.datastructures import UploadFile
+
+from voicebot import auth
+from voicebot.asr.base import Hypothesis
+from voicebot.audio.endpoint import WINDOW, Endpointer, EventKind
+from voicebot.audio.files import SAMPLE_RATE as ASR_RATE
+from voicebot.audio.files import UndecodableAudio, decode_file
+from voicebot.audio.resample import float_to_pcm16
+from voicebot.tts.base import SAMPLE_RATE as TTS_RATE
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/audio")
+
+MAX_INPUT_CHARS = 4096  # OpenAI's limit for `input`
+MAX_UPLOAD_BYTES = 25 * 2**20  # OpenAI's limit for a transcription upload
+SPEECH_FORMATS = ("pcm", "wav")
+TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def _authorized_runtime(request: Request):
+    rt = request.app.state.runtime
+    token = rt.settings.server.token
+    presented = auth.presented_token(request)  # type: ignore[arg-type]  # an HTTP request has the same fields
+    if token is not None and not (presented and hmac.compare_digest(presented.encode(), token.encode())):
+        raise ApiError(401, "missing or wrong API key (the server's token)", code="invalid_api_key")
+    return rt
+
+
+# --- speech
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    input: str
+    voice: str
+    response_format: str
+    stream_format: str
+
+    @classmethod
+    def parse(cls, body: Any) -> "SpeechRequest":
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        if not isinstance(body.get("model"), str) or not body["model"]:
+            raise ApiError(400, "model is required (any name: the server has one synthesizer)", "model")
+        text = body.get("input")
+        if not isinstance(text, str) or not text.strip():
+            raise ApiError(400, "input must be a non-empty string", "input")
+        if len(text) > MAX_INPUT_CHARS:
+            raise ApiError(400, f"input is {len(text)} characters; the limit is {MAX_INPUT_CHARS}", "input",
+                           "string_above_max_length")
+        voice = body.get("voice")
+        voice = voice.get("id") if isinstance(voice, dict) else voice  # {"id": ...}: a custom voice
+        if not isinstance(voice, str) or not voice:
+            raise ApiError(400, "voice is required", "voice")
+        response_format = body.get("response_format", "wav")
+        if response_format not in SPEECH_FORMATS:
+            raise ApiError(400, f"response_format {response_format!r} is not supported here; use one of "
+                                f"{', '.join(SPEECH_FORMATS)}", "response_format")
+        stream_format = body.get("stream_format", "audio")
+        if stream_format not in ("audio", "sse"):
+            raise ApiError(400, f"stream_format must be audio or sse, not {stream_format!r}", "stream_format")
+        speed = body.get("speed", 1.0)
+        if not isinstance(speed, (int, float)) or isinstance(speed, bool) or not 0.25 <= speed <= 4.0:
+            raise ApiError(400, f"speed must be a number in 0.25-4.0, not {speed!r}", "speed")
+        if speed != 1.0:
+            raise ApiError(400, "speed is not supported: the server's synthesizers stream at their own rate",
+                           "speed", "unsupported_value")
+        if body.get("instructions"):
+            raise ApiError(400, "instructions are not supported by the server's synthesizers", "instructions",
+                           "unsupported_value")
+        return cls(text, voice, response_format, stream_format)
+
+
+def wav_header(sample_rate: int) -> bytes:
+    """A 16-bit mono WAV header for a stream of unknown length (RIFF and data sizes 0xFFFFFFFF)."""
+    unknown = 0xFFFFFFFF
+    fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, sample_rate * 2, 2, 16)
+    return b"RIFF" + struct.pack("<I", unknown) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + \
+        b"data" + struct.pack("<I", unknown)
+
+
+async def _one(text: str) -> AsyncIterator[str]:
+    yield text
+
+
+@router.post("/speech", response_model=None)
+async def speech(request: Request) -> Response:
+    try:
+        rt = _authorized_runtime(request)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not JSON: {exc}") from exc
+        req = SpeechRequest.parse(body)
+        try:
+            context = rt.synthesizer.open(req.voice)
+        except KeyError:
+            names = ", ".join(v.name for v in rt.synthesizer.voices())
+            raise ApiError(400, f"voice {req.voice!r} is not configured; have {names}", "voice") from None
+        audio = _pcm(context, req.input)
+        try:
+            # The first chunk before the status line: an engine that fails at once gets a 500, not a
+            # 200 with an empty body.
+            first = await anext(audio, b"")
+        except Exception as exc:  # the generator has closed the context on its way out
+            log.exception("speech synthesis failed")
+            raise ApiError(500, f"synthesis failed: {exc}", kind="server_error") from exc
+    except ApiError as exc:
+        return exc.response()
+    if req.response_format == "wav":
+        first = wav_header(TTS_RATE) + first
+    if req.stream_format == "sse":
+        return StreamingResponse(_sse(first, audio), media_type="text/event-stream")
+    return StreamingResponse(_bytes(first, audio), media_type=f"audio/{req.response_format}")
+
+
+async def _pcm(context, text: str) -> AsyncIterator[bytes]:
+    """The synthesizer's chunks as s16le bytes; closes the context when done or cut off."""
+    samples = 0
+    try:
+        async with contextlib.aclosing(context.stream(_one(text))) as chunks:
+            async for chunk in chunks:
+                samples += len(chunk.audio)
+                yield float_to_pcm16(chunk.audio)
+    finally:
+        await context.close()
+        log.debug("speech: %.2f s synthesized", samples / TTS_RATE)
+
+
+async def _bytes(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(rest):
+        yield first
+        async for pcm in rest:
+            yield pcm
+
+
+async def _sse(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The same bytes as the audio stream, base64 in `speech.audio.delta` events."""
+
+    def event(body: dict) -> bytes:
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    async with contextlib.aclosing(rest):
+        if first:
+            yield event({"type": "speech.audio.delta", "audio": base64.b64encode(first).decode()})
+        async for pcm in rest:
+            yield event({"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()})
+        yield event({"type": "speech.audio.done"})
+
+
+# --- transcription
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: float  # seconds
+    end: float
+    hypothesis: Hypothesis
+
+
+def _utterances(endpointer: Endpointer, audio: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    """(first sample, end of the last speech window, audio) of each utterance the endpointer finds.
+
+    Blocking. One window per call, so every event's position in the file is known exactly; the
+    last partial window (under 32 ms) is not judged.
+    """
+    found, start, pieces = [], 0, []
+    for offset in range(0, len(audio) - WINDOW + 1, WINDOW):
+        for event in endpointer.process(audio[offset : offset + WINDOW]):
+            if event.kind is EventKind.START:
+                start, pieces = endpointer.samples_seen - len(event.audio), [event.audio]
+            elif event.kind is EventKind.AUDIO:
+                pieces.append(event.audio)
+            else:
+                found.append((start, event.speech_end_sample, np.concatenate(pieces)))
+    for event in endpointer.force_end():  # the file ended inside an utterance
+        found.append((start, event.speech_end_sample, np.concatenate(pieces)))
+    return found
+
+
+async def _form(request: Request):
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES + 2**16:  # the file plus the form's fields
+        raise ApiError(413, f"the file is over the {MAX_UPLOAD_BYTES // 2**20} MiB limit", "file", "file_too_large")
+    try:
+        form = await request.form(max_files=1, max_fields=20)
+    except Exception as exc:  # starlette reports a malformed body as several exception types
+        raise ApiError(400, f"expected a multipart/form-data body with a file: {exc}") from exc
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise ApiError(400, "file is required (an audio file in a multipart form)", "file")
+    data = await upload.read(MAX_UPLOAD_BYTES + 1)
+    if len(data) > MAX_UPLOAD_BYTES:
+        raise ApiError(413, f"the file is over the {MAX_UPLOAD_BYTES // 2**20} MiB limit", "file", "file_too_large")
+    return data, form
+
+
+@router.post("/transcriptions", response_model=None)
+async def transcriptions(request: Request) -> Response:
+    try:
+        rt = _authorized_runtime(request)
+        data, fields = await _form(request)
+        if not isinstance(fields.get("model"), str) or not fields["model"]:
+            raise ApiError(400, "model is required (any name: the server has one recognizer)", "model")
+        response_format = str(fields.get("response_format", "json"))
+        if response_format not in TRANSCRIPTION_FORMATS:
+            raise ApiError(400, f"response_format {response_format!r} is not supported here; use one of "
+                                f"{', '.join(TRANSCRIPTION_FORMATS)}", "response_format")
+        if str(fields.get("stream", "false")).lower() == "true":
+            raise ApiError(400, "streamed transcription is not supported here; use /v1/realtime", "stream")
+        granularities = fields.getlist("timestamp_granularities[]") + fields.getlist("timestamp_granularities")
+        if any(g != "segment" for g in granularities):
+            raise ApiError(400, "only segment timestamps are available", "timestamp_granularities")
+        try:
+            audio, duration = await asyncio.to_thread(decode_file, data)
+        except UndecodableAudio as exc:
+            raise ApiError(400, f"the file: {exc}", "file", "invalid_value") from exc
+        language = str(fields.get("language") or "") or None
+        segments = await _recognize(rt, audio, language)
+    except ApiError as exc:
+        return exc.response()
+    text = " ".join(s.hypothesis.text for s in segments if s.hypothesis.text)
+    if response_format == "text":
+        return PlainTextResponse(text + "\n")
+    usage = {"type": "duration", "seconds": round(duration, 3)}
+    if response_format == "json":
+        return JSONResponse({"text": text, "usage": usage})
+    return JSONResponse({"task": "transcribe", "language": language, "duration": round(duration, 3),
+                         "text": text, "segments": [_segment_json(i, s) for i, s in enumerate(segments)],
+                         "usage": usage})
+
+
+async def _recognize(rt, audio: np.ndarray, language: str | None) -> list[Segment]:
+    endpointer = Endpointer(rt.settings.endpoint)
+    utterances = await asyncio.to_thread(_utterances, endpointer, audio)
+    stream = rt.recognizer.open(language)
+    segments = []
+    try:
+        for start, end, utterance in utterances:
+            await stream.accept(utterance)
+            segments.append(Segment(start / ASR_RATE, end / ASR_RATE, await stream.finish()))
+    except Exception as exc:
+        log.exception("transcription failed")
+        raise ApiError(500, f"recognition failed: {exc}", kind="server_error") from exc
+    finally:
+        await stream.close()
+    return segments
+
+
+def _segment_json(index: int, segment: Segment) -> dict:
+    hyp, text = segment.hypothesis, segment.hypothesis.text
+    encoded = text.encode()
+    return {
+        "id": index,
+        "seek": round(segment.start * 100),  # in 10 ms frames, as Whisper counts
+        "start": round(segment.start, 3),
+        "end": round(segment.end, 3),
+        "text": text,
+        "tokens": [],  # the recognizers' token ids mean nothing outside them
+        "temperature": 0.0,  # greedy decoding
+        "avg_logprob": math.log(hyp.confidence) if hyp.confidence else None,
+        "compression_ratio": len(encoded) / len(zlib.compress(encoded)) if encoded else 0.0,
+        "no_speech_prob": None,  # the endpointer cut it as speech; no per-segment measure is kept
+        "confidence": hyp.confidence,
+        "min_token_confidence": hyp.min_token_confidence,
+        "model": hyp.model,
+        "fallback": hyp.to_event()["fallback"],
+    }

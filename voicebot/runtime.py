@@ -1,0 +1,92 @@
+"""What every connection shares: settings, the loaded engines, metrics, and the live sessions.
+
+Built once per app (voicebot/app.py). A session takes from it only at its start the few things
+each of its stages uses; no stage holds the runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from voicebot.asr.base import Recognizer
+from voicebot.channels import ChannelHub
+from voicebot.config import Settings
+from voicebot.engines import build_recognizer, build_responders, build_synthesizer
+from voicebot.input_recorder import InputRecorder
+from voicebot.metrics import Metrics
+from voicebot.models import fetch_all
+from voicebot.reply.base import Responder
+from voicebot.reply.resume import ConversationStore
+from voicebot.reply.safety import SpeechFilter
+from voicebot.serving.worker import Worker
+from voicebot.tts.base import Synthesizer
+
+
+class LiveSession(Protocol):
+    """What the runtime needs of a connected session (voicebot.session.Session)."""
+
+    id: str
+
+    @property
+    def replying(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    metrics: Metrics = field(default_factory=Metrics)
+    recognizer: Recognizer | None = None  # None until load()
+    synthesizer: Synthesizer | None = None
+    responders: dict[str, Responder] = field(default_factory=dict)
+    default_responder: str = "echo"
+    # Gate and VAD for every session: small onnxruntime/numpy calls, kept off the event loop.
+    audio_worker: Worker = field(default_factory=lambda: Worker("audio", threads=2))
+    sessions: dict[str, LiveSession] = field(default_factory=dict)
+    ready: bool = False
+    draining: bool = False
+    loop: asyncio.AbstractEventLoop | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    channels: ChannelHub = field(init=False)
+    input_recorder: InputRecorder = field(init=False)
+    conversations: ConversationStore = field(init=False)  # for sessions that resume
+    speech_filter: SpeechFilter = field(init=False)  # blocklist and max length of what is spoken
+
+    def __post_init__(self) -> None:
+        self.channels = ChannelHub(self.metrics, self.settings.server.max_listeners)
+        self.input_recorder = InputRecorder(self.settings.server.record_input_s)
+        reply = self.settings.reply
+        self.conversations = ConversationStore(reply.resume_ttl_s, reply.resume_max_conversations)
+        self.speech_filter = SpeechFilter.from_config(reply)
+
+    def load(self) -> None:
+        s = self.settings
+        if s.server.download_models:
+            fetch_all(s)
+        self.recognizer = build_recognizer(s)
+        self.synthesizer = build_synthesizer(s)
+        self.responders = build_responders(s)
+        self.default_responder = s.reply.engine
+        from voicebot.audio.endpoint import silero_session
+
+        silero_session()
+        for engine in (self.recognizer, self.synthesizer, *self.responders.values()):
+            engine.load()
+        self.ready = True
+
+    async def close(self) -> None:
+        for session in list(self.sessions.values()):
+            await session.close()
+        for engine in (self.recognizer, self.synthesizer):
+            if engine is not None:
+                engine.close()
+        for responder in self.responders.values():
+            await responder.aclose()
+        self.audio_worker.shutdown()
+
+    def replies_in_progress(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.replying)

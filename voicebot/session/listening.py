@@ -1,0 +1,208 @@
+"""The listening stage: a session's audio in, utterances out.
+
+    AudioIn ─► FrontEnd (resample ─► gate ─► endpoint; on the audio worker) ─► VadEvents
+            ─► Listening (recognizer stream; speech.started, asr.partial, asr.final) ─► Utterance
+
+`FrontEnd` is everything that runs on the worker thread: it owns its state and returns values,
+so nothing on that thread touches the session. `Listening` runs on the event loop and returns
+the `Utterance` of each endpoint; what to do with it (today: queue a Turn) is the session's
+(Session._on_utterance), which is where a turn policy goes: an end-of-turn model asked at a short
+pause sits between the endpoint events `hear` returns and the turn queue, without changing this.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from voicebot import protocol
+from voicebot.asr.base import RecognizerStream
+from voicebot.audio.endpoint import Endpointer, EventKind, VadEvent
+from voicebot.audio.gate import NoiseGate
+from voicebot.audio.rates import LISTEN_RATE
+from voicebot.audio.resample import StreamResampler, pcm16_to_float
+from voicebot.config import EndpointConfig, GateConfig
+from voicebot.messages import AudioIn, Inbound, InputEnd, Utterance
+from voicebot.metrics import Metrics
+from voicebot.protocol import ErrorCode
+from voicebot.serving.worker import Worker
+from voicebot.session.outbox import Outbox
+
+log = logging.getLogger("voicebot.session")
+
+# Chunk arrival times kept to date the end of speech: 256 chunks, at least 5 s at the smallest
+# chunk a client sends (20 ms); an utterance's end is always among the latest chunks.
+ARRIVALS_MAX = 256
+
+
+@dataclass(frozen=True)
+class FrontEndOutput:
+    events: list[VadEvent]
+    muted_samples: int  # of this chunk, at LISTEN_RATE
+
+
+class FrontEnd:
+    """Resample, gate and endpoint one session's input (blocking: runs on the audio worker)."""
+
+    def __init__(self, input_rate: int, gate: GateConfig, endpoint: EndpointConfig) -> None:
+        self.resampler = StreamResampler(input_rate, LISTEN_RATE)
+        self.gate = NoiseGate(gate, LISTEN_RATE) if gate.enabled else None
+        self.endpointer = Endpointer(endpoint)
+        self._samples_in = 0
+        # (end of a chunk in LISTEN_RATE samples, when it arrived): when the user stopped talking,
+        # even if the chunk waited in the session's input queue before it was processed.
+        self._arrivals: deque[tuple[int, float]] = deque(maxlen=ARRIVALS_MAX)
+
+    def process(self, chunk: AudioIn) -> FrontEndOutput:
+        audio = self.resampler.process(pcm16_to_float(chunk.pcm))
+        self._samples_in += len(audio)
+        self._arrivals.append((self._samples_in, chunk.arrived))
+        if self.gate is None:
+            return FrontEndOutput(self.endpointer.process(audio), 0)
+        muted_before = self.gate.muted_samples
+        gated = self.gate.process(audio)
+        return FrontEndOutput(self.endpointer.process(gated), self.gate.muted_samples - muted_before)
+
+    def end(self) -> list[VadEvent]:
+        """The client sent input.end: end the utterance now."""
+        return self.endpointer.force_end()
+
+    def time_of_sample(self, sample: int) -> float:
+        """When the chunk holding this LISTEN_RATE input sample arrived."""
+        for end, arrived in self._arrivals:
+            if end >= sample:
+                return arrived
+        return time.monotonic()
+
+
+@dataclass
+class _OpenUtterance:
+    id: str
+    muted_samples: int = 0
+
+
+class Listening:
+    """Turns a session's input into utterances (see the module doc)."""
+
+    def __init__(self, front_end: FrontEnd, asr: RecognizerStream, worker: Worker, metrics: Metrics, outbox: Outbox,
+                 session_id: str) -> None:
+        self.front_end = front_end
+        self.asr = asr
+        self._worker = worker
+        self._metrics = metrics
+        self._outbox = outbox
+        self._session_id = session_id
+        self._count = 0
+        self._open: _OpenUtterance | None = None
+
+    @property
+    def speech_run_ms(self) -> float:
+        """Consecutive speech right now: what barge-in is decided on."""
+        return self.front_end.endpointer.speech_run_ms
+
+    @property
+    def in_utterance(self) -> bool:
+        return self.front_end.endpointer.in_utterance
+
+    async def hear(self, item: Inbound) -> list[Utterance]:
+        """One chunk (or input.end) in; the utterances it ended out, in order."""
+        if isinstance(item, InputEnd):
+            events = self.front_end.end()
+        else:
+            out = await self._worker.run(self.front_end.process, item)
+            if out.muted_samples:
+                self._metrics.gate_muted.inc(out.muted_samples / LISTEN_RATE)
+                if self._open is not None:
+                    self._open.muted_samples += out.muted_samples
+            events = out.events
+        utterances = []
+        for event in events:
+            if (utterance := await self._on_event(event)) is not None:
+                utterances.append(utterance)
+        return utterances
+
+    async def _on_event(self, event: VadEvent) -> Utterance | None:
+        if event.kind is EventKind.START:
+            self._count += 1
+            self._open = _OpenUtterance(f"u{self._count}")
+            await self._outbox.emit(protocol.event("speech.started", utterance_id=self._open.id))
+        if self._open is None:
+            return None
+        if event.kind is EventKind.END:
+            opened, self._open = self._open, None
+            return await self._finish(event, opened)
+        try:
+            partial = await self.asr.accept(event.audio)
+        except Exception as exc:  # a model failing on this input must not end the session
+            log.exception("recognizer failed")
+            await self._outbox.error(ErrorCode.ENGINE_ERROR, f"recognizer failed: {exc}")
+            return None
+        if partial is not None:
+            await self._outbox.emit(protocol.event("asr.partial", utterance_id=self._open.id, text=partial))
+        return None
+
+    async def _finish(self, event: VadEvent, opened: _OpenUtterance) -> Utterance | None:
+        endpoint_at = time.monotonic()
+        speech_end = self.front_end.time_of_sample(event.speech_end_sample) if event.speech_end_sample else endpoint_at
+        try:
+            hyp = await self.asr.finish()
+        except Exception as exc:
+            log.exception("recognizer failed")
+            await self._outbox.error(ErrorCode.ENGINE_ERROR, f"recognizer failed: {exc}")
+            return None
+        utterance = Utterance(
+            id=opened.id,
+            hypothesis=hyp,
+            speech_end=speech_end,
+            speech_ms=event.speech_ms,
+            gate_muted_ms=round(opened.muted_samples * 1000 / LISTEN_RATE),
+            endpoint_delay_s=endpoint_at - speech_end,
+            asr_final_s=time.monotonic() - endpoint_at,
+        )
+        self._observe(utterance)
+        await self._outbox.emit(
+            protocol.event(
+                "asr.final",
+                utterance_id=utterance.id,
+                **hyp.to_event(),
+                gate_muted_ms=utterance.gate_muted_ms,
+                timings=_timings(utterance),
+            )
+        )
+        log.info(json.dumps(self._log_record(utterance), ensure_ascii=False))
+        return utterance
+
+    def _observe(self, utterance: Utterance) -> None:
+        m, hyp = self._metrics, utterance.hypothesis
+        m.endpoint_delay.observe(utterance.endpoint_delay_s)
+        m.asr_final.observe(utterance.asr_final_s)
+        m.utterances.labels(hyp.model).inc()
+        if hyp.fallback is not None:
+            m.dialect_fallbacks.labels("dialect" if hyp.model == hyp.fallback.model else "primary").inc()
+        if hyp.confidence is not None:
+            m.asr_confidence.labels(hyp.model).observe(hyp.confidence)
+
+    def _log_record(self, utterance: Utterance) -> dict:
+        hyp = utterance.hypothesis
+        return {
+            "event": "utterance",
+            "session": self._session_id,
+            "utterance": utterance.id,
+            "text": hyp.text,
+            "model": hyp.model,
+            "confidence": hyp.confidence,
+            "fallback": hyp.to_event()["fallback"],
+            "speech_ms": utterance.speech_ms,
+            "gate_muted_ms": utterance.gate_muted_ms,
+            **_timings(utterance),
+        }
+
+
+def _timings(utterance: Utterance) -> dict:
+    return {
+        "endpoint_delay_ms": round(utterance.endpoint_delay_s * 1000, 1),
+        "asr_final_ms": round(utterance.asr_final_s * 1000, 1),
+    }

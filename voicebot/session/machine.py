@@ -1,0 +1,327 @@
+"""One /v1/voice connection as a state machine: what the bot is doing, and what moves it on.
+
+The session owns the tasks and the queues between the stages and decides what happens next;
+the stages do the work (voicebot/session/listening.py, replying.py; the path and every bound:
+docs/architecture.md). Input: `on_message` from the socket's receive loop. Output:
+the outbox, drained to the socket by `run_sender`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from enum import Enum
+from typing import Awaitable, Callable
+
+from voicebot import protocol
+from voicebot.asr.base import RecognizerStream
+from voicebot.audio.rates import LISTEN_RATE
+from voicebot.messages import AudioIn, Inbound, InputEnd, Turn, Utterance
+from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
+from voicebot.reply.history import Conversation
+from voicebot.runtime import Runtime
+from voicebot.session.choices import Choices
+from voicebot.session.flood import FloodGuard
+from voicebot.session.listening import FrontEnd, Listening
+from voicebot.session.outbox import Outbox
+from voicebot.session.replying import Reply, Replying
+from voicebot.session.reset import EngineReset
+from voicebot.tts.base import SynthesisContext
+
+# Queue bounds. audio_in: 64 chunks of at most 1 s each (the client's chunk size, typically
+# 20-100 ms, so about 6 s of audio in practice). turns: 8 replies waiting to be made.
+AUDIO_IN_MAX = 64
+TURNS_MAX = 8
+
+
+class State(Enum):
+    STARTING = "starting"  # connected, waiting for session.start
+    LISTENING = "listening"
+    THINKING = "thinking"  # a reply is being prepared, no audio sent yet
+    SPEAKING = "speaking"
+    CLOSING = "closing"
+
+
+# Every move the session may make; any other is a bug and raises.
+TRANSITIONS: dict[State, set[State]] = {
+    State.STARTING: {State.LISTENING, State.CLOSING},
+    State.LISTENING: {State.THINKING, State.CLOSING},
+    State.THINKING: {State.SPEAKING, State.LISTENING, State.CLOSING},
+    State.SPEAKING: {State.LISTENING, State.CLOSING},
+    State.CLOSING: set(),
+}
+
+
+class Session:
+    def __init__(self, runtime: Runtime, send_text: Callable[[str], Awaitable], send_bytes: Callable[[bytes], Awaitable]) -> None:
+        self.rt = runtime
+        self.settings = runtime.settings
+        self._send_text = send_text
+        self._send_bytes = send_bytes
+        self.id = uuid.uuid4().hex
+        self.state = State.STARTING
+        self.sample_rate = LISTEN_RATE
+        self.choices = Choices(runtime.default_responder, self.settings.pacing.barge_in_min_ms)
+        self.conversation = Conversation(self.settings.reply.max_history_turns, self.settings.reply.max_history_tokens)
+        limits = self.settings.limits
+        self.flood = FloodGuard(limits.max_messages_per_s, limits.max_audio_realtime_factor, limits.window_s)
+        self.close_request: tuple[int, str] | None = None
+        self.close_requested = asyncio.Event()
+
+        self.outbox = Outbox(runtime.metrics)
+        self.audio_in: asyncio.Queue[Inbound] = asyncio.Queue(AUDIO_IN_MAX)
+        self.turns: asyncio.Queue[Turn] = asyncio.Queue(TURNS_MAX)
+        self._tasks: list[asyncio.Task] = []
+        self._reply_task: asyncio.Task | None = None
+        self._reply: Reply | None = None
+        self._engine_lock = asyncio.Lock()  # held per audio chunk, to start a reply and by a reset
+        self.asr: RecognizerStream | None = None  # this session's engine state, from session.start on
+        self.tts: SynthesisContext | None = None
+        self.listening: Listening | None = None
+        self.replies: Replying | None = None
+        self.engine_reset: EngineReset | None = None
+
+    def _enter(self, state: State) -> None:
+        if state not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"session {self.id[:8]}: no transition from {self.state.value} to {state.value}")
+        self.state = state
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def replying(self) -> bool:
+        """A reply is being made or played, or one is queued."""
+        return self._reply is not None or not self.turns.empty()
+
+    async def run_sender(self) -> None:
+        """Drain the outbox to the socket; a None entry ends it."""
+        while (message := await self.outbox.get()) is not None:
+            wire = message.wire
+            self.rt.channels.mirror(self.id, wire)  # never waits: listeners can't slow the session
+            if isinstance(wire, bytes):
+                await self._send_bytes(wire)
+            else:
+                await self._send_text(wire)
+
+    async def close(self) -> None:
+        """Release every task, queue and engine state of this session (idempotent)."""
+        if self.state is State.CLOSING:
+            return
+        self._enter(State.CLOSING)
+        self.rt.channels.leave(self.id)
+        reply = self._reply  # cancelling the speak task clears self._reply
+        if self._reply_task:
+            self._reply_task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *(t for t in [self._reply_task] if t), return_exceptions=True)
+        if reply is not None:
+            reply.drop_pending("client_gone")
+            reply.remember_heard()  # a client that resumes finds what it heard of this reply
+        self.rt.conversations.release(self.id)
+        for engine_state in (self.asr, self.tts):
+            if engine_state is not None:
+                with contextlib.suppress(Exception):
+                    await engine_state.close()
+        self.asr = self.tts = None
+        while not self.audio_in.empty():
+            self.audio_in.get_nowait()
+
+    # ---- input ----------------------------------------------------------------------------
+
+    async def on_message(self, message: str | bytes) -> None:
+        """One message from the socket's receive loop (voicebot.transport.receive_loop)."""
+        if isinstance(message, str):
+            await self.on_text(message)
+        else:
+            await self.on_bytes(message)
+
+    async def on_text(self, raw: str) -> None:
+        if self._flooding(0):
+            return
+        try:
+            message = protocol.parse_text(raw)
+        except ProtocolError as exc:
+            await self.outbox.error(exc.code, exc.message)
+            return
+        await self._dispatch(message)
+
+    async def on_bytes(self, data: bytes) -> None:
+        if self._flooding(len(data)):
+            return
+        if self.state is State.STARTING:
+            await self.outbox.error(ErrorCode.NOT_STARTED, "audio before session.start: send session.start first")
+            return
+        if not data:
+            return  # an empty frame carries nothing
+        try:
+            protocol.check_audio(len(data), self.sample_rate)
+        except ProtocolError as exc:
+            await self.outbox.error(exc.code, exc.message)
+            return
+        self.rt.input_recorder.record(self.id, self.sample_rate, data)
+        await self.audio_in.put(AudioIn(data, time.monotonic()))
+
+    def _flooding(self, audio_bytes: int) -> bool:
+        if self.close_request:
+            return True
+        reason = self.flood.check(audio_bytes, self.sample_rate)
+        if reason:
+            self.close_request = (CloseCode.FLOODING, f"flooding: {reason}")
+            self.close_requested.set()
+            self.rt.metrics.errors.labels(ErrorCode.FLOODING).inc()
+        return reason is not None
+
+    async def _dispatch(self, message) -> None:
+        if isinstance(message, protocol.SessionStart):
+            if self.state is not State.STARTING:
+                await self.outbox.error(ErrorCode.ALREADY_STARTED, "session.start was already received")
+                return
+            await self._start(message)
+        elif self.state is State.STARTING and not isinstance(message, protocol.Ping):
+            await self.outbox.error(ErrorCode.NOT_STARTED, f"{message.type} before session.start: send session.start first")
+        elif isinstance(message, protocol.SessionUpdate):
+            await self._update(message)
+        elif isinstance(message, protocol.InputEnd):
+            await self.audio_in.put(InputEnd(time.monotonic()))  # in order with the audio before it
+        elif isinstance(message, protocol.Say):
+            if message.interrupt:
+                await self.interrupt("say")
+            await self._queue_turn(Turn(message.text, say=True))
+        elif isinstance(message, protocol.Interrupt):
+            await self.interrupt("client")
+        elif isinstance(message, protocol.Ping):
+            await self.outbox.emit(protocol.event("pong", id=message.id))
+
+    async def _start(self, message: protocol.SessionStart) -> None:
+        try:
+            self._apply_choices(message)
+            self.tts = self.rt.synthesizer.open(message.voice)
+        except ProtocolError as exc:
+            await self.outbox.error(exc.code, exc.message)
+            return
+        self.sample_rate = message.sample_rate
+        self.asr = self.rt.recognizer.open(self.choices.language)
+        front_end = FrontEnd(self.sample_rate, self.settings.gate, self.settings.endpoint)
+        if message.endpointing and message.endpointing.endpoint_silence_ms:
+            front_end.endpointer.set_silence_ms(message.endpointing.endpoint_silence_ms)
+        self.listening = Listening(front_end, self.asr, self.rt.audio_worker, self.rt.metrics, self.outbox, self.id)
+        self._enter(State.LISTENING)
+        if message.channel:
+            self.rt.channels.speak(message.channel, self.id)
+        resumed = self._resume(message.resume)
+        self.replies = Replying(self.tts, self.conversation, self.outbox, self.rt.metrics, self.rt.speech_filter,
+                                 self.settings.reply, self.settings.pacing)
+        self.engine_reset = EngineReset(self.settings.reset.interval_s, self.asr, self.tts, self.rt.metrics, self.outbox)
+        await self.outbox.emit(protocol.session_ready(self.id, self.sample_rate, self.tts.voice, self.choices.responder, resumed=resumed))
+        self._tasks = [
+            asyncio.create_task(self._listen(), name=f"listen-{self.id[:8]}"),
+            asyncio.create_task(self._speak(), name=f"speak-{self.id[:8]}"),
+            asyncio.create_task(self._reset_timer(), name=f"reset-{self.id[:8]}"),
+        ]
+
+    def _resume(self, previous_id: str | None) -> bool:
+        """Take over a previous session's conversation if the store still has it; register ours."""
+        conversation = self.rt.conversations.take(previous_id) if previous_id else None
+        if conversation is not None:
+            self.conversation = conversation
+        self.rt.conversations.register(self.id, self.conversation)
+        return conversation is not None
+
+    def _apply_choices(self, message: protocol.SessionStart | protocol.SessionUpdate) -> None:
+        self.choices.apply(message.voice, message.responder, message.language, message.endpointing,
+                           self.rt.synthesizer.voices(), self.rt.responders)
+
+    async def _update(self, message: protocol.SessionUpdate) -> None:
+        try:
+            self._apply_choices(message)
+        except ProtocolError as exc:
+            await self.outbox.error(exc.code, exc.message)
+            return
+        if message.voice is not None:
+            self.tts.set_voice(message.voice)
+        endpointer = self.listening.front_end.endpointer
+        if message.endpointing and message.endpointing.endpoint_silence_ms:
+            endpointer.set_silence_ms(message.endpointing.endpoint_silence_ms)
+        await self.outbox.emit(
+            protocol.event(
+                "session.updated",
+                voice=self.tts.voice,
+                responder=self.choices.responder,
+                language=self.choices.language,
+                endpoint_silence_ms=endpointer.config.endpoint_silence_ms,
+                barge_in_min_ms=self.choices.barge_in_min_ms,
+            )
+        )
+
+    # ---- listen: audio in, utterances out, barge-in ------------------------------------------
+
+    async def _listen(self) -> None:
+        while True:
+            item = await self.audio_in.get()
+            async with self._engine_lock:
+                for utterance in await self.listening.hear(item):
+                    await self._on_utterance(utterance)
+            # While the reply is still being prepared too: the user has more to say.
+            if self.state in (State.THINKING, State.SPEAKING) and self.listening.speech_run_ms >= self.choices.barge_in_min_ms:
+                await self.interrupt("barge_in")
+
+    async def _on_utterance(self, utterance: Utterance) -> None:
+        """Every endpoint is the end of a turn. A turn policy (an end-of-turn model, replies
+        prepared during the pause) replaces this decision, between the listening stage and `turns`."""
+        if utterance.text.strip():
+            await self._queue_turn(Turn.answering(utterance))
+
+    async def _queue_turn(self, turn: Turn) -> None:
+        if self.turns.full():
+            await self.outbox.error(ErrorCode.ENGINE_ERROR, "too many replies queued; this one is dropped", dropped_text=turn.text)
+            return
+        await self.turns.put(turn)
+
+    # ---- speak: turns in, one reply at a time --------------------------------------------------
+
+    async def _speak(self) -> None:
+        while True:
+            turn = await self.turns.get()
+            # The lock only makes a reply wait for a reset in progress. Held for the whole reply,
+            # it stopped _listen for that long, so barge-in could never happen; the reset timer
+            # checks self._reply under the lock instead.
+            async with self._engine_lock:
+                self._enter(State.THINKING)
+                name = self.choices.responder
+                reply = self.replies.reply(turn, name, self.rt.responders[name], on_speaking=lambda: self._enter(State.SPEAKING))
+                self._reply = reply
+                self._reply_task = asyncio.create_task(reply.run(), name=f"reply-{self.id[:8]}")
+            try:
+                await self._reply_task
+            except asyncio.CancelledError:
+                if self.state is State.CLOSING:
+                    raise
+            finally:
+                self._reply = self._reply_task = None
+                if self.state is not State.CLOSING:
+                    self._enter(State.LISTENING)
+
+    async def interrupt(self, reason: str) -> None:
+        """Stop the reply in progress at once and drop everything queued for it."""
+        reply, task = self._reply, self._reply_task
+        if reply is None or task is None or task.done():
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await reply.cancel(reason)
+
+    # ---- periodic reset ---------------------------------------------------------------------
+
+    async def _reset_timer(self) -> None:
+        while True:
+            await asyncio.sleep(self.engine_reset.check_every_s)
+            # Only at a turn boundary: nothing being said by either side.
+            if not self.engine_reset.due or self._reply is not None or self.listening.in_utterance or not self.turns.empty():
+                continue
+            async with self._engine_lock:
+                if self._reply is None and not self.listening.in_utterance:
+                    await self.engine_reset.run("periodic")

@@ -1,0 +1,291 @@
+"""The replying stage: a Turn in, paced reply frames out, and what the listener heard remembered.
+
+    Turn ─► responder (text deltas) ─► speech filter ─► TTS (SpeechChunk) ─► Framer ─► frames
+         ─► prebuffer ─► Pacer ─► outbox (AudioFrame)
+
+A `Reply` has an owner (the session) that decides its fate: `start()` runs the responder and TTS
+into the reply's own frame queue (its holding buffer, FRAMES_MAX frames), `play()` sends those
+frames paced and ends the reply, `cancel()` stops it and accounts for every frame not sent.
+`run()` is start-then-play, what a reply to a confirmed turn does. A reply prepared during a pause
+(the turn policy's) calls `start()` early and `play()` or `cancel()` once the turn is decided: no
+audio reaches the outbox before `play()` (its reply.delta events do today; a prepared reply will
+hold those too, in `_text_deltas`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import numpy as np
+
+from voicebot import protocol
+from voicebot.audio.framing import Framer
+from voicebot.audio.rates import SPEAK_RATE
+from voicebot.audio.resample import float_to_pcm16
+from voicebot.config import PacingConfig, ReplyConfig
+from voicebot.messages import Turn
+from voicebot.metrics import Metrics
+from voicebot.pacing import HeardText, Pacer
+from voicebot.protocol import ErrorCode
+from voicebot.reply.base import Responder, ResponderError
+from voicebot.reply.history import Conversation
+from voicebot.reply.safety import SpeechFilter
+from voicebot.reply.spoken import spoken
+from voicebot.session.outbox import Outbox
+from voicebot.tts.base import SynthesisContext
+
+log = logging.getLogger("voicebot.session")
+
+# Frames a reply holds ahead of playback: 50 frames = 10 s of reply audio per session (480 KB).
+FRAMES_MAX = 50
+
+
+@dataclass(frozen=True)
+class Replying:
+    """What one session's replies use; `reply(turn, ...)` makes one."""
+
+    tts: SynthesisContext
+    conversation: Conversation
+    outbox: Outbox
+    metrics: Metrics
+    speech_filter: SpeechFilter
+    reply_config: ReplyConfig
+    pacing: PacingConfig
+    clock: Callable[[], float] = time.monotonic  # the pacer's; a test passes its event loop's
+
+    def reply(self, turn: Turn, responder_name: str, responder: Responder, on_speaking: Callable[[], None]) -> "Reply":
+        return Reply(self, turn, responder_name, responder, on_speaking)
+
+
+class Reply:
+    """One reply: respond, synthesize, frame, pace, and account for what was heard."""
+
+    def __init__(self, stage: Replying, turn: Turn, responder_name: str, responder: Responder,
+                 on_speaking: Callable[[], None]) -> None:
+        self.stage = stage
+        self.turn = turn
+        self.responder_name = responder_name
+        self.responder = responder
+        self._on_speaking = on_speaking  # called as the first frame goes out
+        self.id = uuid.uuid4().hex[:12]
+        self.frames: asyncio.Queue[bytes | None] = asyncio.Queue(FRAMES_MAX)  # None: the producer's end
+        self.framer = Framer(SPEAK_RATE, protocol.FRAME_MS)
+        self.pacer = Pacer(protocol.FRAME_MS, stage.pacing.lead_ms, clock=stage.clock)
+        self.heard = HeardText()
+        self.text = ""
+        self.started = time.monotonic()
+        self.first_text_at: float | None = None
+        self.first_audio_at: float | None = None
+        self.first_frame_at: float | None = None
+        self.failed = False  # the responder failed (the text may be the fallback line)
+        self._remembered = False
+        self._produced_samples = 0
+        self.frames_produced = 0  # framed for self.frames (queued or waiting for room); less pacer.frames_sent: never sent
+        self._producer: asyncio.Task | None = None
+
+    # ---- the owner's controls -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.start()
+        await self.play()
+
+    def start(self) -> None:
+        """Begin the responder and TTS into the frame queue; nothing is sent yet."""
+        if not self.turn.say:
+            self.stage.conversation.add_user(self.turn.text)
+        self._producer = asyncio.create_task(self._produce())
+
+    async def play(self) -> None:
+        """Send the frames paced, to the end of the reply (cancel the caller to stop it)."""
+        producer = self._producer
+        try:
+            await self._send_paced()
+            await producer  # re-raises a synthesis failure
+        except asyncio.CancelledError:
+            producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await producer
+            raise
+        except Exception as exc:
+            log.exception("reply failed")
+            producer.cancel()
+            await self.stage.outbox.error(ErrorCode.ENGINE_ERROR, f"reply failed: {exc}", reply_id=self.id)
+        await self._finished()
+
+    async def cancel(self, reason: str) -> None:
+        """Stop the reply (its owner cancels a running play() first): stop the producer, drop and
+        count what was not sent, keep what was heard, and tell the client."""
+        if self._producer is not None and not self._producer.done():
+            self._producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._producer
+        dropped = self.drop_pending("interrupted")
+        played_ms = self.pacer.played_ms()
+        heard = self.remember_heard(played_ms)
+        self.stage.metrics.underruns.inc(self.pacer.underruns)
+        await self.stage.outbox.emit(
+            protocol.event(
+                "audio.interrupted",
+                reply_id=self.id,
+                reason=reason,
+                frames_sent=self.pacer.frames_sent,
+                frames_dropped=dropped,
+                played_ms=round(played_ms),
+                heard_text=heard,
+            )
+        )
+
+    def drop_pending(self, reason: str) -> int:
+        """Count (and drop) every frame produced but not sent."""
+        dropped = self.frames_produced - self.pacer.frames_sent
+        if self.framer.clear():
+            dropped += 1
+        self.stage.metrics.frames_dropped.labels(reason).inc(dropped)
+        return dropped
+
+    def remember_heard(self, played_ms: float | None = None) -> str:
+        """Put what the listener heard of this reply so far into the conversation (once)."""
+        played_ms = self.pacer.played_ms() if played_ms is None else played_ms
+        heard = self.heard.heard(int(played_ms * SPEAK_RATE / 1000))
+        self._remember(heard)
+        return heard
+
+    # ---- producing: responder ─► TTS ─► framer ─► frames ----------------------------------------
+
+    def _texts(self) -> AsyncIterator[str]:
+        stage = self.stage
+        if self.turn.say:
+            return stage.speech_filter.apply(_one(self.turn.text))
+        deltas = self.responder.reply(stage.conversation.messages()[:-1], self.turn.text, voice=stage.tts.voice)
+        return spoken(deltas, stage.speech_filter, stage.reply_config.fallback_line, self._responder_failed)
+
+    async def _responder_failed(self, exc: ResponderError) -> None:
+        self.failed = True
+        self.stage.metrics.reply_errors.labels(exc.kind).inc()
+        log.warning("responder %s failed (%s): %s", self.responder_name, exc.kind, exc)
+        await self.stage.outbox.error(ErrorCode.REPLY_FAILED, f"the responder failed ({exc.kind}): {exc}",
+                                      reply_id=self.id, failure=exc.kind)
+
+    async def _text_deltas(self) -> AsyncIterator[str]:
+        metrics = self.stage.metrics
+        async with contextlib.aclosing(self._texts()) as texts:
+            async for delta in texts:
+                if self.first_text_at is None:
+                    self.first_text_at = time.monotonic()
+                    if not (self.turn.say or self.failed):  # responder latency only
+                        metrics.reply_first_text.observe(self.first_text_at - self.started)
+                self.text += delta
+                await self.stage.outbox.emit(protocol.event("reply.delta", reply_id=self.id, text=delta))
+                yield delta
+        if not (self.turn.say or self.failed):
+            metrics.reply_total.observe(time.monotonic() - self.started)
+        await self.stage.outbox.emit(protocol.event("reply.done", reply_id=self.id, text=self.text))
+
+    async def _produce(self) -> None:
+        """Synthesize into frames, then put the end marker. The marker is awaited like every frame:
+        with a full queue (synthesis ahead of playback) it waits for room instead of being lost."""
+        try:
+            await self._synthesize()
+        except asyncio.CancelledError:
+            raise  # barge-in or close: the pacer is cancelled with us and reads no marker
+        except Exception:
+            await self.frames.put(None)  # the pacer sends what came before; play() reports the failure
+            raise
+        await self.frames.put(None)
+
+    async def _synthesize(self) -> None:
+        deltas = self._text_deltas()
+        try:
+            async with contextlib.aclosing(self.stage.tts.stream(deltas)) as chunks:
+                async for chunk in chunks:
+                    if self.first_audio_at is None and len(chunk.audio):
+                        self.first_audio_at = time.monotonic()
+                        self.stage.metrics.tts_first_audio.observe(self.first_audio_at - (self.first_text_at or self.started))
+                    self.heard.add(chunk.text, chunk.segment, self._produced_samples, len(chunk.audio))
+                    self._produced_samples += len(chunk.audio)
+                    await self._put_frames(self.framer.push(chunk.audio))
+            last = self.framer.flush()
+            if last is not None:
+                await self._put_frames([last])
+        finally:
+            # Close the text source now, not when it is garbage collected: on barge-in the
+            # responder's HTTP stream must close at once.
+            await deltas.aclose()
+
+    async def _put_frames(self, frames: list[np.ndarray]) -> None:
+        # Counted before they wait for room: a reply cancelled meanwhile drops them, and says so.
+        self.frames_produced += len(frames)
+        for frame in frames:
+            await self.frames.put(float_to_pcm16(frame))
+
+    # ---- playing: prebuffer ─► pacer ─► outbox --------------------------------------------------
+
+    async def _send_paced(self) -> None:
+        stage = self.stage
+        async for frame in self._frames_prebuffered():
+            if self.pacer.frames_sent == 0:
+                self._on_speaking()
+                await stage.outbox.emit(protocol.event("audio.start", reply_id=self.id, sample_rate=SPEAK_RATE, frame_ms=protocol.FRAME_MS))
+            await self.pacer.wait_turn()
+            await stage.outbox.frame(frame)
+            self.pacer.sent(len(frame) // 2, SPEAK_RATE)
+            stage.metrics.frames_sent.inc()
+            if self.first_frame_at is None:
+                self.first_frame_at = time.monotonic()
+                if self.turn.speech_end is not None:
+                    stage.metrics.first_audio.observe(self.first_frame_at - self.turn.speech_end)
+
+    async def _frames_prebuffered(self) -> AsyncIterator[bytes]:
+        """The producer's frames in order, the first only once `pacing.prebuffer_ms` of audio (or
+        the whole reply, if shorter) is ready; ends at the producer's end marker."""
+        held: list[bytes] = []
+        while len(held) < self.stage.pacing.prebuffer_ms // protocol.FRAME_MS:
+            if (frame := await self.frames.get()) is None:
+                for frame in held:
+                    yield frame
+                return
+            held.append(frame)
+        for frame in held:
+            yield frame
+        while (frame := await self.frames.get()) is not None:
+            yield frame
+
+    def timings(self) -> dict:
+        def ms(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round((a - b) * 1000, 1)
+
+        return {
+            "first_audio_ms": ms(self.first_frame_at, self.turn.speech_end),
+            "reply_first_text_ms": ms(self.first_text_at, self.started),
+            "tts_first_audio_ms": ms(self.first_audio_at, self.first_text_at),
+            "underruns": self.pacer.underruns,
+        }
+
+    async def _finished(self) -> None:
+        self.stage.metrics.underruns.inc(self.pacer.underruns)
+        self._remember(self.text)
+        if self.pacer.frames_sent:
+            await self.stage.outbox.emit(
+                protocol.event(
+                    "audio.end",
+                    reply_id=self.id,
+                    frames=self.pacer.frames_sent,
+                    samples=self.pacer.samples_sent,
+                    timings=self.timings(),
+                )
+            )
+
+    def _remember(self, text: str) -> None:
+        if not (self.turn.say or self._remembered):
+            self.stage.conversation.add_assistant(text)
+        self._remembered = True
+
+
+async def _one(text: str) -> AsyncIterator[str]:
+    yield text

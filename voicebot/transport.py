@@ -1,0 +1,79 @@
+"""The socket code, in one place: the receive loop every WebSocket endpoint runs, and the send.
+
+A client goes away in one of three ways, and each endpoint used to catch a different subset:
+the ASGI disconnect message, `WebSocketDisconnect` (raised by starlette's receive, or by a send
+to a client that is gone), and `RuntimeError` from calling a socket that is already closed.
+`receive_loop` ends quietly on all three, whether they come out of the receive or out of a send
+made while handling a message; a RuntimeError while the socket is still open is a bug and is
+raised. Users: /v1/voice (speaker and listener), /obs/audio, /funasr (and the next protocol).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Collection
+from typing import Protocol
+
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+Wire = str | bytes  # one WebSocket message: text or binary
+MessageHandler = Callable[[Wire], Awaitable[None]]
+
+
+class Socket(Protocol):
+    """What the loop uses of a starlette WebSocket (voicebot.obs_plugin.ObsSocket is one too)."""
+
+    client_state: WebSocketState
+    application_state: WebSocketState
+
+    async def receive(self) -> dict: ...
+
+    async def send_text(self, data: str) -> None: ...
+
+    async def send_bytes(self, data: bytes) -> None: ...
+
+
+def is_closed(ws: Socket) -> bool:
+    return WebSocketState.DISCONNECTED in (ws.client_state, ws.application_state)
+
+
+async def receive_loop(ws: Socket, on_message: MessageHandler, *, until: Collection[asyncio.Future] = ()) -> None:
+    """Hand each text or binary message to `on_message`, in order, until the client goes away
+    or one of `until` (e.g. the sender task, a close request) is done."""
+    try:
+        while not any(f.done() for f in until):
+            message = await _next(ws, until)
+            if message is None or message["type"] == "websocket.disconnect":
+                return
+            if message.get("text") is not None:
+                await on_message(message["text"])
+            elif message.get("bytes") is not None:
+                await on_message(message["bytes"])
+    except WebSocketDisconnect:
+        return
+    except RuntimeError:
+        if is_closed(ws):
+            return
+        raise
+
+
+async def _next(ws: Socket, until: Collection[asyncio.Future]) -> dict | None:
+    """The next ASGI message, or None once one of `until` is done first."""
+    if not until:
+        return await ws.receive()
+    receive = asyncio.ensure_future(ws.receive())
+    await asyncio.wait({receive, *until}, return_when=asyncio.FIRST_COMPLETED)
+    if receive.done():
+        return receive.result()
+    receive.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await receive
+    return None
+
+
+async def send(ws: Socket, message: Wire) -> None:
+    if isinstance(message, bytes):
+        await ws.send_bytes(message)
+    else:
+        await ws.send_text(message)
