@@ -64,6 +64,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "ready": rt.ready and not rt.draining,
             "draining": rt.draining,
             "engines": [e.__dict__ for e in engines],
+            # What ends a turn; `problem` says why smart turn is not in use when it was configured.
+            "turn": {"mode": rt.turn_mode, "configured": settings.endpoint.turn, "problem": rt.turn_problem},
             "active_sessions": len(rt.sessions),
             "max_sessions": settings.server.max_sessions,
             "uptime_s": round(time.monotonic() - rt.started_at, 1),

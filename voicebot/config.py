@@ -90,7 +90,7 @@ class EndpointConfig(Section):
     turn: Literal["smart", "silence"] = "smart"
     # smart: the first question after this much VAD silence (pipecat asks after ~200 ms; each
     # 32 ms window less is 32 ms less latency, at the price of more questions per turn) ...
-    smart_pause_ms: int = Field(160, ge=32, le=2000)
+    smart_pause_ms: int = Field(160, ge=100, le=2000)
     # ... then again each time the pause grows by this much while the answer is "incomplete" ...
     smart_reask_ms: int = Field(320, ge=32, le=5000)
     # ... and the turn ends anyway after this much silence (a thinking pause, a model that keeps

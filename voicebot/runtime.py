@@ -7,11 +7,13 @@ each of its stages uses; no stage holds the runtime.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from voicebot.asr.base import Recognizer
+from voicebot.audio.turn import SmartTurn, SmartTurnUnavailable
 from voicebot.channels import ChannelHub
 from voicebot.config import Settings
 from voicebot.engines import build_recognizer, build_responders, build_synthesizer
@@ -23,6 +25,8 @@ from voicebot.reply.resume import ConversationStore
 from voicebot.reply.safety import SpeechFilter
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import Synthesizer
+
+log = logging.getLogger("voicebot")
 
 
 class LiveSession(Protocol):
@@ -46,6 +50,9 @@ class Runtime:
     default_responder: str = "echo"
     # Gate and VAD for every session: small onnxruntime/numpy calls, kept off the event loop.
     audio_worker: Worker = field(default_factory=lambda: Worker("audio", threads=2))
+    # Smart Turn v3.2, shared by every session (endpoint.turn: smart); None: the silence rule.
+    smart_turn: SmartTurn | None = None
+    turn_problem: str | None = None  # why smart turn is not in use although configured
     sessions: dict[str, LiveSession] = field(default_factory=dict)
     ready: bool = False
     draining: bool = False
@@ -76,7 +83,18 @@ class Runtime:
         silero_session()
         for engine in (self.recognizer, self.synthesizer, *self.responders.values()):
             engine.load()
+        if s.endpoint.turn == "smart":
+            try:
+                self.smart_turn = SmartTurn()
+            except SmartTurnUnavailable as exc:
+                self.turn_problem = str(exc)
+                log.warning("endpoint.turn is smart but the end-of-turn model cannot be used (%s): "
+                            "turns end by the silence rule (%d ms)", exc, s.endpoint.endpoint_silence_ms)
         self.ready = True
+
+    @property
+    def turn_mode(self) -> str:
+        return "smart" if self.smart_turn is not None else "silence"
 
     async def close(self) -> None:
         for session in list(self.sessions.values()):
@@ -87,6 +105,8 @@ class Runtime:
         for responder in self.responders.values():
             await responder.aclose()
         self.audio_worker.shutdown()
+        if self.smart_turn is not None:
+            self.smart_turn.close()
 
     def replies_in_progress(self) -> int:
         return sum(1 for s in self.sessions.values() if s.replying)
