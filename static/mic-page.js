@@ -20,7 +20,7 @@ const page = {
 };
 window.voicebot = page;
 
-let socket = null, player = null, mic = null, ready = false, talking = false, handsFreeSilenceMs = null;
+let socket = null, player = null, mic = null, ready = false, talking = false, handsFreeSilenceMs = null, handsFreeTurn = null;
 const replyLines = new Map();  // reply_id -> its line in the log (bounded by MAX_LOG_LINES)
 
 // ---- microphone ------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ async function onEvent(ev) {
       ready = true;
       break;
     case "session.updated":
-      if (handsFreeSilenceMs === null) { handsFreeSilenceMs = ev.endpoint_silence_ms; applyMode(); }
+      if (handsFreeSilenceMs === null) { handsFreeSilenceMs = ev.endpoint_silence_ms; handsFreeTurn = ev.turn; applyMode(); }
       break;
     case "speech.started": $("partial").textContent = "…"; break;
     case "asr.partial": $("partial").textContent = ev.text; break;
@@ -209,7 +209,9 @@ function applyMode() {
   const ptt = $("mode").value === "ptt";
   $("talk").hidden = !ptt;
   if (handsFreeSilenceMs !== null) {
-    socket?.send({ type: "session.update", endpointing: { endpoint_silence_ms: ptt ? PTT_SILENCE_MS : handsFreeSilenceMs } });
+    // Push-to-talk: the silence rule with a long wait, the release ends the turn; hands-free: what the server chose.
+    const endpointing = ptt ? { endpoint_silence_ms: PTT_SILENCE_MS } : { endpoint_silence_ms: handsFreeSilenceMs, turn: handsFreeTurn };
+    socket?.send({ type: "session.update", endpointing });
   }
 }
 

@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -134,6 +135,7 @@ class Listening:
         self._session_id = session_id
         self._count = 0
         self._open: _OpenUtterance | None = None
+        self.on_endpoint: Callable[[], None] | None = None  # called at each endpoint (the turn policy's)
 
     @property
     def speech_run_ms(self) -> float:
@@ -170,6 +172,8 @@ class Listening:
             return None
         if event.kind is EventKind.END:
             opened, self._open = self._open, None
+            if self.on_endpoint is not None:
+                self.on_endpoint()  # before the recognizer's finish, so what waits on the pause overlaps it
             return await self._finish(event, opened)
         try:
             partial = await self.asr.accept(event.audio)

@@ -223,6 +223,7 @@ class Session:
         self.listening = Listening(front_end, self.asr, self.rt.audio_worker, self.rt.metrics, self.outbox, self.id)
         self.turn_taking = TurnTaking(self.settings.endpoint, None, front_end, self.outbox, self.rt.metrics,
                                       self._queue_turn, self._prepare_reply)
+        self.listening.on_endpoint = self.turn_taking.on_endpoint
         self._set_turn(message.endpointing)
         self._enter(State.LISTENING)
         if message.channel:

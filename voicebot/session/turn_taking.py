@@ -72,6 +72,8 @@ class TurnTaking:
         self._queue_turn = queue_turn
         self._prepare = prepare  # None from it: the session is busy, nothing to prepare
         self._segments: list[Utterance] = []  # of the open turn: at most one per pause until it ends
+        self._recognizing = False  # a segment has ended and its transcript is not in yet
+        self._complete_early = False  # the model said "complete" before that transcript came
         self._turn_start = 0  # input sample where the open turn began
         self._ask: asyncio.Task | None = None
         self._asked_at: float | None = None
@@ -90,13 +92,28 @@ class TurnTaking:
         """A turn has begun and is not decided yet."""
         return bool(self._segments)
 
+    def on_endpoint(self) -> None:
+        """A segment ended at a pause, its transcript still to come: ask the model now, so its
+        answer and the recognizer's finish (offline pass, dialect fallback) overlap."""
+        self._recognizing = True
+        if not self._segments:
+            self._turn_start = self._front_end.speech_start_sample
+        self._consider(self._front_end.silence_ms)
+
     async def on_utterance(self, utterance: Utterance, input_end: bool = False) -> None:
         """A segment ended at a pause, at the utterance length limit, or at the client's input.end."""
+        self._recognizing = False
         if utterance.text.strip():
-            if not self._segments:
-                self._turn_start = self._front_end.speech_start_sample
             self._segments.append(utterance)
-        if input_end:
+        elif not self._segments:  # noise, not a turn: forget the question about it
+            await self._drop_question()
+            self.policy.reset()
+            self._complete_early = False
+            return
+        if self._complete_early and self.open:
+            self._complete_early = False
+            await self._end("smart")
+        elif input_end:
             await self.end_now()
         elif self.smart is None and self.open:
             await self._end("silence")
@@ -110,13 +127,17 @@ class TurnTaking:
         if silence_ms == 0:  # the user goes on: the question and the prepared reply are moot
             await self._drop_question()
             await self._discard("user_went_on")
+            self._complete_early = False
+        if self._consider(silence_ms) is Action.END:
+            await self._end("silence")
+
+    def _consider(self, silence_ms: float) -> Action:
         action = self.policy.on_silence(silence_ms)
         if action is Action.ASK:
             audio = self._front_end.audio_since(self._turn_start)
             self._asked_at = time.monotonic()
             self._ask = asyncio.create_task(self._asking(self.policy.question, audio))
-        elif action is Action.END:
-            await self._end("silence")
+        return action
 
     async def end_now(self) -> None:
         """input.end: the client says the turn is over."""
@@ -141,9 +162,12 @@ class TurnTaking:
             return
         self._decision_s = time.monotonic() - self._asked_at
         self._metrics.smart_turn.observe(self._decision_s)
-        if self.policy.on_answer(question, probability, self._front_end.silence_ms) and self.open:
+        if self.policy.on_answer(question, probability, self._front_end.silence_ms):
             self._ask = None  # this task is ending the turn: _end must not cancel it
-            await self._end("smart")
+            if self._recognizing:
+                self._complete_early = True  # on_utterance ends the turn once its transcript is in
+            elif self.open:
+                await self._end("smart")
 
     async def _drop_question(self) -> None:
         task, self._ask = self._ask, None
