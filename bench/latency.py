@@ -9,12 +9,14 @@ during the pause). Each runs its own server (a subprocess on 127.0.0.1) with the
 
 The turns are tests/turn_set.py's: espeak-ng English and Mandarin, half of them with pauses of
 300-900 ms inside ("I would like to, ... order a pizza."), each with its true end known. Every
-client streams its turns in real time in 20 ms chunks, with silence in between as a microphone
+client streams its turns in real time in 40 ms chunks (the mic page's), with silence in between as a microphone
 would, and clocks everything itself:
 - end -> first audio: from the moment the turn's last sample was spoken (streaming started at t0,
   so sample k is spoken at t0 + k / 16000) to the first frame of the first reply that started
   after it;
-- false cut-in: a reply that started (audio.start) before the user had finished the turn.
+- false cut-in: the server ended the turn (turn.end, and so started its reply) while the user was
+  still in it: after its first word and before its last. (audio.start would also count a reply to
+  the previous turn that a loaded server sends late.)
 Once that first frame is in, the client interrupts the reply (its length tells nothing) and goes on.
 """
 
@@ -46,7 +48,7 @@ from tests.conftest import free_port  # noqa: E402
 from tests.turn_set import TURNS, RenderedTurn, render_all  # noqa: E402
 
 RATE = 16000
-CHUNK_S = 0.02
+CHUNK_S = 0.04  # the mic page's chunk (static/mic-page.js)
 LEAD_S = 0.4  # silence before each turn
 REPLY_WAIT_S = 6.0  # after the end of a turn, at most this long for a reply
 POLICIES = {
@@ -121,7 +123,7 @@ async def speak(client: Client, turn: RenderedTurn) -> TurnResult:
     first = client.first_frame(end)
     if first is not None:
         await client.ws.send(json.dumps({"type": "interrupt"}))
-    cut_in = any(t < end for t, _ in client.events("audio.start", start))
+    cut_in = any(t < end for t, _ in client.events("turn.end", start + LEAD_S))
     # Let the interrupt land, so no frame of this reply is counted for the next turn.
     await client.silence_until(lambda: False, 0.4)
     ends = [e for _, e in client.events("turn.end", start)]
