@@ -1,24 +1,39 @@
-"""End-of-speech to first reply audio, with 1, 4 and 8 clients streaming speech in real time.
+"""End of turn to first reply audio, and false cut-ins, for three turn policies at 1, 4 and 8 clients.
 
-    python bench/latency.py [--config configs/default.yaml] [--clients 1 4 8] [--turns 3]
+    python bench/latency.py [--config configs/default.yaml] [--clients 1 4 8] [--turns 6]
+                            [--policies silence smart prepared]
 
-Starts the server (a subprocess on 127.0.0.1) with the given config plus a phrase grammar for the
-test sentences, then runs each client count in turn. Per turn it records the server's own
-timings: `first_audio_ms` (VAD end of speech -> first reply frame sent) and `endpoint_delay_ms`
-(end of speech -> endpoint decision, mostly the configured silence), plus frames sent late
-(underruns). With configs/default.yaml these figures are the pipeline's overhead: pocketsphinx,
-echo and espeak are not the production engines.
+Policies: `silence` (endpoint.turn: silence, the 500 ms rule), `smart` (Smart Turn v3.2 asked at
+each pause, replies started once the turn is decided), `prepared` (smart, and replies prepared
+during the pause). Each runs its own server (a subprocess on 127.0.0.1) with the given config.
+
+The turns are tests/turn_set.py's: espeak-ng English and Mandarin, half of them with pauses of
+300-900 ms inside ("I would like to, ... order a pizza."), each with its true end known. Every
+client streams its turns in real time in 40 ms chunks (the mic page's), with silence in between as a microphone
+would, and clocks everything itself:
+- end -> first audio: from the moment the turn's last sample was spoken (streaming started at t0,
+  so sample k is spoken at t0 + k / 16000) to the first frame of the first reply that started
+  after it;
+- false cut-in: the server ended the turn (turn.end, and so started its reply) while the user was
+  still in it: after its first word and before its last. (audio.start would also count a reply to
+  the previous turn that a loaded server sends late.)
+Once that first frame is in, the client interrupts the reply (its length tells nothing) and goes on.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
+import random
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -28,21 +43,140 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import TEST_PHRASES, VoiceClient, free_port, speech_pcm  # noqa: E402
+from tests.audio import to_pcm16  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+from tests.turn_set import TURNS, RenderedTurn, render_all  # noqa: E402
+
+RATE = 16000
+CHUNK_S = 0.04  # the mic page's chunk (static/mic-page.js)
+LEAD_S = 0.4  # silence before each turn
+REPLY_WAIT_S = 6.0  # after the end of a turn, at most this long for a reply
+POLICIES = {
+    "silence": {"turn": "silence"},
+    "smart": {"turn": "smart", "prepare_replies": False},
+    "prepared": {"turn": "smart", "prepare_replies": True},
+}
+TARGET_P50_MS, TARGET_P95_MS = 250, 400
 
 
-async def client_run(url: str, turns: int, offset: int) -> list[dict]:
-    results = []
-    async with VoiceClient.connect(url) as client:
-        for turn in range(turns):
-            text = TEST_PHRASES[(offset + turn) % len(TEST_PHRASES)]
-            await client.stream(speech_pcm(text, lead_s=0.5, tail_s=1.0))
-            end = await client.wait_for("audio.end", count=turn + 1, timeout=60)
-            final = client.of_type("asr.final")[turn]
-            results.append({**end["timings"], "frames": end["frames"], "endpoint_delay_ms": final["timings"]["endpoint_delay_ms"],
-                            "correct": final["text"] == text})
-            await asyncio.sleep(0.5 + 0.3 * (offset % 3))  # clients drift apart, as real ones do
-    return results
+@dataclass
+class TurnResult:
+    name: str
+    paused: bool
+    cut_in: bool
+    first_audio_ms: float | None  # None: no reply after the end
+    ended_by: list[str] = field(default_factory=list)
+    pause_ms: float | None = None  # the server's turn.end timings: silence heard when it decided ...
+    decision_ms: float | None = None  # ... and the model's answer time (by: smart)
+
+
+class Client:
+    """Streams audio on a fixed clock and timestamps everything the server sends."""
+
+    def __init__(self, ws) -> None:
+        self.ws = ws
+        self.log: list[tuple[float, dict | None]] = []  # (arrival, event); None = an audio frame
+        self._reader = asyncio.create_task(self._read())
+        self.clock = time.monotonic()  # when the next chunk's last sample is spoken
+
+    async def _read(self) -> None:
+        with contextlib.suppress(Exception):
+            async for message in self.ws:
+                self.log.append((time.monotonic(), None if isinstance(message, bytes) else json.loads(message)))
+
+    async def send_audio(self, pcm: bytes) -> None:
+        step = int(RATE * CHUNK_S) * 2
+        for i in range(0, len(pcm), step):
+            self.clock += CHUNK_S
+            await asyncio.sleep(max(0.0, self.clock - time.monotonic()))
+            await self.ws.send(pcm[i : i + step])
+
+    async def silence_until(self, done, limit_s: float) -> None:
+        """Stream silence until `done()` or for at most `limit_s`."""
+        chunk = bytes(int(RATE * CHUNK_S) * 2)
+        deadline = self.clock + limit_s
+        while self.clock < deadline and not done():
+            await self.send_audio(chunk)
+
+    def events(self, kind: str, after: float = 0.0) -> list[tuple[float, dict]]:
+        return [(t, e) for t, e in self.log if e is not None and e["type"] == kind and t >= after]
+
+    def first_frame(self, after: float) -> float | None:
+        """The first frame of the first reply that started at or after `after`."""
+        started = self.events("audio.start", after)
+        if not started:
+            return None
+        for t, e in self.log:
+            if e is None and t >= started[0][0]:
+                return t
+        return None
+
+
+async def speak(client: Client, turn: RenderedTurn) -> TurnResult:
+    began = time.monotonic()
+    client.clock = max(client.clock, began)
+    start = client.clock
+    pcm = to_pcm16(np.concatenate([np.zeros(int(RATE * LEAD_S), np.float32), turn.audio]))
+    await client.send_audio(pcm)
+    end = start + LEAD_S + turn.end_s  # the moment the user finished
+    await client.silence_until(lambda: client.first_frame(end) is not None, REPLY_WAIT_S)
+    first = client.first_frame(end)
+    if first is not None:
+        await client.ws.send(json.dumps({"type": "interrupt"}))
+    cut_in = any(t < end for t, _ in client.events("turn.end", start + LEAD_S))
+    # Let the interrupt land, so no frame of this reply is counted for the next turn.
+    await client.silence_until(lambda: False, 0.4)
+    ends = [e for _, e in client.events("turn.end", start)]
+    last = ends[-1]["timings"] if ends else {}
+    return TurnResult(turn.item.name, turn.item.paused, cut_in, None if first is None else (first - end) * 1000,
+                      [e["by"] for e in ends], last.get("pause_ms"), last.get("decision_ms"))
+
+
+async def client_run(url: str, turns: list[RenderedTurn], gap_s: float) -> list[TurnResult]:
+    import websockets
+
+    async with websockets.connect(url, max_size=None, ping_interval=None) as ws:  # a loaded server is measured, not dropped
+        client = Client(ws)
+        await ws.send(json.dumps({"type": "session.start"}))
+        results = []
+        for turn in turns:
+            results.append(await speak(client, turn))
+            await client.silence_until(lambda: False, gap_s)
+        client._reader.cancel()
+        return results
+
+
+def start_server(config: dict) -> tuple[subprocess.Popen, str, str]:
+    port = free_port()
+    config = {**config, "server": {**config.get("server", {}), "port": port, "max_sessions": 20}}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(config, f)
+    log = open(Path(tempfile.gettempdir()) / f"voicebot-bench-{port}.log", "w")  # the server's own log, for a failed run
+    server = subprocess.Popen([sys.executable, str(ROOT / "run_server.py"), "--config", f.name], cwd=ROOT,
+                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+                break
+        time.sleep(0.1)
+    return server, base, f.name
+
+
+def grammar(turns: list[RenderedTurn]) -> list[str]:
+    """pocketsphinx phrases for the English turns: every run of consecutive clauses of each, since a
+    turn is recognized in segments split at its pauses (where they fall depends on the policy).
+    The general English model decodes slower than real time on a loaded 2-core box: its backlog,
+    not the turn policy, would be measured."""
+    phrases = set()
+    for turn in turns:
+        if turn.item.language != "en":
+            continue
+        clauses = [c for part in turn.item.parts for c in re.split(r"[,.?!]", part) if c.strip()]
+        for i in range(len(clauses)):
+            for j in range(i + 1, len(clauses) + 1):
+                phrases.add(" ".join(c.strip() for c in clauses[i:j]))
+    return sorted(phrases)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -50,49 +184,62 @@ def pct(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=6, help="turns per client")
+    parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     args = parser.parse_args()
 
-    config = yaml.safe_load(Path(args.config).read_text())
-    port = free_port()
-    config.setdefault("server", {}).update({"port": port, "max_sessions": max(args.clients) + 1})
-    if config.get("asr", {}).get("engine", "pocketsphinx") == "pocketsphinx":
-        config.setdefault("asr", {}).setdefault("pocketsphinx", {})["phrases"] = TEST_PHRASES
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(config, f)
-    server = subprocess.Popen([sys.executable, str(ROOT / "run_server.py"), "--config", f.name], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        url = f"ws://127.0.0.1:{port}/v1/voice"
-        asyncio.run(client_run(url, 1, 0))  # warm-up
-        print(f"config {args.config}; {args.turns} turns per client; figures from the server's own events")
-        print(f"{'clients':>7} {'turns':>5} {'first audio p50':>16} {'p95':>8} {'endpoint p50':>13} {'p95':>8} {'frames on time':>15} {'exact text':>10}")
-        for n in args.clients:
-            async def together():
-                return await asyncio.gather(*(client_run(url, args.turns, i) for i in range(n)))
+    t0 = time.monotonic()
+    rendered = render_all(TURNS)
+    print(f"test set: {sum(t.item.paused for t in rendered)} paused + {sum(not t.item.paused for t in rendered)} "
+          f"complete turns rendered in {time.monotonic() - t0:.0f} s")
+    order = list(rendered)
+    random.Random(11).shuffle(order)  # every client gets a mix of paused / complete, English / Mandarin
 
-            rows = [r for per_client in asyncio.run(together()) for r in per_client]
-            first = [r["first_audio_ms"] for r in rows]
-            endpoint = [r["endpoint_delay_ms"] for r in rows]
-            frames = sum(r["frames"] for r in rows)
-            late = sum(r["underruns"] for r in rows)
-            print(f"{n:>7} {len(rows):>5} {pct(first, 50):>13.0f} ms {pct(first, 95):>5.0f} ms {pct(endpoint, 50):>10.0f} ms "
-                  f"{pct(endpoint, 95):>5.0f} ms {100 * (frames - late) / frames:>14.1f}% {sum(r['correct'] for r in rows):>5}/{len(rows)}")
-    finally:
-        server.terminate()
-        server.wait(30)
-        os.unlink(f.name)
+    base_config = yaml.safe_load(Path(args.config).read_text())
+    if base_config.get("asr", {}).get("engine", "pocketsphinx") == "pocketsphinx":
+        base_config.setdefault("asr", {}).setdefault("pocketsphinx", {})["phrases"] = grammar(rendered)
+    rows = []
+    for policy in args.policies:
+        config = {**base_config, "endpoint": {**base_config.get("endpoint", {}), **POLICIES[policy]}}
+        server, base, config_file = start_server(config)
+        try:
+            ready = httpx.get(base + "/readyz", timeout=5).json()
+            url = base.replace("http", "ws") + "/v1/voice"
+            asyncio.run(client_run(url, order[:1], 0.2))  # warm-up
+            for n in args.clients:
+                async def together():
+                    return await asyncio.gather(*(client_run(url, order[i::n][: args.turns], 0.3 + 0.2 * (i % 3)) for i in range(n)))
+
+                results = [r for per_client in asyncio.run(together()) for r in per_client]
+                rows.append((policy, n, results, ready["turn"]["mode"]))
+        finally:
+            server.terminate()
+            server.wait(30)
+            os.unlink(config_file)
+
+    print(f"config {args.config}; {args.turns} turns per client; client-side clock; target p50 <= {TARGET_P50_MS} ms, "
+          f"p95 <= {TARGET_P95_MS} ms at 8 clients")
+    print(f"{'policy':>9} {'clients':>7} {'turns':>5} {'false cut-ins':>14} {'paused':>7} {'complete':>8} "
+          f"{'end->audio p50':>15} {'p95':>7} {'pause p50':>10} {'model p50':>10} {'no reply':>8}  ended by")
+    for policy, n, results, turn_mode in rows:
+        latencies = [r.first_audio_ms for r in results if r.first_audio_ms is not None]
+        paused = [r for r in results if r.paused]
+        complete = [r for r in results if not r.paused]
+        by: dict[str, int] = {}
+        for r in results:
+            for b in r.ended_by:
+                by[b] = by.get(b, 0) + 1
+        print(f"{policy:>9} {n:>7} {len(results):>5} {100 * sum(r.cut_in for r in results) / len(results):>13.0f}% "
+              f"{sum(r.cut_in for r in paused):>3}/{len(paused):<3} {sum(r.cut_in for r in complete):>3}/{len(complete):<4} "
+              f"{pct(latencies, 50):>12.0f} ms {pct(latencies, 95):>4.0f} ms "
+              f"{pct([r.pause_ms for r in results if r.pause_ms is not None], 50):>7.0f} ms "
+              f"{pct([r.decision_ms for r in results if r.decision_ms is not None], 50):>7.0f} ms "
+              f"{len(results) - len(latencies):>8}  {' '.join(f'{k}:{v}' for k, v in sorted(by.items()))}")
+        if turn_mode != POLICIES[policy]["turn"]:
+            print(f"          (the server ran turn: {turn_mode}, not {POLICIES[policy]['turn']}: see its /readyz)")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ const page = {
 };
 window.voicebot = page;
 
-let socket = null, player = null, mic = null, ready = false, talking = false, handsFreeSilenceMs = null;
+let socket = null, player = null, mic = null, ready = false, talking = false, handsFreeSilenceMs = null, handsFreeTurn = null;
 const replyLines = new Map();  // reply_id -> its line in the log (bounded by MAX_LOG_LINES)
 
 // ---- microphone ------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ async function onEvent(ev) {
       ready = true;
       break;
     case "session.updated":
-      if (handsFreeSilenceMs === null) { handsFreeSilenceMs = ev.endpoint_silence_ms; applyMode(); }
+      if (handsFreeSilenceMs === null) { handsFreeSilenceMs = ev.endpoint_silence_ms; handsFreeTurn = ev.turn; applyMode(); }
       break;
     case "speech.started": $("partial").textContent = "…"; break;
     case "asr.partial": $("partial").textContent = ev.text; break;
@@ -134,6 +134,7 @@ async function onEvent(ev) {
       logLine("user", `you: ${ev.text}`, recognizer(ev));
       $("model").textContent = recognizer(ev);
       break;
+    case "turn.end": page.lastTurn = turnEnd(ev); break;
     case "reply.delta": replyLine(ev.reply_id).textContent += ev.text; break;
     case "reply.done": replyLine(ev.reply_id).textContent = ev.text; remember(page.replies, ev.text); break;
     case "audio.end": {
@@ -141,7 +142,8 @@ async function onEvent(ev) {
       const t = ev.timings ?? {};
       if (t.first_audio_ms != null) {
         $("latency").textContent = `${Math.round(t.first_audio_ms)} ms from the end of your speech to the first reply audio`
-          + (page.lastPlayoutMs != null ? ` (+${page.lastPlayoutMs} ms playout buffer here)` : "");
+          + (page.lastPlayoutMs != null ? ` (+${page.lastPlayoutMs} ms playout buffer here)` : "")
+          + (page.lastTurn ? `; ${page.lastTurn}` : "");
       }
       break;
     }
@@ -161,6 +163,15 @@ async function onEvent(ev) {
       logLine("err", `error ${ev.code}: ${ev.message}`);
       break;
   }
+}
+
+/** What ended the turn (turn.end): the pause the server waited, and how long the model took to judge it. */
+function turnEnd(ev) {
+  const t = ev.timings ?? {};
+  const judged = ev.probability != null ? ` (complete: ${Math.round(ev.probability * 100)} %)` : "";
+  const model = t.decision_ms != null ? `, judged in ${Math.round(t.decision_ms)} ms` : "";
+  const by = { smart: "end-of-turn model", silence: "silence", "input.end": "you (input.end)" }[ev.by] ?? ev.by;
+  return `turn ended by ${by}${judged} after a ${t.pause_ms} ms pause${model}`;
 }
 
 /** Which model the transcript came from; `fallback` is the dialect model's result when it ran. */
@@ -198,7 +209,9 @@ function applyMode() {
   const ptt = $("mode").value === "ptt";
   $("talk").hidden = !ptt;
   if (handsFreeSilenceMs !== null) {
-    socket?.send({ type: "session.update", endpointing: { endpoint_silence_ms: ptt ? PTT_SILENCE_MS : handsFreeSilenceMs } });
+    // Push-to-talk: the silence rule with a long wait, the release ends the turn; hands-free: what the server chose.
+    const endpointing = ptt ? { endpoint_silence_ms: PTT_SILENCE_MS } : { endpoint_silence_ms: handsFreeSilenceMs, turn: handsFreeTurn };
+    socket?.send({ type: "session.update", endpointing });
   }
 }
 

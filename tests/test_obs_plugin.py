@@ -95,7 +95,7 @@ def test_the_plugin_as_a_voice_session():
         return out
 
     out = asyncio.run(drain())
-    assert json.loads(out[0]["text"]) == {"type": "session.start", "sample_rate": 16000, "channel": "main"}
+    assert json.loads(out[0]["text"]) == {"type": "session.start", "sample_rate": 16000, "channel": "main", "echo_cancellation": True}
     audio = [m["bytes"] for m in out if "bytes" in m]
     assert audio and all(audio) and sum(map(len, audio)) <= 3 * 1024 // 3 * 2
     assert json.loads(out[-1]["text"]) == {"type": "input.end"}

@@ -100,6 +100,30 @@ class EndpointConfig(Section):
     pre_speech_ms: int = Field(300, ge=0, le=1000)
     # An utterance is cut (ended) after this long, so no stream grows without bound.
     max_utterance_s: float = Field(30.0, gt=1)
+    # What ends a turn: "silence" waits endpoint_silence_ms; "smart" asks Smart Turn v3.2
+    # (voicebot/audio/turn.py) whether the turn is complete once a short pause is heard. A server
+    # that cannot load the model says so at start-up and in /readyz and uses "silence".
+    turn: Literal["smart", "silence"] = "smart"
+    # smart: the first question after this much VAD silence (pipecat asks after ~200 ms; each
+    # 32 ms window less is 32 ms less latency, at the price of more questions per turn) ...
+    smart_pause_ms: int = Field(160, ge=100, le=2000)
+    # ... then again each time the pause grows by this much while the answer is "incomplete" ...
+    smart_reask_ms: int = Field(320, ge=32, le=5000)
+    # ... and the turn ends anyway after this much silence (a thinking pause, a model that keeps
+    # saying "incomplete").
+    smart_limit_ms: int = Field(1500, ge=100, le=10000)
+    # Probability of "complete" at or above which the turn ends (the model's own threshold).
+    smart_threshold: float = Field(0.5, gt=0, lt=1)
+    # smart: start the responder and synthesis on the transcript at each pause, into a holding
+    # buffer; sent at once if the turn ends with that transcript, discarded (never heard, never in
+    # the history) if the user goes on.
+    prepare_replies: bool = True
+
+    @model_validator(mode="after")
+    def _smart_order(self) -> "EndpointConfig":
+        if self.smart_pause_ms >= self.smart_limit_ms:
+            raise ValueError(f"smart_pause_ms ({self.smart_pause_ms}) must be below smart_limit_ms ({self.smart_limit_ms})")
+        return self
 
 
 class PacingConfig(Section):

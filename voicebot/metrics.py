@@ -39,7 +39,7 @@ class Metrics:
         self.reply_errors = Counter("voicebot_reply_errors_total", "Responder failures, by kind", ["kind"], registry=r)
         self.tts_first_audio = Histogram("voicebot_tts_first_audio_seconds", "First reply text to first synthesized audio", buckets=LATENCY_BUCKETS, registry=r)
         self.frames_sent = Counter("voicebot_frames_sent_total", "Reply audio frames sent", registry=r)
-        self.frames_dropped = Counter("voicebot_frames_dropped_total", "Reply audio frames not sent, by reason (interrupted, client_gone, overload)", ["reason"], registry=r)
+        self.frames_dropped = Counter("voicebot_frames_dropped_total", "Reply audio frames not sent, by reason (interrupted, client_gone, overload, preemptive: a prepared reply discarded)", ["reason"], registry=r)
         self.underruns = Counter("voicebot_underruns_total", "Reply frames sent after the client should already have played them", registry=r)
         self.gate_muted = Counter("voicebot_gate_muted_seconds_total", "Input audio muted by the noise gate", registry=r)
         self.input_dropped = Counter("voicebot_input_dropped_seconds_total", "Input audio dropped, by reason", ["reason"], registry=r)
@@ -47,10 +47,16 @@ class Metrics:
         self.reset_duration = Histogram("voicebot_reset_duration_seconds", "Time to drop and rebuild engine state", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5), registry=r)
         self.errors = Counter("voicebot_errors_total", "Error events sent, by code", ["code"], registry=r)
         self.asyncio_tasks = Gauge("voicebot_asyncio_tasks", "Tasks on the event loop (sampled with the loop lag)", registry=r)
+        self.turn_ends = Counter("voicebot_turn_ends_total", "Turns ended, by what decided it (smart, silence, input.end)", ["by"], registry=r)
+        self.smart_turn = Histogram("voicebot_smart_turn_seconds", "Pause heard to the end-of-turn model's answer", buckets=LATENCY_BUCKETS, registry=r)
+        self.preemptive = Counter("voicebot_preemptive_total", "Replies prepared during a pause, by outcome (kept, user_went_on, changed, superseded, session_closed)", ["outcome"], registry=r)
+        self.echo_attenuation = Histogram("voicebot_echo_attenuation_db", "Input over output energy of the echo canceller while the bot spoke, per session", buckets=(0, 3, 6, 10, 15, 20, 30, 40, 60), registry=r)
         self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop runs a timer", buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         for kind in REPLY_ERROR_KINDS:
             self.reply_errors.labels(kind)
-        for reason in ("interrupted", "client_gone", "overload"):
+        for outcome in ("kept", "user_went_on", "changed"):
+            self.preemptive.labels(outcome)
+        for reason in ("interrupted", "client_gone", "overload", "preemptive"):
             self.frames_dropped.labels(reason)  # exported as 0 from the start: overload must stay 0
 
     async def watch_loop_lag(self, interval: float = 0.25) -> None:

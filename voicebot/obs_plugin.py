@@ -9,8 +9,9 @@ WebSocket URL and ignores whatever the server sends back. Its messages, read fro
   source-name length u32), the two UTF-8 strings, then interleaved s16le PCM.
 
 `ObsSocket` wraps such a connection so that it looks like a /v1/voice client to `run_session`:
-it opens with `session.start {channel}` at 16 kHz, turns each audio message into 16 kHz mono PCM
-(downmix here, resampling in voicebot.audio.resample), `stop` into `input.end`, and drops what the
+it opens with `session.start {channel, echo_cancellation: true}` at 16 kHz (OBS may mix the
+bot's reply back into the source it streams, and nothing on that path cancels it), turns each
+audio message into 16 kHz mono PCM (downmix here, resampling in voicebot.audio.resample), `stop` into `input.end`, and drops what the
 session sends (the plugin would discard it; the channel's listeners, e.g. the overlay, get it).
 Parsing is kept apart from I/O in `parse_chunk` and `ObsAudio`. A message that cannot be used is
 counted (voicebot_obs_bad_chunks_total{reason}), logged once per reason per connection, and skipped.
@@ -116,7 +117,7 @@ class ObsSocket:
     async def receive(self) -> dict:
         if not self._started:
             self._started = True
-            start = {"type": "session.start", "sample_rate": LISTEN_RATE, "channel": self._channel}
+            start = {"type": "session.start", "sample_rate": LISTEN_RATE, "channel": self._channel, "echo_cancellation": True}
             return {"type": "websocket.receive", "text": json.dumps(start)}
         while True:
             message = await self._ws.receive()

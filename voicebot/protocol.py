@@ -102,6 +102,9 @@ Name = Annotated[str, Field(min_length=1, max_length=64)]  # a voice, responder 
 
 
 class EndpointingUpdate(_Message):
+    # What ends a turn: the end-of-turn model, or the silence rule; an endpoint_silence_ms alone
+    # asks for the silence rule with that wait.
+    turn: Literal["smart", "silence"] | None = None
     endpoint_silence_ms: int | None = Field(None, ge=100, le=5000)
     barge_in_min_ms: int | None = Field(None, ge=0, le=5000)
 
@@ -115,6 +118,9 @@ class SessionStart(_Message):
     channel: str | None = Field(None, pattern=f"^{CHANNEL_NAME.pattern}$")
     resume: str | None = Field(None, max_length=128)  # a previous session.ready's resume_token: continue its conversation
     endpointing: EndpointingUpdate | None = None
+    # Cancel the bot's own voice from the input (voicebot/audio/echo.py); None: the endpoint's
+    # default (on for /obs/audio, off for /v1/voice, where browsers cancel their own).
+    echo_cancellation: bool | None = None
 
 
 class SessionUpdate(_Message):

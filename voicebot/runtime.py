@@ -7,11 +7,13 @@ each of its stages uses; no stage holds the runtime.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from voicebot.asr.base import Recognizer
+from voicebot.audio.turn import SmartTurn, SmartTurnUnavailable
 from voicebot.channels import ChannelHub
 from voicebot.cluster import CLUSTER_UNAVAILABLE, Cluster
 from voicebot.cluster.conversations import RedisConversationStore
@@ -29,6 +31,8 @@ from voicebot.tts.base import Synthesizer
 
 if TYPE_CHECKING:
     from voicebot.session.outbox import Outbox
+
+log = logging.getLogger("voicebot")
 
 
 class LiveSession(Protocol):
@@ -55,6 +59,9 @@ class Runtime:
     default_responder: str = "echo"
     # Gate and VAD for every session: small onnxruntime/numpy calls, kept off the event loop.
     audio_worker: Worker = field(default_factory=lambda: Worker("audio", threads=2))
+    # Smart Turn v3.2, shared by every session (endpoint.turn: smart); None: the silence rule.
+    smart_turn: SmartTurn | None = None
+    turn_problem: str | None = None  # why smart turn is not in use although configured
     sessions: dict[str, LiveSession] = field(default_factory=dict)
     ready: bool = False
     draining: bool = False
@@ -96,7 +103,18 @@ class Runtime:
         self.synthesizer.register_metrics(self.metrics.registry)
         pools = [self.audio_worker, *self.recognizer.workers(), *self.synthesizer.workers()]
         self.admission = Admission(pools, s.limits.max_worker_load)
+        if s.endpoint.turn == "smart":
+            try:
+                self.smart_turn = SmartTurn()
+            except SmartTurnUnavailable as exc:
+                self.turn_problem = str(exc)
+                log.warning("endpoint.turn is smart but the end-of-turn model cannot be used (%s): "
+                            "turns end by the silence rule (%d ms)", exc, s.endpoint.endpoint_silence_ms)
         self.ready = True
+
+    @property
+    def turn_mode(self) -> str:
+        return "smart" if self.smart_turn is not None else "silence"
 
     async def start_cluster(self) -> None:
         """On the event loop, after load(): ClusterUnavailable stops start-up (a configured Redis must answer)."""
@@ -114,6 +132,8 @@ class Runtime:
         for responder in self.responders.values():
             await responder.aclose()
         self.audio_worker.shutdown()
+        if self.smart_turn is not None:
+            self.smart_turn.close()
 
     def replies_in_progress(self) -> int:
         return sum(1 for s in self.sessions.values() if s.replying)

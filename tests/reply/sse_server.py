@@ -3,7 +3,7 @@
 Each request takes the next `Behaviour` from `plan` (or `default` when the plan is empty) and
 records its JSON body and headers. `stream_closed` is set when a stream ends for any reason,
 with `sent` counting the content chunks written so far: a test compares it with what the client
-had when it went away. Runs uvicorn in a thread on 127.0.0.1 and a free port.
+had when it went away. `cancelled` counts the streams the client closed before their end. Runs uvicorn in a thread on 127.0.0.1 and a free port.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class SSEServer:
         self.default = Behaviour()
         self.requests: list[dict] = []
         self.sent = 0
+        self.cancelled = 0
         self.stream_closed = threading.Event()
         self.app = self._build()
         self._sock = socket.socket()
@@ -75,6 +76,7 @@ class SSEServer:
         self.default = default or Behaviour()
         self.requests.clear()
         self.sent = 0
+        self.cancelled = 0
         self.stream_closed.clear()
 
     def _build(self) -> FastAPI:
@@ -108,5 +110,8 @@ class SSEServer:
                 yield _event(_chunk({}, "stop"))
                 yield _event({"id": "c1", "choices": [], "usage": {"completion_tokens": len(b.chunks)}})
                 yield _event("[DONE]")
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled += 1  # the client closed the stream before its end
+            raise
         finally:
             self.stream_closed.set()

@@ -95,6 +95,11 @@ class Endpointer:
         # Consecutive speech windows right now: the barge-in detector reads it.
         self.speech_run_ms = 0.0
 
+    @property
+    def silence_ms(self) -> float:
+        """Silence since the last speech window (0 while the user speaks): what a turn policy reads."""
+        return (self.samples_seen - self._last_speech_end) * 1000 / SAMPLE_RATE
+
     def set_silence_ms(self, ms: int) -> None:
         self.config = self.config.model_copy(update={"endpoint_silence_ms": ms})
 

@@ -1,6 +1,6 @@
 """The listening stage: a session's audio in, utterances out.
 
-    AudioIn ─► FrontEnd (resample ─► gate ─► endpoint; on the audio worker) ─► VadEvents
+    AudioIn ─► FrontEnd (resample ─► echo canceller ─► gate ─► endpoint; on the audio worker) ─► VadEvents
             ─► Listening (recognizer stream; speech.started, asr.partial, asr.final) ─► Utterance
 
 `FrontEnd` is everything that runs on the worker thread: it owns its state and returns values,
@@ -17,9 +17,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
 
 from voicebot import protocol
 from voicebot.asr.base import RecognizerStream
+from voicebot.audio.echo import EchoCanceller
 from voicebot.audio.endpoint import Endpointer, EventKind, VadEvent
 from voicebot.audio.gate import NoiseGate
 from voicebot.audio.rates import LISTEN_RATE
@@ -36,6 +40,8 @@ log = logging.getLogger("voicebot.session")
 # Chunk arrival times kept to date the end of speech: 256 chunks, at least 5 s at the smallest
 # chunk a client sends (20 ms); an utterance's end is always among the latest chunks.
 ARRIVALS_MAX = 256
+# Input kept for the end-of-turn model, which reads the last 8 s of a turn (256 KB per session).
+TURN_AUDIO_S = 8
 
 
 @dataclass(frozen=True)
@@ -47,24 +53,56 @@ class FrontEndOutput:
 class FrontEnd:
     """Resample, gate and endpoint one session's input (blocking: runs on the audio worker)."""
 
-    def __init__(self, input_rate: int, gate: GateConfig, endpoint: EndpointConfig) -> None:
+    def __init__(self, input_rate: int, gate: GateConfig, endpoint: EndpointConfig, echo: EchoCanceller | None = None) -> None:
         self.resampler = StreamResampler(input_rate, LISTEN_RATE)
+        self.echo = echo  # the bot's own voice removed before anything listens (voicebot/audio/echo.py)
         self.gate = NoiseGate(gate, LISTEN_RATE) if gate.enabled else None
         self.endpointer = Endpointer(endpoint)
         self._samples_in = 0
+        self._recent: deque[np.ndarray] = deque()  # the last TURN_AUDIO_S of what the endpointer heard
+        self._recent_samples = 0
+        self._fed = 0  # samples given to the endpointer: _recent ends there
+        self.speech_start_sample = 0  # where the latest utterance began (its pre-speech audio included)
         # (end of a chunk in LISTEN_RATE samples, when it arrived): when the user stopped talking,
         # even if the chunk waited in the session's input queue before it was processed.
         self._arrivals: deque[tuple[int, float]] = deque(maxlen=ARRIVALS_MAX)
 
     def process(self, chunk: AudioIn) -> FrontEndOutput:
         audio = self.resampler.process(pcm16_to_float(chunk.pcm))
+        if self.echo is not None:
+            audio = self.echo.process(audio)
         self._samples_in += len(audio)
         self._arrivals.append((self._samples_in, chunk.arrived))
-        if self.gate is None:
-            return FrontEndOutput(self.endpointer.process(audio), 0)
-        muted_before = self.gate.muted_samples
-        gated = self.gate.process(audio)
-        return FrontEndOutput(self.endpointer.process(gated), self.gate.muted_samples - muted_before)
+        muted = 0
+        if self.gate is not None:
+            muted_before = self.gate.muted_samples
+            audio = self.gate.process(audio)
+            muted = self.gate.muted_samples - muted_before
+        self._keep(audio)
+        events = self.endpointer.process(audio)
+        for event in events:
+            if event.kind is EventKind.START:  # its audio runs to the last window processed
+                self.speech_start_sample = self.endpointer.samples_seen - len(event.audio)
+        return FrontEndOutput(events, muted)
+
+    def _keep(self, audio: np.ndarray) -> None:
+        self._fed += len(audio)
+        self._recent.append(audio)
+        self._recent_samples += len(audio)
+        while self._recent_samples - len(self._recent[0]) >= TURN_AUDIO_S * LISTEN_RATE:
+            self._recent_samples -= len(self._recent.popleft())
+
+    @property
+    def silence_ms(self) -> float:
+        return self.endpointer.silence_ms
+
+    def audio_since(self, sample: int) -> np.ndarray:
+        """What the endpointer heard from `sample` on, at most the last TURN_AUDIO_S (a copy).
+
+        Called between chunks, on the loop: the worker is not processing one then.
+        """
+        audio = np.concatenate(self._recent) if self._recent else np.zeros(0, np.float32)
+        return audio[max(0, sample - (self._fed - len(audio))):]
 
     def end(self) -> list[VadEvent]:
         """The client sent input.end: end the utterance now."""
@@ -97,6 +135,7 @@ class Listening:
         self._session_id = session_id
         self._count = 0
         self._open: _OpenUtterance | None = None
+        self.on_endpoint: Callable[[], None] | None = None  # called at each endpoint (the turn policy's)
 
     @property
     def speech_run_ms(self) -> float:
@@ -133,6 +172,8 @@ class Listening:
             return None
         if event.kind is EventKind.END:
             opened, self._open = self._open, None
+            if self.on_endpoint is not None:
+                self.on_endpoint()  # before the recognizer's finish, so what waits on the pause overlaps it
             return await self._finish(event, opened)
         try:
             partial = await self.asr.accept(event.audio)

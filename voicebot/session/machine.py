@@ -18,8 +18,10 @@ from typing import Awaitable, Callable
 
 from voicebot import protocol
 from voicebot.asr.base import RecognizerStream
+from voicebot.audio.echo import EchoCanceller
 from voicebot.audio.rates import LISTEN_RATE
-from voicebot.messages import AudioIn, Event, Inbound, InputEnd, Turn, Utterance
+from voicebot.audio.resample import pcm16_to_float
+from voicebot.messages import AudioFrame, AudioIn, Event, Inbound, InputEnd, Turn, Utterance
 from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
@@ -29,6 +31,7 @@ from voicebot.session.listening import FrontEnd, Listening
 from voicebot.session.outbox import Outbox
 from voicebot.session.replying import Reply, Replying
 from voicebot.session.reset import EngineReset
+from voicebot.session.turn_taking import TurnTaking
 from voicebot.tts.base import SynthesisContext
 
 # Queue bounds. audio_in: 64 chunks of at most 1 s each (the client's chunk size, typically
@@ -85,6 +88,10 @@ class Session:
         self.tts: SynthesisContext | None = None
         self.listening: Listening | None = None
         self.replies: Replying | None = None
+        self.turn_taking: TurnTaking | None = None
+        self.echo: EchoCanceller | None = None
+        self._wants_smart = self.settings.endpoint.turn == "smart"
+        self._silence_ms = self.settings.endpoint.endpoint_silence_ms  # the silence rule's wait
         self.engine_reset: EngineReset | None = None
 
     def _enter(self, state: State) -> None:
@@ -104,6 +111,8 @@ class Session:
         while (message := await self.outbox.get()) is not None:
             wire = message.wire
             self.rt.channels.mirror(self.id, _for_listeners(message))  # never waits: listeners can't slow the session
+            if self.echo is not None and isinstance(message, AudioFrame):
+                self.echo.play(pcm16_to_float(wire))  # the far end: what the client is about to play
             if isinstance(wire, bytes):
                 await self._send_bytes(wire)
             else:
@@ -121,6 +130,10 @@ class Session:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, *(t for t in [self._reply_task] if t), return_exceptions=True)
+        if self.turn_taking is not None:
+            await self.turn_taking.close()
+        if self.echo is not None and self.echo.attenuation_db is not None:
+            self.rt.metrics.echo_attenuation.observe(self.echo.attenuation_db)
         if reply is not None:
             reply.drop_pending("client_gone")
             reply.remember_heard()  # a client that resumes finds what it heard of this reply
@@ -219,10 +232,14 @@ class Session:
             return
         self.sample_rate = message.sample_rate
         self.asr = self.rt.recognizer.open(self.choices.language)
-        front_end = FrontEnd(self.sample_rate, self.settings.gate, self.settings.endpoint)
-        if message.endpointing and message.endpointing.endpoint_silence_ms:
-            front_end.endpointer.set_silence_ms(message.endpointing.endpoint_silence_ms)
+        if message.echo_cancellation:  # /obs/audio asks for it (voicebot/obs_plugin.py)
+            self.echo = EchoCanceller()
+        front_end = FrontEnd(self.sample_rate, self.settings.gate, self.settings.endpoint, self.echo)
         self.listening = Listening(front_end, self.asr, self.rt.audio_worker, self.rt.metrics, self.outbox, self.id)
+        self.turn_taking = TurnTaking(self.settings.endpoint, None, front_end, self.outbox, self.rt.metrics,
+                                      self._queue_turn, self._prepare_reply)
+        self.listening.on_endpoint = self.turn_taking.on_endpoint
+        self._set_turn(message.endpointing)
         self._enter(State.LISTENING)
         resumed = await self._resume(message.resume)
         speaks = not message.channel or self.rt.channels.speak(
@@ -263,19 +280,32 @@ class Session:
             return
         if message.voice is not None:
             self.tts.set_voice(message.voice)
-        endpointer = self.listening.front_end.endpointer
-        if message.endpointing and message.endpointing.endpoint_silence_ms:
-            endpointer.set_silence_ms(message.endpointing.endpoint_silence_ms)
+        self._set_turn(message.endpointing)
         await self.outbox.emit(
             protocol.event(
                 "session.updated",
                 voice=self.tts.voice,
                 responder=self.choices.responder,
                 language=self.choices.language,
-                endpoint_silence_ms=endpointer.config.endpoint_silence_ms,
+                turn="smart" if self.turn_taking.smart else "silence",
+                endpoint_silence_ms=self._silence_ms,
                 barge_in_min_ms=self.choices.barge_in_min_ms,
             )
         )
+
+    def _set_turn(self, endpointing: protocol.EndpointingUpdate | None) -> None:
+        """What ends this session's turns: the server's `endpoint.turn`, or the client's choice (an
+        endpoint_silence_ms alone asks for the silence rule with that wait)."""
+        if endpointing is not None and endpointing.endpoint_silence_ms:
+            self._silence_ms = endpointing.endpoint_silence_ms
+            self._wants_smart = False
+        if endpointing is not None and endpointing.turn:
+            self._wants_smart = endpointing.turn == "smart"
+        smart = self.rt.smart_turn if self._wants_smart else None  # None too where the model did not load
+        self.turn_taking.use(smart)
+        # smart: the endpointer ends a segment at the short pause where the model is asked.
+        pause_ms = self.settings.endpoint.smart_pause_ms if smart else self._silence_ms
+        self.listening.front_end.endpointer.set_silence_ms(pause_ms)
 
     # ---- listen: audio in, utterances out, barge-in ------------------------------------------
 
@@ -284,16 +314,24 @@ class Session:
             item = await self.audio_in.get()
             async with self._engine_lock:
                 for utterance in await self.listening.hear(item):
-                    await self._on_utterance(utterance)
+                    await self.turn_taking.on_utterance(utterance, input_end=isinstance(item, InputEnd))
+                if isinstance(item, InputEnd):
+                    await self.turn_taking.end_now()  # input.end with no utterance open: a turn may still be
+                else:
+                    await self.turn_taking.after_chunk(self.listening.front_end.silence_ms)
             # While the reply is still being prepared too: the user has more to say.
             if self.state in (State.THINKING, State.SPEAKING) and self.listening.speech_run_ms >= self.choices.barge_in_min_ms:
                 await self.interrupt("barge_in")
 
-    async def _on_utterance(self, utterance: Utterance) -> None:
-        """Every endpoint is the end of a turn. A turn policy (an end-of-turn model, replies
-        prepared during the pause) replaces this decision, between the listening stage and `turns`."""
-        if utterance.text.strip():
-            await self._queue_turn(Turn.answering(utterance))
+    def _prepare_reply(self, turn: Turn) -> Reply | None:
+        """A reply started during a pause, held until the turn is decided (turn_taking.py); none
+        while another reply is made or played (it would share the session's TTS)."""
+        if self.replying or self.state is not State.LISTENING:
+            return None
+        name = self.choices.responder
+        reply = self.replies.reply(turn, name, self.rt.responders[name], on_speaking=lambda: self._enter(State.SPEAKING))
+        reply.prepare()
+        return reply
 
     async def _queue_turn(self, turn: Turn) -> None:
         if self.turns.full():
@@ -312,7 +350,8 @@ class Session:
             async with self._engine_lock:
                 self._enter(State.THINKING)
                 name = self.choices.responder
-                reply = self.replies.reply(turn, name, self.rt.responders[name], on_speaking=lambda: self._enter(State.SPEAKING))
+                reply = self.turn_taking.claim(turn) or self.replies.reply(
+                    turn, name, self.rt.responders[name], on_speaking=lambda: self._enter(State.SPEAKING))
                 self._reply = reply
                 self._reply_task = asyncio.create_task(reply.run(), name=f"reply-{self.id[:8]}")
             try:
@@ -333,6 +372,8 @@ class Session:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if self.echo is not None:
+            self.echo.stop()  # the client drops what it has not played
         await reply.cancel(reason)
 
     # ---- periodic reset ---------------------------------------------------------------------
@@ -341,10 +382,11 @@ class Session:
         while True:
             await asyncio.sleep(self.engine_reset.check_every_s)
             # Only at a turn boundary: nothing being said by either side.
-            if not self.engine_reset.due or self._reply is not None or self.listening.in_utterance or not self.turns.empty():
+            if (not self.engine_reset.due or self._reply is not None or self.listening.in_utterance
+                    or self.turn_taking.open or not self.turns.empty()):
                 continue
             async with self._engine_lock:
-                if self._reply is None and not self.listening.in_utterance:
+                if self._reply is None and not self.listening.in_utterance and not self.turn_taking.open:
                     await self.engine_reset.run("periodic")
 
 

@@ -7,9 +7,9 @@ A `Reply` has an owner (the session) that decides its fate: `start()` runs the r
 into the reply's own frame queue (its holding buffer, FRAMES_MAX frames), `play()` sends those
 frames paced and ends the reply, `cancel()` stops it and accounts for every frame not sent.
 `run()` is start-then-play, what a reply to a confirmed turn does. A reply prepared during a pause
-(the turn policy's) calls `start()` early and `play()` or `cancel()` once the turn is decided: no
-audio reaches the outbox before `play()` (its reply.delta events do today; a prepared reply will
-hold those too, in `_text_deltas`).
+(voicebot/session/turn_taking.py) calls `prepare()` early, then `run()` or `discard()` once the
+turn is decided: until `play()` nothing of it reaches the outbox (its events are held) and the
+user's words are not in the conversation, so a discarded reply leaves no trace but its count.
 """
 
 from __future__ import annotations
@@ -88,21 +88,47 @@ class Reply:
         self._produced_samples = 0
         self.frames_produced = 0  # framed for self.frames (queued or waiting for room); less pacer.frames_sent: never sent
         self._producer: asyncio.Task | None = None
+        # A prepared reply's events (reply.delta, reply.done, a responder error) until play():
+        # bounded by reply.max_reply_chars of text. None: emitted as they come.
+        self._held: list[dict] | None = None
+        self._history: list[dict] = []  # the conversation before this turn, as the responder gets it
 
     # ---- the owner's controls -------------------------------------------------------------------
 
     async def run(self) -> None:
-        self.start()
+        if self._producer is None:
+            self.start()
         await self.play()
 
     def start(self) -> None:
         """Begin the responder and TTS into the frame queue; nothing is sent yet."""
+        self._history = self.stage.conversation.messages()
         if not self.turn.say:
             self.stage.conversation.add_user(self.turn.text)
         self._producer = asyncio.create_task(self._produce())
 
+    def prepare(self) -> None:
+        """Begin like start(), for a turn not yet confirmed: events held, history untouched."""
+        self._history = self.stage.conversation.messages()
+        self._held = []
+        self._producer = asyncio.create_task(self._produce())
+
+    async def discard(self) -> None:
+        """A prepared reply the turn did not confirm: stop it, count its frames; it never played."""
+        if self._producer is not None and not self._producer.done():
+            self._producer.cancel()  # closes the responder's stream and drops the synthesis steps
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._producer
+        self.drop_pending("preemptive")
+
     async def play(self) -> None:
         """Send the frames paced, to the end of the reply (cancel the caller to stop it)."""
+        if self._held is not None:  # a prepared reply, confirmed: now the client hears of it
+            if not self.turn.say:
+                self.stage.conversation.add_user(self.turn.text)
+            while self._held:  # in order, with what the producer adds meanwhile
+                await self._send_event(self._held.pop(0))
+            self._held = None
         producer = self._producer
         try:
             await self._send_paced()
@@ -162,15 +188,15 @@ class Reply:
         stage = self.stage
         if self.turn.say:
             return stage.speech_filter.apply(_one(self.turn.text))
-        deltas = self.responder.reply(stage.conversation.messages()[:-1], self.turn.text, voice=stage.tts.voice)
+        deltas = self.responder.reply(self._history, self.turn.text, voice=stage.tts.voice)
         return spoken(deltas, stage.speech_filter, stage.reply_config.fallback_line, self._responder_failed)
 
     async def _responder_failed(self, exc: ResponderError) -> None:
         self.failed = True
         self.stage.metrics.reply_errors.labels(exc.kind).inc()
         log.warning("responder %s failed (%s): %s", self.responder_name, exc.kind, exc)
-        await self.stage.outbox.error(ErrorCode.REPLY_FAILED, f"the responder failed ({exc.kind}): {exc}",
-                                      reply_id=self.id, failure=exc.kind)
+        await self._emit(protocol.error(ErrorCode.REPLY_FAILED, f"the responder failed ({exc.kind}): {exc}",
+                                        reply_id=self.id, failure=exc.kind))
 
     async def _text_deltas(self) -> AsyncIterator[str]:
         metrics = self.stage.metrics
@@ -181,11 +207,22 @@ class Reply:
                     if not (self.turn.say or self.failed):  # responder latency only
                         metrics.reply_first_text.observe(self.first_text_at - self.started)
                 self.text += delta
-                await self.stage.outbox.emit(protocol.event("reply.delta", reply_id=self.id, text=delta))
+                await self._emit(protocol.event("reply.delta", reply_id=self.id, text=delta))
                 yield delta
         if not (self.turn.say or self.failed):
             metrics.reply_total.observe(time.monotonic() - self.started)
-        await self.stage.outbox.emit(protocol.event("reply.done", reply_id=self.id, text=self.text))
+        await self._emit(protocol.event("reply.done", reply_id=self.id, text=self.text))
+
+    async def _emit(self, event: dict) -> None:
+        if self._held is not None:
+            self._held.append(event)
+        else:
+            await self._send_event(event)
+
+    async def _send_event(self, event: dict) -> None:
+        if event["type"] == "error":
+            self.stage.metrics.errors.labels(event["code"]).inc()
+        await self.stage.outbox.emit(event)
 
     async def _produce(self) -> None:
         """Synthesize into frames, then put the end marker. The marker is awaited like every frame:

@@ -1,0 +1,187 @@
+"""Turn-taking through the real server: what ends a turn, replies prepared during the pause, and
+the bot deaf to its own voice. Real espeak speech over real WebSockets, the real Smart Turn model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tests.audio import espeak_speech, to_pcm16
+from tests.conftest import TEST_PHRASES, VoiceClient, make_settings, running_server, speech_pcm
+from tests.reply.sse_server import Behaviour, SSEServer
+from voicebot.audio.resample import StreamResampler
+
+
+@pytest.fixture(scope="module")
+def sse():
+    server = SSEServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(sse):
+    # smart_threshold 0.999: the model never says "complete" in these tests, so each turn ends at the
+    # silence limit, whatever the model makes of espeak's prosody: what is tested is the seam.
+    settings = make_settings(
+        endpoint={"smart_threshold": 0.999, "smart_limit_ms": 1200},
+        reply={"engine": "openai", "openai": {"base_url": sse.base_url, "model": "test", "first_token_timeout_s": 5.0}},
+    )
+    with running_server(settings) as running:
+        sse.stream_closed.wait(5)  # the warm-up utterance's reply
+        yield running
+
+
+def pause(ms: int) -> np.ndarray:
+    return np.zeros(16 * ms, np.float32)
+
+
+async def turn_of(client: VoiceClient, parts: list[np.ndarray]) -> None:
+    audio = np.concatenate([pause(300), *parts, pause(2500)])
+    await client.stream(to_pcm16(audio), chunk_ms=20)
+
+
+def test_readyz_says_what_ends_turns(server):
+    turn = server.get("/readyz").json()["turn"]
+    assert turn == {"mode": "smart", "configured": "smart", "problem": None}
+
+
+def test_a_prepared_reply_is_kept_and_sent_at_once(server, sse):
+    sse.reset(default=Behaviour(chunks=["Sure", ", the show starts at eight."]))
+    kept = server.metric("voicebot_preemptive_total", 'outcome="kept"')
+
+    async def run():
+        async with VoiceClient.connect(server.ws_url) as client:
+            await turn_of(client, [espeak_speech(TEST_PHRASES[2])])
+            end = await client.wait_for("turn.end", timeout=10)
+            done = await client.wait_for("audio.end", timeout=20)
+            return client, end, done
+
+    client, end, done = asyncio.run(run())
+    assert end["by"] == "silence" and end["probability"] < 0.999 and end["text"] == TEST_PHRASES[2]
+    assert end["timings"]["pause_ms"] >= 1200
+    assert server.metric("voicebot_preemptive_total", 'outcome="kept"') == kept + 1
+    assert len(sse.requests) == 1 and sse.cancelled == 0
+    # Prepared during the pause: the first frame follows the decision by the send path alone.
+    assert done["timings"]["first_audio_ms"] - end["timings"]["end_of_speech_ms"] < 150
+    assert client.of_type("reply.done")[0]["text"] == "Sure, the show starts at eight."
+
+
+def test_a_prepared_reply_is_discarded_when_the_user_goes_on(server, sse):
+    # The first reply (prepared at the pause inside the turn) is slow: still streaming when the user goes on.
+    sse.reset(Behaviour(chunks=["first", " reply", " never", " heard"], first_delay_s=0.3, interval_s=0.5),
+              default=Behaviour(chunks=["The second reply."]))
+    went_on = server.metric("voicebot_preemptive_total", 'outcome="user_went_on"')
+    dropped = server.metric("voicebot_frames_dropped_total", 'reason="preemptive"')
+
+    async def run():
+        async with VoiceClient.connect(server.ws_url) as client:
+            await turn_of(client, [espeak_speech(TEST_PHRASES[3]), pause(800), espeak_speech(TEST_PHRASES[0])])
+            await client.wait_for("audio.end", timeout=20)
+            return client
+
+    client = asyncio.run(run())
+    assert len(sse.requests) == 2 and sse.cancelled == 1  # the first stream closed by the client
+    assert server.metric("voicebot_preemptive_total", 'outcome="user_went_on"') == went_on + 1
+    assert server.metric("voicebot_frames_dropped_total", 'reason="preemptive"') >= dropped
+    # Nothing of the discarded reply reached the client: one reply, one audio stream, its frames only.
+    starts = client.of_type("audio.start")
+    assert len(starts) == 1 and [e["text"] for e in client.of_type("reply.done")] == ["The second reply."]
+    assert not any(e["type"] == "reply.delta" and "never" in e["text"] for e in client.events)
+    assert all(reply_id == starts[0]["reply_id"] for reply_id, _ in client.frames)
+    # ... nor the conversation: the second request holds the whole turn as one user message.
+    messages = sse.requests[1]["body"]["messages"]
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    assert users[-1] == f"{TEST_PHRASES[3]} {TEST_PHRASES[0]}"
+    assert not any(m["role"] == "assistant" and "never" in m["content"] for m in messages)
+    assert client.of_type("turn.end")[0]["text"] == users[-1]
+
+
+def test_silence_rule_and_input_end(server, sse):
+    sse.reset(default=Behaviour(chunks=["Ok."]))
+
+    async def run():
+        async with VoiceClient.connect(server.ws_url, endpointing={"turn": "silence"}) as client:
+            await client.stream(speech_pcm(TEST_PHRASES[1]), chunk_ms=20)
+            by_silence = await client.wait_for("turn.end", timeout=10)
+            await client.wait_for("audio.end", timeout=20)
+            await client.stream(speech_pcm(TEST_PHRASES[0], tail_s=0.1), chunk_ms=20)
+            await client.send({"type": "input.end"})
+            by_client = await client.wait_for("turn.end", count=2, timeout=10)
+            return by_silence, by_client
+
+    by_silence, by_client = asyncio.run(run())
+    assert by_silence["by"] == "silence" and by_silence["probability"] is None
+    assert 500 <= by_silence["timings"]["pause_ms"] < 700
+    assert by_client["by"] == "input.end"
+
+
+def echo_case(server, cancel: bool) -> dict:
+    """A question, then the reply's own audio fed back into the input 150 ms late at -10 dB."""
+
+    async def run():
+        async with VoiceClient.connect(server.ws_url, echo_cancellation=cancel, endpointing={"turn": "silence"}) as client:
+            await client.stream(speech_pcm(TEST_PHRASES[1], tail_s=0.6), chunk_ms=20)
+            resampler = StreamResampler(24000, 16000)
+            delay = [pause(150)]
+            sent_frames = 0
+            for _ in range(int(6 / 0.02)):  # 6 s of "microphone": the reply as the room returns it
+                while sent_frames < len(client.frames):
+                    pcm = np.frombuffer(client.frames[sent_frames][1], "<i2").astype(np.float32) / 32768
+                    delay.append(resampler.process(pcm) * 10 ** (-10 / 20))
+                    sent_frames += 1
+                buffered = np.concatenate(delay) if delay else pause(0)
+                chunk = buffered[:320] if len(buffered) >= 320 else np.concatenate([buffered, pause(20)])[:320]
+                delay = [buffered[320:]]
+                await client.ws.send(to_pcm16(chunk))
+                await asyncio.sleep(0.02)
+                if client.of_type("audio.end") or client.of_type("audio.interrupted"):
+                    break
+            await asyncio.sleep(0.5)
+            return {"interrupted": client.of_type("audio.interrupted"), "finals": client.of_type("asr.final"),
+                    "ended": client.of_type("audio.end")}
+
+    return asyncio.run(run())
+
+
+def test_the_bot_does_not_hear_itself(server, sse):
+    sse.reset(default=Behaviour(chunks=["Here is a long answer that goes on for a while, about the weather ",
+                                        "and the show and everything else you might want to know."]))
+    without = echo_case(server, cancel=False)
+    sse.reset(default=Behaviour(chunks=["Here is a long answer that goes on for a while, about the weather ",
+                                        "and the show and everything else you might want to know."]))
+    with_aec = echo_case(server, cancel=True)
+    print(f"\nwithout cancellation: barge-ins {len(without['interrupted'])}, transcripts {len(without['finals'])}; "
+          f"with: barge-ins {len(with_aec['interrupted'])}, transcripts {len(with_aec['finals'])}")
+    assert without["interrupted"], "the echo never reached the bot: this test would prove nothing"
+    assert not with_aec["interrupted"] and with_aec["ended"]
+    assert len(with_aec["finals"]) == 1  # the question only: no transcript of the echo
+
+
+def test_obs_audio_cancels_echo_by_default(server):
+    import json
+    import time
+
+    import websockets
+
+    from voicebot.obs_plugin import HEADER
+
+    before = set(server.on_loop(lambda: list(server.runtime.sessions)))
+
+    async def run():
+        url = f"ws://127.0.0.1:{server.settings.server.port}/obs/audio?channel=echo-test"
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "start", "timestamp": 0}))
+            await ws.send(HEADER.pack(0, 48000, 1, 16, 0, 0) + bytes(2 * 1024))
+            for _ in range(100):
+                echo = server.on_loop(lambda: [s.echo is not None for i, s in server.runtime.sessions.items() if i not in before])
+                if echo:
+                    return echo
+                await asyncio.sleep(0.05)
+            return []
+
+    started = time.monotonic()
+    assert asyncio.run(run()) == [True], f"no /obs/audio session with echo cancellation after {time.monotonic() - started:.1f} s"

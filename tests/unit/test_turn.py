@@ -1,0 +1,179 @@
+"""End of turn: Smart Turn v3.2 as loaded and batched here, the turn policy, and the test set."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import importlib.util
+
+import numpy as np
+import pytest
+
+from tests.turn_set import PAUSED_EN, SAMPLE_RATE, TURNS, render
+from voicebot.audio.turn import WINDOW_SAMPLES, Action, SmartTurn, TurnPolicy, last_window, model_path
+from voicebot.config import ConfigError, EndpointConfig, load_settings
+
+
+@pytest.fixture(scope="module")
+def smart_turn():
+    model = SmartTurn()
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def speech() -> np.ndarray:
+    return render(TURNS[0]).audio
+
+
+def pipecat_features(audio: np.ndarray) -> np.ndarray:
+    """pipecat's own feature code for Smart Turn, read from its wheel (a numpy-only file; pipecat is not imported)."""
+    path = importlib.metadata.distribution("pipecat-ai").locate_file("pipecat/audio/turn/smart_turn/_whisper_features.py")
+    spec = importlib.util.spec_from_file_location("pipecat_whisper_features", str(path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.compute_whisper_log_mel_features(last_window(audio), do_normalize=True)
+
+
+def test_model_ships_in_the_wheel_and_loads_without_pipecat():
+    import sys
+
+    path = model_path()
+    assert path.name == "smart-turn-v3.2-cpu.onnx" and path.stat().st_size > 1_000_000
+    assert "pipecat" not in sys.modules
+
+
+def test_features_match_pipecat(smart_turn, speech):
+    ours = smart_turn._features(
+        [last_window(speech)], sampling_rate=SAMPLE_RATE, padding="max_length", max_length=WINDOW_SAMPLES,
+        truncation=True, do_normalize=True, return_tensors="np",
+    ).input_features[0]
+    theirs = pipecat_features(speech)
+    assert ours.shape == theirs.shape == (80, 800)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+def test_window_is_the_last_8_s_padded_at_the_front():
+    short = np.ones(SAMPLE_RATE, np.float32)
+    window = last_window(short)
+    assert len(window) == WINDOW_SAMPLES and not window[:-SAMPLE_RATE].any() and window[-SAMPLE_RATE:].all()
+    long = np.arange(WINDOW_SAMPLES + 500, dtype=np.float32)
+    np.testing.assert_array_equal(last_window(long), long[500:])
+
+
+def test_a_batch_answers_as_each_alone(smart_turn, speech):
+    windows = [speech, speech[: len(speech) // 2], np.concatenate([speech, np.zeros(3200, np.float32)])]
+    together = smart_turn.predict(windows)
+    alone = np.array([smart_turn.predict([w])[0] for w in windows])
+    assert together.shape == (3,) and np.all((0 <= together) & (together <= 1))
+    np.testing.assert_allclose(together, alone, atol=1e-4)
+
+
+def test_waiting_questions_go_in_one_call(smart_turn, speech):
+    async def ask_many():
+        batches = smart_turn.batches
+        first = asyncio.create_task(smart_turn.probability(speech))
+        await asyncio.sleep(0.01)  # the first call is running: the next six wait for it, together
+        rest = [asyncio.create_task(smart_turn.probability(speech[: len(speech) - 800 * i])) for i in range(6)]
+        answers = await asyncio.gather(first, *rest)
+        return answers, smart_turn.batches - batches
+
+    answers, calls = asyncio.run(ask_many())
+    assert len(answers) == 7 and all(0 <= p <= 1 for p in answers)
+    assert calls == 2
+
+
+def test_a_question_given_up_is_skipped(smart_turn, speech):
+    async def ask_and_cancel():
+        first = asyncio.create_task(smart_turn.probability(speech))
+        await asyncio.sleep(0.01)
+        dropped = asyncio.create_task(smart_turn.probability(speech))
+        kept = asyncio.create_task(smart_turn.probability(speech[:-1600]))
+        await asyncio.sleep(0)
+        questions = smart_turn.questions
+        dropped.cancel()
+        await asyncio.gather(first, kept)
+        return smart_turn.questions - questions, dropped.cancelled()
+
+    asked, cancelled = asyncio.run(ask_and_cancel())
+    assert cancelled and asked == 1
+
+
+def policy(**fields) -> TurnPolicy:
+    return TurnPolicy(EndpointConfig(**fields), smart=True)
+
+
+def test_policy_asks_after_the_pause_and_once_at_a_time():
+    turn = policy(smart_pause_ms=160, smart_reask_ms=320, smart_limit_ms=1500)
+    assert turn.on_silence(0) is Action.NONE
+    assert turn.on_silence(128) is Action.NONE
+    assert turn.on_silence(160) is Action.ASK
+    assert turn.on_silence(192) is Action.NONE  # the answer has not come back yet
+    assert turn.on_answer(turn.question, 0.2, 224) is False
+    assert turn.on_silence(256) is Action.NONE
+    assert turn.on_silence(480) is Action.ASK  # the pause grew by smart_reask_ms
+    assert turn.on_answer(turn.question, 0.9, 500) is True
+    end = turn.end("smart", 500)
+    assert (end.by, end.probability, end.pause_ms) == ("smart", 0.9, 500)
+
+
+def test_policy_ends_at_the_limit_whatever_the_model_says():
+    turn = policy(smart_pause_ms=160, smart_reask_ms=320, smart_limit_ms=1000)
+    assert turn.on_silence(200) is Action.ASK
+    turn.on_answer(turn.question, 0.1, 200)
+    assert turn.on_silence(1000) is Action.END
+    assert turn.end("silence", 1000).probability == 0.1
+
+
+def test_a_slow_answer_does_not_ask_for_a_pause_already_past():
+    turn = policy(smart_pause_ms=160, smart_reask_ms=320, smart_limit_ms=1500)
+    assert turn.on_silence(160) is Action.ASK
+    turn.on_answer(turn.question, 0.1, 900)  # the answer took long: the next question at 1120, not 480
+    assert turn.on_silence(1100) is Action.NONE
+    assert turn.on_silence(1120) is Action.ASK
+
+
+def test_speech_again_starts_the_schedule_over_and_drops_the_stale_answer():
+    turn = policy(smart_pause_ms=160)
+    assert turn.on_silence(160) is Action.ASK
+    stale = turn.question
+    assert turn.on_silence(0) is Action.NONE  # the user went on
+    assert turn.on_answer(stale, 0.99, 200) is False  # an answer about the earlier pause
+    assert turn.on_silence(128) is Action.NONE
+    assert turn.on_silence(160) is Action.ASK
+    assert turn.question == stale + 1
+
+
+def test_silence_rule_never_asks():
+    turn = TurnPolicy(EndpointConfig(endpoint_silence_ms=500), smart=False)
+    assert [turn.on_silence(ms) for ms in (160, 320, 480)] == [Action.NONE] * 3
+    assert turn.on_silence(500) is Action.END
+
+
+def test_config_refuses_a_pause_past_the_limit():
+    with pytest.raises(ConfigError, match="smart_pause_ms"):
+        load_settings(None, endpoint={"smart_pause_ms": 800, "smart_limit_ms": 600})
+    assert load_settings(None).endpoint.turn == "smart"
+
+
+def test_turn_set_sizes_and_languages():
+    paused = [t for t in TURNS if t.paused]
+    complete = [t for t in TURNS if not t.paused]
+    assert len(paused) >= 40 and len(complete) >= 40
+    assert {t.language for t in paused} == {t.language for t in complete} == {"en", "zh"}
+    assert all(300 <= p <= 900 for t in paused for p in t.pauses_ms)
+    assert len({t.name for t in TURNS}) == len(TURNS)
+
+
+def test_a_rendered_turn_knows_its_pauses_and_its_end():
+    item = next(t for t in TURNS if t.parts == PAUSED_EN[2])  # three parts, two pauses
+    turn = render(item)
+    assert turn.end_s == pytest.approx(len(turn.audio) / SAMPLE_RATE)
+    assert len(turn.pauses) == 2
+    for (start, end), ms in zip(turn.pauses, item.pauses_ms):
+        assert end - start == pytest.approx(ms / 1000, abs=1e-3)
+        inside = turn.audio[int(start * SAMPLE_RATE) : int(end * SAMPLE_RATE)]
+        assert not inside.any()
+        before = turn.audio[int(start * SAMPLE_RATE) - 1600 : int(start * SAMPLE_RATE)]
+        assert np.abs(before).max() > 0.05  # speech right up to the pause
+    assert np.abs(turn.audio[-1600:]).max() > 0.05  # and up to the end: end_s is where the user stopped

@@ -1,0 +1,193 @@
+"""End of turn: has the user finished, or only paused?
+
+`SmartTurn` is Smart Turn v3.2 (pipecat's audio end-of-turn classifier, BSD-2), one onnxruntime
+session per process shared by every stream. It reads the last 8 s of the turn's 16 kHz audio as
+Whisper log-mel features (80 bins x 800 frames, zero-padded at the front) and says how likely the
+turn is complete. The model file ships in the pipecat-ai wheel, which is installed with --no-deps
+(its dependencies pin soxr and pull numba, openai, aiohttp, Pillow... none of which this needs): it
+is found through the distribution's file list, and pipecat itself is never imported.
+
+`TurnPolicy` decides, for one stream, when to ask and what the answer means: ask once the VAD has
+heard `smart_pause_ms` of silence; "complete" ends the turn; "incomplete" keeps listening and asks
+again every `smart_reask_ms` of further silence, until `smart_limit_ms` ends the turn anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from voicebot.config import EndpointConfig
+from voicebot.serving.worker import Worker
+
+SAMPLE_RATE = 16000
+WINDOW_S = 8  # the model was trained on the last 8 s of each turn
+WINDOW_SAMPLES = SAMPLE_RATE * WINDOW_S
+MODEL_FILE = "pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx"
+
+
+class SmartTurnUnavailable(RuntimeError):
+    """The model file cannot be found or loaded; the message says why and how to fix it."""
+
+
+def model_path() -> Path:
+    try:
+        dist = importlib.metadata.distribution("pipecat-ai")
+    except importlib.metadata.PackageNotFoundError:
+        raise SmartTurnUnavailable(
+            "pipecat-ai is not installed (it ships the Smart Turn model): pip install --no-deps pipecat-ai==1.14.0"
+        ) from None
+    path = Path(str(dist.locate_file(MODEL_FILE)))
+    if not path.is_file():
+        raise SmartTurnUnavailable(f"pipecat-ai {dist.version} has no {MODEL_FILE} (expected at {path})")
+    return path
+
+
+def last_window(audio: np.ndarray) -> np.ndarray:
+    """The last 8 s of `audio`, zero-padded at the front (as the model was trained)."""
+    audio = np.asarray(audio, np.float32)[-WINDOW_SAMPLES:]
+    return np.pad(audio, (WINDOW_SAMPLES - len(audio), 0))
+
+
+class SmartTurn:
+    """Smart Turn v3.2, shared by every session.
+
+    `await probability(audio)` from any session; one worker thread runs whatever is waiting as one
+    batch, so a question waits for at most the call in progress. Waiting questions are bounded by
+    the sessions (a `TurnPolicy` has at most one question out); a batch holds at most `max_batch`.
+    """
+
+    def __init__(self, path: Path | None = None, threads: int = 1, max_batch: int = 16) -> None:
+        import onnxruntime
+        from transformers import WhisperFeatureExtractor
+
+        path = path or model_path()
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        try:
+            self._session = onnxruntime.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own untyped errors for a bad file
+            raise SmartTurnUnavailable(f"cannot load {path}: {exc}") from exc
+        self.path = path
+        # The same features as pipecat's own (vendored) copy of this extractor, to 2e-6 (tests/unit/test_turn.py).
+        self._features = WhisperFeatureExtractor(chunk_length=WINDOW_S, feature_size=80, sampling_rate=SAMPLE_RATE)
+        self._worker = Worker("smart-turn", threads=1)
+        self.max_batch = max_batch
+        self._waiting: list[tuple[np.ndarray, asyncio.Future[float]]] = []
+        self._drainer: asyncio.Task | None = None
+        self.batches = 0  # calls made, for tests and metrics
+        self.questions = 0
+
+    def predict(self, windows: list[np.ndarray]) -> np.ndarray:
+        """Probability that each turn is complete (blocking: runs on the worker thread)."""
+        features = self._features(
+            [last_window(w) for w in windows], sampling_rate=SAMPLE_RATE, padding="max_length",
+            max_length=WINDOW_SAMPLES, truncation=True, do_normalize=True, return_tensors="np",
+        ).input_features
+        (probabilities,) = self._session.run(None, {"input_features": features.astype(np.float32)})
+        return probabilities[:, 0]
+
+    async def probability(self, audio: np.ndarray) -> float:
+        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._waiting.append((audio, future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain(), name="smart-turn")
+        return await future
+
+    async def _drain(self) -> None:
+        while self._waiting:
+            batch = [(a, f) for a, f in self._waiting[: self.max_batch] if not f.done()]  # done: its asker gave up
+            del self._waiting[: self.max_batch]
+            if not batch:
+                continue
+            self.batches += 1
+            self.questions += len(batch)
+            try:
+                probabilities = await self._worker.run(self.predict, [a for a, _ in batch])
+            except Exception as exc:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), p in zip(batch, probabilities):
+                if not future.done():
+                    future.set_result(float(p))
+
+    def close(self) -> None:
+        self._worker.shutdown()
+
+
+class Action(enum.Enum):
+    NONE = "none"
+    ASK = "ask"  # a pause long enough to ask the model (and to start preparing a reply)
+    END = "end"  # the turn is over: by silence (the limit, or the silence rule)
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    by: str  # "smart" | "silence" | "input.end"
+    probability: float | None  # the model's last answer in this turn, if it was asked
+    pause_ms: float  # silence heard when the decision was made
+
+
+class TurnPolicy:
+    """For one stream: when to ask the model, and what its answer means.
+
+    Fed the length of the current silence after each chunk of audio (0 while the user speaks);
+    answers with an `Action`. Synchronous and model-free, so the session decides what to run.
+    """
+
+    def __init__(self, config: EndpointConfig, smart: bool) -> None:
+        self.config = config
+        self.smart = smart
+        self.question = 0  # numbers the questions, so an answer to a stale one is ignored
+        self.reset()
+
+    def reset(self) -> None:
+        """A new turn (or the user spoke again): the schedule starts over."""
+        self.asking = False  # a question is out; no second one until its answer
+        self.next_ask_ms = float(self.config.smart_pause_ms)
+        self.probability: float | None = None
+
+    @property
+    def limit_ms(self) -> float:
+        return float(self.config.smart_limit_ms if self.smart else self.config.endpoint_silence_ms)
+
+    def on_silence(self, silence_ms: float) -> Action:
+        if silence_ms == 0:
+            if self.asking or self.probability is not None:
+                self.reset()
+            return Action.NONE
+        if silence_ms >= self.limit_ms:
+            return Action.END
+        if self.smart and not self.asking and silence_ms >= self.next_ask_ms:
+            self.asking = True
+            self.question += 1
+            return Action.ASK
+        return Action.NONE
+
+    def on_answer(self, question: int, probability: float, silence_ms: float) -> bool:
+        """The model's answer to `question`, heard at `silence_ms`: True ends the turn.
+
+        An answer to an earlier question (the user spoke again since) is ignored.
+        """
+        if question != self.question or not self.asking:
+            return False
+        self.asking = False
+        self.probability = probability
+        if probability >= self.config.smart_threshold:
+            return True
+        while self.next_ask_ms <= silence_ms:
+            self.next_ask_ms += self.config.smart_reask_ms
+        return False
+
+    def end(self, by: str, silence_ms: float) -> TurnEnd:
+        decision = TurnEnd(by, self.probability, silence_ms)
+        self.reset()
+        return decision

@@ -1,0 +1,236 @@
+"""Between the listening stage and the turn queue: has the user finished, or only paused?
+
+    Listening ─► Utterance (a segment, ended by a short pause) ─► TurnTaking ─► Turn ─► turns
+                                                                   │ at each pause: ask Smart Turn,
+                                                                   │ and prepare the reply meanwhile
+
+With `endpoint.turn: smart` the endpointer ends a segment after `smart_pause_ms` of silence, and
+a turn is the segments the user says until the policy (voicebot/audio/turn.py) decides it is over:
+Smart Turn says "complete", or the silence reaches `smart_limit_ms`. The recognizer finishes each
+segment at its pause (the FunASR offline pass and dialect fallback included), so their cost
+overlaps the wait. With `turn: silence` every segment is a turn, as the silence rule always did.
+
+A reply prepared at a pause (`prepare_replies`) runs the responder and synthesis into the reply's
+own buffer, with its events held: if the turn ends on the same transcript it plays at once; if the
+user goes on (or the transcript differs) it is discarded: its HTTP stream closed, its frames
+dropped and counted, never heard, never in the history. Outcomes: voicebot_preemptive_total.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from voicebot import protocol
+from voicebot.audio.turn import Action, SmartTurn, TurnPolicy
+from voicebot.config import EndpointConfig
+from voicebot.messages import Turn, Utterance
+from voicebot.metrics import Metrics
+from voicebot.session.listening import FrontEnd
+from voicebot.session.outbox import Outbox
+from voicebot.session.replying import Reply
+
+log = logging.getLogger("voicebot.session")
+
+
+def normalised(text: str) -> str:
+    return " ".join(re.sub(r"[^\w\s']", " ", text.lower()).split())
+
+
+def joined(texts: list[str]) -> str:
+    """Segment transcripts as one: a space between words, none between CJK characters."""
+    out = ""
+    for text in (t.strip() for t in texts):
+        if out and text and not (_cjk(out[-1]) and _cjk(text[0])):
+            out += " "
+        out += text
+    return out
+
+
+def _cjk(char: str) -> bool:
+    return "\u3000" <= char <= "\u9fff" or "\uf900" <= char <= "\ufaff"
+
+
+class TurnTaking:
+    """One session's turns (see the module doc). Runs on the event loop."""
+
+    def __init__(self, config: EndpointConfig, smart: SmartTurn | None, front_end: FrontEnd, outbox: Outbox,
+                 metrics: Metrics, queue_turn: Callable[[Turn], Awaitable[None]],
+                 prepare: Callable[[Turn], Reply | None]) -> None:
+        self.config = config
+        self.smart = smart
+        self.policy = TurnPolicy(config, smart=smart is not None)
+        self._front_end = front_end
+        self._outbox = outbox
+        self._metrics = metrics
+        self._queue_turn = queue_turn
+        self._prepare = prepare  # None from it: the session is busy, nothing to prepare
+        self._segments: list[Utterance] = []  # of the open turn: at most one per pause until it ends
+        self._recognizing = False  # a segment has ended and its transcript is not in yet
+        self._complete_early = False  # the model said "complete" before that transcript came
+        self._turn_start = 0  # input sample where the open turn began
+        self._ask: asyncio.Task | None = None
+        self._asked_at: float | None = None
+        self._decision_s: float | None = None  # how long the model took to answer, last question
+        self._prepared: Reply | None = None
+        self._prepared_text = ""
+        self._kept: tuple[Turn, Reply] | None = None  # queued with its turn, until the session claims it
+
+    def use(self, smart: SmartTurn | None) -> None:
+        """Switch between the smart policy and the silence rule (session.update), between turns."""
+        self.smart = smart
+        self.policy.smart = smart is not None
+
+    @property
+    def open(self) -> bool:
+        """A turn has begun and is not decided yet."""
+        return bool(self._segments)
+
+    def on_endpoint(self) -> None:
+        """A segment ended at a pause, its transcript still to come: ask the model now, so its
+        answer and the recognizer's finish (offline pass, dialect fallback) overlap."""
+        self._recognizing = True
+        if not self._segments:
+            self._turn_start = self._front_end.speech_start_sample
+        self._consider(self._front_end.silence_ms)
+
+    async def on_utterance(self, utterance: Utterance, input_end: bool = False) -> None:
+        """A segment ended at a pause, at the utterance length limit, or at the client's input.end."""
+        self._recognizing = False
+        if utterance.text.strip():
+            self._segments.append(utterance)
+        elif not self._segments:  # noise, not a turn: forget the question about it
+            await self._drop_question()
+            self.policy.reset()
+            self._complete_early = False
+            return
+        if self._complete_early and self.open:
+            self._complete_early = False
+            await self._end("smart")
+        elif input_end:
+            await self.end_now()
+        elif self.smart is None and self.open:
+            await self._end("silence")
+        elif self.config.prepare_replies and utterance.text.strip():
+            await self._prepare_reply()
+
+    async def after_chunk(self, silence_ms: float) -> None:
+        """After every chunk of input: how long the user has been silent."""
+        if not self.open:
+            return
+        if silence_ms == 0:  # the user goes on: the question and the prepared reply are moot
+            await self._drop_question()
+            await self._discard("user_went_on")
+            self._complete_early = False
+        if self._consider(silence_ms) is Action.END:
+            await self._end("silence")
+
+    def _consider(self, silence_ms: float) -> Action:
+        action = self.policy.on_silence(silence_ms)
+        if action is Action.ASK:
+            audio = self._front_end.audio_since(self._turn_start)
+            self._asked_at = time.monotonic()
+            self._ask = asyncio.create_task(self._asking(self.policy.question, audio))
+        return action
+
+    async def end_now(self) -> None:
+        """input.end: the client says the turn is over."""
+        if self.open:
+            await self._end("input.end")
+
+    async def close(self) -> None:
+        await self._drop_question()
+        await self._discard("session_closed")
+        if self._kept is not None:
+            await self._kept[1].discard()
+            self._kept = None
+        self._segments = []
+
+    # ---- the model's question -------------------------------------------------------------------
+
+    async def _asking(self, question: int, audio: np.ndarray) -> None:
+        try:
+            probability = await self.smart.probability(audio)
+        except Exception:  # no answer: no more questions this turn, the silence limit ends it
+            log.exception("the end-of-turn model failed; this turn ends at the silence limit")
+            return
+        self._decision_s = time.monotonic() - self._asked_at
+        self._metrics.smart_turn.observe(self._decision_s)
+        if self.policy.on_answer(question, probability, self._front_end.silence_ms):
+            self._ask = None  # this task is ending the turn: _end must not cancel it
+            if self._recognizing:
+                self._complete_early = True  # on_utterance ends the turn once its transcript is in
+            elif self.open:
+                await self._end("smart")
+
+    async def _drop_question(self) -> None:
+        task, self._ask = self._ask, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # ---- prepared replies -----------------------------------------------------------------------
+
+    async def _prepare_reply(self) -> None:
+        await self._discard("changed")  # an earlier pause's, on less of the transcript
+        text = joined([s.text for s in self._segments])
+        reply = self._prepare(self._turn(text))
+        if reply is not None:
+            self._prepared, self._prepared_text = reply, normalised(text)
+
+    async def _discard(self, outcome: str) -> None:
+        reply, self._prepared = self._prepared, None
+        if reply is not None:
+            self._metrics.preemptive.labels(outcome).inc()
+            await reply.discard()
+
+    def claim(self, turn: Turn) -> Reply | None:
+        """The prepared reply of this turn, for the session to play instead of starting one."""
+        if self._kept is not None and self._kept[0] is turn:
+            reply, self._kept = self._kept[1], None
+            return reply
+        return None
+
+    # ---- the end of a turn ----------------------------------------------------------------------
+
+    def _turn(self, text: str) -> Turn:
+        last = self._segments[-1]
+        return Turn(text, say=False, speech_end=last.speech_end, utterance_id=last.id)
+
+    async def _end(self, by: str) -> None:
+        await self._drop_question()
+        text = joined([s.text for s in self._segments])
+        turn = self._turn(text)
+        pause_ms = self._front_end.silence_ms
+        decided = self.policy.end(by, pause_ms)
+        self._metrics.turn_ends.labels(by).inc()
+        last = self._segments[-1]
+        await self._outbox.emit(protocol.event(
+            "turn.end",
+            utterance_id=last.id,
+            by=by,
+            probability=None if decided.probability is None else round(decided.probability, 3),
+            text=text,
+            timings={
+                "pause_ms": round(pause_ms),
+                "decision_ms": None if by != "smart" or self._decision_s is None else round(self._decision_s * 1000, 1),
+                "end_of_speech_ms": round((time.monotonic() - last.speech_end) * 1000, 1),
+            },
+        ))
+        self._segments = []
+        self._decision_s = None
+        prepared = self._prepared
+        if prepared is not None and self._prepared_text == normalised(text):
+            self._prepared = None
+            self._metrics.preemptive.labels("kept").inc()
+            self._kept = (turn, prepared)
+        else:
+            await self._discard("changed")
+        await self._queue_turn(turn)
