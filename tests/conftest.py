@@ -194,3 +194,29 @@ class VoiceClient:
 
     def reply_frames(self, reply_id: str) -> list[bytes]:
         return [f for r, f in self.frames if r == reply_id]
+
+
+def start_server_process(config_dir, server: dict, stdout: int | None = None):
+    """run_server.py in a process of its own, on a free port, with `server` as its config's server
+    section; returns (process, port) once /readyz answers. The caller stops it (SIGTERM or kill)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from voicebot.config import REPO_ROOT
+
+    port = free_port()
+    config = config_dir / "server.yaml"
+    config.write_text(yaml.safe_dump({"server": {"port": port, **server}}))
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "run_server.py"), "--config", str(config)], cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL if stdout is None else stdout, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return proc, port
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("run_server.py did not start")
+        time.sleep(0.2)

@@ -17,20 +17,16 @@ import asyncio
 import contextlib
 import json
 import logging
-import subprocess
-import sys
 import time
 
-import httpx
 import pytest
 import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import free_port, make_settings, running_server
+from tests.conftest import make_settings, running_server, start_server_process
 from tests.hostile import HOSTILE_TEXT, obs_chunk
 from voicebot import protocol
-from voicebot.config import REPO_ROOT
 
 MAX_MESSAGES = 20  # per example
 FUZZ = settings(max_examples=100, deadline=None, database=None,
@@ -230,19 +226,8 @@ def test_hostile_frames_on_every_route(fuzzed_server, path, liveness, raw):
 
 @pytest.fixture(scope="module")
 def run_server_process(tmp_path_factory):
-    port = free_port()
-    config = tmp_path_factory.mktemp("limits") / "config.yaml"
-    config.write_text(f"server: {{port: {port}}}\n")
-    process = subprocess.Popen([sys.executable, str(REPO_ROOT / "run_server.py"), "--config", str(config)],
-                               cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process, port = start_server_process(tmp_path_factory.mktemp("limits"), {})
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            assert process.poll() is None and time.monotonic() < deadline, "run_server.py did not start"
-            time.sleep(0.2)
         yield f"ws://127.0.0.1:{port}"
     finally:
         process.terminate()

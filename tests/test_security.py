@@ -140,29 +140,12 @@ def test_connections_that_never_finish_their_request_head_are_closed(tmp_path):
     """A raw TCP connection that sends nothing and a slowloris one were open after 160 s (item 3);
     through run_server.py both are closed after server.handshake_timeout_s, sessions are not."""
     import socket
-    import subprocess
-    import sys
 
-    import httpx
 
-    from tests.conftest import free_port
-    from voicebot.config import REPO_ROOT
+    from tests.conftest import start_server_process
 
-    port = free_port()
-    config = tmp_path / "server.yaml"
-    config.write_text(f"server: {{port: {port}, handshake_timeout_s: 1}}\n")
-    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "run_server.py"), "--config", str(config)], cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, port = start_server_process(tmp_path, {"handshake_timeout_s": 1})
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
         silent = socket.create_connection(("127.0.0.1", port))
         slow = socket.create_connection(("127.0.0.1", port))
         slow.sendall(b"GET /v1/voice HTTP/1.1\r\nHost: x\r\n")  # and never the rest

@@ -7,33 +7,16 @@ import asyncio
 import contextlib
 import json
 import signal
-import subprocess
-import sys
-import time
 
-import httpx
 import websockets
-import yaml
 
-from tests.conftest import free_port
-from voicebot.config import REPO_ROOT
+from tests.conftest import start_server_process
 from voicebot.protocol import CloseCode, ErrorCode
 
 
 def test_sigterm_closes_sessions_with_1001_and_exits_0(tmp_path):
-    port = free_port()
-    config = tmp_path / "server.yaml"
-    config.write_text(yaml.safe_dump({"server": {"port": port, "shutdown_timeout_s": 5}}))
-    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "run_server.py"), "--config", str(config)], cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, port = start_server_process(tmp_path, {"shutdown_timeout_s": 5})
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
 
         async def session_at_sigterm() -> tuple[list[dict], int | None]:
             async with websockets.connect(f"ws://127.0.0.1:{port}/v1/voice") as ws:

@@ -6,30 +6,15 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
-import time
 
-import httpx
 import websockets
-import yaml
 
-from tests.conftest import VoiceClient, free_port
-from voicebot.config import REPO_ROOT
+from tests.conftest import VoiceClient, start_server_process
 
 
 def test_sigterm_lets_the_reply_finish_and_refuses_new_sessions(tmp_path):
-    port = free_port()
-    config = tmp_path / "server.yaml"
-    config.write_text(yaml.safe_dump({"server": {"port": port, "shutdown_timeout_s": 20}}))
-    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "run_server.py"), "--config", str(config)], cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc, port = start_server_process(tmp_path, {"shutdown_timeout_s": 20}, stdout=subprocess.PIPE)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         url = f"ws://127.0.0.1:{port}/v1/voice"
 
         async def talk():

@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from tests.serving.test_lm_pool import REQUESTS, alone, lm, ras  # noqa: F401 (lm is a fixture)
 from voicebot.serving.lm_pool import LMPool

@@ -21,7 +21,7 @@ from voicebot.asr.base import RecognizerStream
 from voicebot.audio.echo import EchoCanceller
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import pcm16_to_float
-from voicebot.messages import AudioFrame, AudioIn, Event, Inbound, InputEnd, Turn, Utterance
+from voicebot.messages import AudioFrame, AudioIn, Event, Inbound, InputEnd, Turn
 from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
