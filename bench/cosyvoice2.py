@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from voicebot.config import REPO_ROOT, Cosyvoice2Config
 from voicebot.serving.lm_pool import LMPool
 from voicebot.serving.scheduler import Scheduler
-from voicebot.tts.cosyvoice2.engine import PlaybackClock, Utterance, flow_prompt
+from voicebot.tts.cosyvoice2.synthesizer import PlaybackClock, Utterance, flow_prompt
 from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.hift import build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams

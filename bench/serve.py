@@ -40,7 +40,7 @@ from bench.cosyvoice2 import FIXTURES, released_hparams
 from voicebot.config import REPO_ROOT, Cosyvoice2Config
 from voicebot.serving.lm_pool import LMPool
 from voicebot.tts.base import SAMPLE_RATE
-from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer
+from voicebot.tts.cosyvoice2.synthesizer import CosyVoice2Synthesizer
 from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.frontend import Frontend
 from voicebot.tts.cosyvoice2.hift import build_hift

@@ -149,6 +149,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if await admit(ws, channel=channel):
             await run_session(ObsSocket(ws, channel, rt.metrics), rt)
 
+    # The FunASR C++ server answers on any path (its HTML5 client suggests /wss/): every WebSocket
+    # path not served above is the FunASR runtime too. Registered last, so it shadows nothing.
+    app.add_api_websocket_route("/{path:path}", funasr)
+
     if settings.server.record_input_s:
 
         @app.get("/debug/input/{session_id}.wav")

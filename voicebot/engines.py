@@ -34,7 +34,7 @@ def build_synthesizer(settings: Settings) -> Synthesizer:
 
         return EspeakSynthesizer(settings.tts.espeak, settings.tts.voice)
     if engine == "cosyvoice2":
-        from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer
+        from voicebot.tts.cosyvoice2.synthesizer import CosyVoice2Synthesizer
 
         return CosyVoice2Synthesizer(settings.tts.cosyvoice2, settings.tts.voice)
     raise ValueError(f"tts.engine: unknown engine {engine!r}")

@@ -125,6 +125,12 @@ def test_runtime_clients_root_path(server_url, audio_file, transcript):
     assert merged(root, audio_file("wav"), "2pass")["text"] == transcript
 
 
+def test_any_other_path_is_the_funasr_runtime_too(server_url, audio_file, transcript):
+    # The C++ server accepts any path; FunASR's HTML5 client suggests ws://host:port/wss/.
+    root = server_url.removesuffix("funasr")
+    assert merged(root + "wss/", audio_file("wav"), "2pass")["text"] == transcript
+
+
 def test_lossless_file_decoded_as_the_same_speech(server_url, audio_file, transcript):
     # funasr-client sends a .flac as it is, wav_format "flac": decoded, not taken for PCM
     messages = stream(server_url, audio_file("flac"), "offline")

@@ -20,10 +20,10 @@ from tiny_frontend import make_model_dir
 from voicebot.config import Cosyvoice2Config
 from voicebot.tts.base import SAMPLE_RATE
 from voicebot.serving import scheduler as scheduler_mod
-from voicebot.tts.cosyvoice2 import engine as engine_mod
+from voicebot.tts.cosyvoice2 import synthesizer as synthesizer_mod
 from voicebot.tts.cosyvoice2 import lm as lm_mod
 from voicebot.tts.cosyvoice2.bistream import Bistream
-from voicebot.tts.cosyvoice2.engine import CosyVoice2Synthesizer
+from voicebot.tts.cosyvoice2.synthesizer import CosyVoice2Synthesizer
 from voicebot.tts.cosyvoice2.lm import generate, run_alone
 from voicebot.tts.cosyvoice2.quant import DynamicInt8Linear
 
@@ -40,7 +40,7 @@ def fixed_length(monkeypatch, synth):
     def sample(logp, history):
         return int(logp[:eos].argmax()) if len(history) < N_TOKENS else eos
 
-    monkeypatch.setattr(engine_mod.RasSampler, "from_hparams", lambda *args: sample)
+    monkeypatch.setattr(synthesizer_mod.RasSampler, "from_hparams", lambda *args: sample)
 
 
 def test_reported_attention_is_the_one_the_lm_calls(synth, monkeypatch):
@@ -125,7 +125,7 @@ def run_bistream_directly(synth, voice_name: str, sentences: list[str], seed: in
     """What the engine should produce: its sentences pushed into Bistream, the tokens through Token2WavStream."""
     voice, frontend = synth.library[voice_name], synth.library.frontend.text
     generator = torch.Generator().manual_seed(seed)
-    sampler = engine_mod.RasSampler.from_hparams(synth.hparams["llm"]["sampling"], generator)
+    sampler = synthesizer_mod.RasSampler.from_hparams(synth.hparams["llm"]["sampling"], generator)
     cache = synth.lm.new_cache(synth.config.kv_cache_tokens)
     lm = Bistream(synth.lm, cache.max_seq_len, voice.prompt_text, voice.lm_prompt_speech)
     tokens = []
@@ -133,7 +133,7 @@ def run_bistream_directly(synth, voice_name: str, sentences: list[str], seed: in
         tokens += run_alone(synth.lm, cache, sampler, lm.push(frontend.encode((" " if i else "") + frontend.normalize(sentence))))
     tokens += run_alone(synth.lm, cache, sampler, lm.finish())
     stream = synth.token2wav.stream(
-        engine_mod.FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
+        synthesizer_mod.FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
     )
     return tokens, torch.cat([*stream.push(tokens), stream.finish()], dim=1)[0].numpy()
 
@@ -243,7 +243,7 @@ def test_reset_swaps_in_a_voice_state_derived_off_the_scheduler(synth, fixed_len
         [c async for c in a.stream(_deltas("Hello world."))]
         voice = synth.library["anna"]
         prefix = synth.lm_prefix(voice)
-        flow_state = synth.token2wav.prompt_state(engine_mod.flow_prompt(voice, synth.device, synth.dtype))
+        flow_state = synth.token2wav.prompt_state(synthesizer_mod.flow_prompt(voice, synth.device, synth.dtype))
         reports = await asyncio.gather(a.reset(), b.reset())  # two sessions of one voice: one derivation
         assert [r.generation for r in reports] == [1, 1] and derived_on == ["cosyvoice2-voices_0"]
         assert sorted(r.bytes_freed for r in reports)[0] == 0 and max(r.bytes_freed for r in reports) >= voice.nbytes()
@@ -254,7 +254,7 @@ def test_reset_swaps_in_a_voice_state_derived_off_the_scheduler(synth, fixed_len
         new_prefix = synth.lm_prefix(fresh)
         assert new_prefix.k.data_ptr() != prefix.k.data_ptr()
         torch.testing.assert_close(new_prefix.k, prefix.k, rtol=0, atol=0)
-        fresh_prompt = engine_mod.flow_prompt(fresh, synth.device, synth.dtype)
+        fresh_prompt = synthesizer_mod.flow_prompt(fresh, synth.device, synth.dtype)
         new_state = synth.token2wav.prompt_state(fresh_prompt)
         assert new_state is not flow_state and new_state.n_frames == flow_state.n_frames > 0
         assert new_state.steps[0].keys[0].data_ptr() != flow_state.steps[0].keys[0].data_ptr()
@@ -273,8 +273,8 @@ def test_engine_audio_equals_the_model_run_directly(synth, fixed_length, sentenc
     The engine starts the LM from the voice's cached prompt prefix; run directly, it prefills all."""
     text = "Hello world."
     prefixes = []
-    original_unistream = engine_mod.unistream
-    monkeypatch.setattr(engine_mod, "unistream", lambda *a, **k: prefixes.append(k.get("prefix")) or original_unistream(*a, **k))
+    original_unistream = synthesizer_mod.unistream
+    monkeypatch.setattr(synthesizer_mod, "unistream", lambda *a, **k: prefixes.append(k.get("prefix")) or original_unistream(*a, **k))
 
     async def run():
         context = synth.open("tiny_zero_shot_spk")
@@ -288,11 +288,11 @@ def test_engine_audio_equals_the_model_run_directly(synth, fixed_length, sentenc
     voice = synth.library["tiny_zero_shot_spk"]
     ids = synth.library.frontend.text.encode(synth.library.frontend.text.normalize(text))
     generator = torch.Generator().manual_seed(7)
-    sampler = engine_mod.RasSampler.from_hparams(synth.hparams["llm"]["sampling"], generator)
+    sampler = synthesizer_mod.RasSampler.from_hparams(synth.hparams["llm"]["sampling"], generator)
     tokens = list(generate(synth.lm, synth.lm.new_cache(synth.config.kv_cache_tokens), sampler, ids, voice.prompt_text,
                            voice.lm_prompt_speech))
     stream = synth.token2wav.stream(
-        engine_mod.FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
+        synthesizer_mod.FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
     )
     direct = torch.cat([*stream.push(tokens), stream.finish()], dim=1)[0].numpy()
     assert len(tokens) == N_TOKENS
@@ -328,7 +328,7 @@ def test_int8_lm_engine_streams(tmp_path, cv2_dir, monkeypatch):
     def sample(logp, history):  # as the fixed_length fixture, for this engine's LM
         return int(logp[:eos].argmax()) if len(history) < N_TOKENS else eos
 
-    monkeypatch.setattr(engine_mod.RasSampler, "from_hparams", lambda *args: sample)
+    monkeypatch.setattr(synthesizer_mod.RasSampler, "from_hparams", lambda *args: sample)
     engine = make_synth(tmp_path, cv2_dir, lm_int8=True)
     eos = engine.lm.eos
 
@@ -448,7 +448,7 @@ def test_admission_refuses_past_capacity_with_a_retry_after(synth, monkeypatch):
     costs = synth.scheduler.costs
     monkeypatch.setattr(costs, "decode", {1: 0.01, 2: 0.02, 4: 1.0})  # 25 steps/s: 2 sessions fit in 0.8
     monkeypatch.setattr(costs, "render_per_audio_s", 0.0)
-    monkeypatch.setattr(synth, "_lifetimes", engine_mod.deque(maxlen=4))  # no session has closed yet
+    monkeypatch.setattr(synth, "_lifetimes", synthesizer_mod.deque(maxlen=4))  # no session has closed yet
     monkeypatch.setattr(synth, "contexts", set())
     assert synth.scheduler.capacity() == 2
     refused = synth.scheduler.refused
@@ -464,7 +464,7 @@ def test_admission_refuses_past_capacity_with_a_retry_after(synth, monkeypatch):
         return retry, again
 
     retry, again = asyncio.run(run())
-    assert retry == engine_mod.DEFAULT_RETRY_AFTER_S and again is None and len(synth._lifetimes) == 2
+    assert retry == synthesizer_mod.DEFAULT_RETRY_AFTER_S and again is None and len(synth._lifetimes) == 2
     assert synth.scheduler.refused == refused + 1 == synth.info().details["scheduler"]["refused"]
     monkeypatch.setattr(costs, "decode", {1: 10.0})  # nothing is real time: the first session is still let in
     assert synth.scheduler.capacity() == 0 and synth.admit() is None

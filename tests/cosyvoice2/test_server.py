@@ -10,7 +10,7 @@ import soundfile as sf
 
 from tests.conftest import VoiceClient, make_settings, running_server
 from tiny_frontend import make_model_dir
-from voicebot.tts.cosyvoice2 import engine as engine_mod
+from voicebot.tts.cosyvoice2 import synthesizer as synthesizer_mod
 
 TOKENS = 40  # speech tokens per utterance: 40 x 40 ms = 1.6 s of audio
 
@@ -26,7 +26,7 @@ def fixed_length(monkeypatch):
 
         return sample
 
-    monkeypatch.setattr(engine_mod.RasSampler, "from_hparams", sampler)
+    monkeypatch.setattr(synthesizer_mod.RasSampler, "from_hparams", sampler)
 
 
 def test_say_is_spoken_in_200_ms_frames_and_reset_rebuilds_state(tmp_path, cv2_dir, fixed_length):
