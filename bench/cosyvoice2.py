@@ -47,7 +47,7 @@ from voicebot.tts.cosyvoice2.sampling import RasSampler
 from voicebot.tts.cosyvoice2.token2wav import Token2Wav
 from voicebot.tts.cosyvoice2.voices import Voice
 
-FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "cosyvoice2"
+FIXTURES = REPO_ROOT / "tests" / "data" / "cosyvoice2"
 N_PROMPT_TEXT, N_TEXT, N_PROMPT_SPEECH, N_GENERATED = 30, 20, 150, 125
 SAMPLES_PER_TOKEN = 960
 AUDIO_SECONDS = N_GENERATED * SAMPLES_PER_TOKEN / 24000
