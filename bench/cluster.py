@@ -37,7 +37,7 @@ import websockets
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.cluster.processes import HAProxy, RedisServer, VoicebotServer, wait_until  # noqa: E402
+from tests.cluster.processes import HAProxy, RedisServer, VoicebotServer, start_behind_haproxy, wait_until  # noqa: E402
 
 SHORT = "Thanks for the question."
 LONG = "This answer goes on for a few seconds, so the server is still speaking it when it is told to stop."
@@ -237,12 +237,7 @@ def main() -> None:
                    for i in range(1, args.servers + 1)]
         lb = None
         try:
-            for server in servers:
-                server.start()
-            for server in servers:
-                server.wait_ready()
-            lb = HAProxy(workdir, servers, VOICEBOT_LB_CLIENT_CONNS="10000", VOICEBOT_LB_CLIENT_RATE="10000").start()
-            wait_until(lambda: all(lb.servers_up().values()), 15, "haproxy sees every server up")
+            lb = start_behind_haproxy(workdir, servers, VOICEBOT_LB_CLIENT_CONNS="10000", VOICEBOT_LB_CLIENT_RATE="10000")
             asyncio.run(measure(servers, lb, args))
         finally:
             for process in (lb, *servers, redis):

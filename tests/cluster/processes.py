@@ -195,3 +195,19 @@ class HAProxy(Process):
         header = lines[0].lstrip("# ").split(",")
         rows = [dict(zip(header, line.split(","))) for line in lines[1:] if line]
         return {r["svname"]: r["status"].startswith("UP") for r in rows if r["pxname"] == "voicebot" and r["svname"] not in ("FRONTEND", "BACKEND")}
+
+
+def start_behind_haproxy(workdir: Path, servers: list[VoicebotServer], **lb_env: str) -> HAProxy:
+    """Start every server, wait until each is ready, then HAProxy in front of them, returned once it
+    sees them all up (stopped again if it never does)."""
+    for server in servers:
+        server.start()
+    for server in servers:
+        server.wait_ready()
+    lb = HAProxy(workdir, servers, **lb_env).start()
+    try:
+        wait_until(lambda: all(lb.servers_up().values()), 15, "haproxy sees every server up")
+    except BaseException:
+        lb.stop()
+        raise
+    return lb

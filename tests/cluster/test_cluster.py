@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import websockets
 
-from tests.cluster.processes import HAProxy, RedisServer, VoicebotServer, free_port, wait_until
+from tests.cluster.processes import HAProxy, RedisServer, VoicebotServer, free_port, start_behind_haproxy, wait_until
 from tests.conftest import TEST_PHRASES, VoiceClient, speech_pcm
 from tests.reply.sse_server import Behaviour, SSEServer
 
@@ -45,12 +45,7 @@ def cluster(tmp_path_factory):
     servers = [VoicebotServer(workdir, f"voicebot{i}", redis.url, reply=responder) for i in (1, 2, 3)]
     lb = None
     try:
-        for server in servers:
-            server.start()
-        for server in servers:
-            server.wait_ready()
-        lb = HAProxy(workdir, servers).start()
-        wait_until(lambda: all(lb.servers_up().values()), 15, "haproxy sees every server up")
+        lb = start_behind_haproxy(workdir, servers)
         yield Cluster(redis, servers, lb, model)
     finally:
         for process in (lb, *servers, redis):
