@@ -1,4 +1,7 @@
 import asyncio
+import types
+
+import voicebot.pacing
 
 from voicebot.pacing import HeardText, Pacer
 
@@ -11,7 +14,7 @@ class FakeClock:
         return self.now
 
 
-def test_frames_are_held_to_the_lead_over_playback():
+def test_frames_are_held_to_the_lead_over_playback(monkeypatch):
     clock = FakeClock()
     pacer = Pacer(200, 400, clock=clock)
     waits = []
@@ -20,17 +23,15 @@ def test_frames_are_held_to_the_lead_over_playback():
         waits.append(round(seconds, 3))
         clock.now += seconds
 
-    original = asyncio.sleep
-    asyncio.sleep = fake_sleep
-    try:
-        async def send(n):
-            for _ in range(n):
-                await pacer.wait_turn()
-                pacer.sent(4800, 24000)
+    # Only the pacer's sleep: patching asyncio.sleep itself also caught other threads' event loops
+    # (a test server still stopping) and recorded their waits too.
+    monkeypatch.setattr(voicebot.pacing, "asyncio", types.SimpleNamespace(sleep=fake_sleep))
+    async def send(n):
+        for _ in range(n):
+            await pacer.wait_turn()
+            pacer.sent(4800, 24000)
 
-        asyncio.run(send(5))
-    finally:
-        asyncio.sleep = original
+    asyncio.run(send(5))
     # Frames 0-2 go at once (up to 400 ms ahead), then one every 200 ms.
     assert waits == [0.2, 0.2]
     assert pacer.underruns == 0
