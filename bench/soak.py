@@ -77,6 +77,7 @@ class Tally:
     reconnects: int = 0
     deaths: list[str] = field(default_factory=list)  # a session that died without an error event
     fuzz_messages: int = 0
+    started: float = field(default_factory=time.monotonic)
 
 
 class Client:
@@ -180,7 +181,9 @@ class Client:
         code = self.ws.close_code if self.ws else None
         errors = [e for e in self.events if e["type"] == "error"]
         if not (code in DOCUMENTED_CLOSES and errors):
-            self.tally.deaths.append(f"{why} (close {code}, last events {[e['type'] for e in self.events[-3:]]})")
+            death = f"{why} (close {code}, last events {[e['type'] for e in self.events[-3:]]})"
+            self.tally.deaths.append(death)
+            print(f"death at {time.monotonic() - self.tally.started:.0f} s: {death}", flush=True)  # as it happens: a soak runs for hours
 
 
 async def talker(url: str, tally: Tally, deadline: float, index: int, read_delay_s: float = 0.0) -> None:
