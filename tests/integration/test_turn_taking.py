@@ -185,3 +185,24 @@ def test_obs_audio_cancels_echo_by_default(server):
 
     started = time.monotonic()
     assert asyncio.run(run()) == [True], f"no /obs/audio session with echo cancellation after {time.monotonic() - started:.1f} s"
+
+
+def test_a_turn_ends_when_the_client_stops_sending(server, sse):
+    """A client that sends its speech and a short tail, then nothing (push-to-talk, a stalled
+    uplink): the silence limit runs on the wall clock, so the turn still ends and is answered.
+    Before, audio time stood still and the turn stayed open forever."""
+    sse.reset(default=Behaviour(chunks=["Ok."]))
+
+    async def run():
+        async with VoiceClient.connect(server.ws_url) as client:
+            await client.stream(speech_pcm(TEST_PHRASES[1], tail_s=0.4), chunk_ms=20)
+            sent = asyncio.get_running_loop().time()
+            end = await client.wait_for("turn.end", timeout=10)
+            waited = asyncio.get_running_loop().time() - sent
+            await client.wait_for("audio.end", timeout=20)
+            return end, waited
+
+    end, waited = asyncio.run(run())
+    assert end["by"] == "silence" and end["text"] == TEST_PHRASES[1]
+    assert end["timings"]["pause_ms"] < 1200  # the audio's own silence: the rest was the wall clock's
+    assert waited >= 0.8  # not before the limit: 1200 ms less the 400 ms of tail, plus the grace

@@ -38,6 +38,10 @@ from voicebot.session.replying import Reply
 
 log = logging.getLogger("voicebot.session")
 
+# How much later than the silence limit the wall clock takes over: a streaming client's chunks
+# (20-100 ms each) arrive with jitter, and its own audio should end its turn, not the timer.
+STALL_GRACE_S = 0.25
+
 
 def normalised(text: str) -> str:
     return " ".join(re.sub(r"[^\w\s']", " ", text.lower()).split())
@@ -76,6 +80,10 @@ class TurnTaking:
         self._complete_early = False  # the model said "complete" before that transcript came
         self._turn_start = 0  # input sample where the open turn began
         self._ask: asyncio.Task | None = None
+        # Audio time stands still when a client stops sending (push-to-talk, a stalled uplink,
+        # a client that sent its tail and waits): then the silence limit runs on the wall clock.
+        self._stall: asyncio.TimerHandle | None = None
+        self._stall_end: asyncio.Task | None = None
         self._asked_at: float | None = None
         self._decision_s: float | None = None  # how long the model took to answer, last question
         self._prepared: Reply | None = None
@@ -119,6 +127,7 @@ class TurnTaking:
             await self._end("silence")
         elif self.config.prepare_replies and utterance.text.strip():
             await self._prepare_reply()
+        self._arm_stall_timer(self._front_end.silence_ms)
 
     async def after_chunk(self, silence_ms: float) -> None:
         """After every chunk of input: how long the user has been silent."""
@@ -130,6 +139,30 @@ class TurnTaking:
             self._complete_early = False
         if self._consider(silence_ms) is Action.END:
             await self._end("silence")
+        self._arm_stall_timer(silence_ms)
+
+    def _arm_stall_timer(self, silence_ms: float) -> None:
+        """While a turn is open: if no more input comes, end it when the silence limit would have
+        been heard. Re-armed by every chunk, so a client that streams never reaches it."""
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        if self.open:
+            remaining_s = max(0.0, self.policy.limit_ms - silence_ms) / 1000 + STALL_GRACE_S
+            self._stall = asyncio.get_running_loop().call_later(remaining_s, self._on_stall)
+
+    def _on_stall(self) -> None:
+        self._stall = None
+        # A segment still being recognized is part of the turn: its transcript re-arms the timer.
+        if self.open and not self._recognizing and self._stall_end is None:
+            self._stall_end = asyncio.create_task(self._end_stalled())
+
+    async def _end_stalled(self) -> None:
+        try:
+            if self.open:
+                await self._end("silence")
+        finally:
+            self._stall_end = None
 
     def _consider(self, silence_ms: float) -> Action:
         action = self.policy.on_silence(silence_ms)
@@ -145,6 +178,13 @@ class TurnTaking:
             await self._end("input.end")
 
     async def close(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        if self._stall_end is not None:
+            self._stall_end.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stall_end
         await self._drop_question()
         await self._discard("session_closed")
         if self._kept is not None:
@@ -205,6 +245,9 @@ class TurnTaking:
         return Turn(text, say=False, speech_end=last.speech_end, utterance_id=last.id)
 
     async def _end(self, by: str) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         await self._drop_question()
         text = joined([s.text for s in self._segments])
         turn = self._turn(text)
