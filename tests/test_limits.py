@@ -335,3 +335,21 @@ def test_the_allow_list_reads_the_address_a_trusted_proxy_forwards():
         outside = asyncio.run(first_result(f"{url}/funasr", "198.51.100.1"))
     assert inside[0]["is_final"] and "error" not in inside[0] and inside[1] is None
     assert outside[0]["code"] == ErrorCode.UNAUTHORIZED and outside[1] == CloseCode.UNAUTHORIZED
+
+
+def test_required_token_by_network_and_route():
+    from types import SimpleNamespace
+
+    from voicebot.auth import required_token
+    from voicebot.config import ServerConfig
+
+    server = ServerConfig(token=TOKEN, funasr_tokenless_networks=["10.0.0.0/8", "2001:db8::/32"])
+
+    def ws(host: str | None):
+        return SimpleNamespace(client=None if host is None else SimpleNamespace(host=host))
+
+    for host in ("10.1.2.3", "::ffff:10.1.2.3", "2001:db8::7"):  # an IPv4 client of a dual-stack socket too
+        assert required_token(server, ws(host), funasr=True) is None
+        assert required_token(server, ws(host), funasr=False) == TOKEN
+    for host in ("11.0.0.1", "2001:db9::1", "unknown", None):
+        assert required_token(server, ws(host), funasr=True) == TOKEN
