@@ -56,12 +56,13 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
     limits = settings.limits
     flood = FloodGuard(limits.max_messages_per_s, limits.max_audio_realtime_factor, limits.window_s,
                        audio_burst_s=limits.funasr_audio_burst_s)
-    handling = [False]  # a message is being recognised (a whole file can take a while): not idle
-    idle = IdleWatch(settings.server.idle_timeout_s, busy=lambda: handling[0])
+    handling = False  # a message is being recognised (a whole file can take a while): not idle
+    idle = IdleWatch(settings.server.idle_timeout_s, busy=lambda: handling)
     flooding: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     quiet = asyncio.create_task(idle.expire())
 
     async def on_message(message: Wire) -> None:
+        nonlocal handling
         idle.heard()
         audio_bytes = len(message) if isinstance(message, bytes) else 0
         if reason := flood.check(audio_bytes, session.config.audio_fs):
@@ -69,11 +70,11 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
             metrics.input_dropped.labels("flooding").inc(audio_bytes / (2 * session.config.audio_fs))
             flooding.set_result(f"flooding: {reason}")
             return
-        handling[0] = True
+        handling = True
         try:
             await handle(message)
         finally:
-            handling[0] = False
+            handling = False
 
     async def handle(message: Wire) -> None:
         try:

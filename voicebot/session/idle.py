@@ -30,7 +30,7 @@ class IdleWatch:
     async def expire(self) -> str:
         """Return, with the reason, once the client has been quiet for `timeout_s` (never if None)."""
         if self.timeout_s is None:
-            await asyncio.Event().wait()
+            await asyncio.Event().wait()  # never set: no timeout, until cancelled
         while True:
             await asyncio.sleep(min(CHECK_EVERY_S, self.timeout_s / 4))
             now = time.monotonic()
