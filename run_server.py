@@ -50,6 +50,7 @@ def main() -> int:
         ssl_keyfile=args.ssl_keyfile,
         ws_max_size=MAX_MESSAGE_BYTES,  # over it: close 1009 (docs/protocol.md, Limits)
         http=with_deadline(settings.server.handshake_timeout_s),  # idle and slowloris connections closed
+        proxy_headers=False,  # the app trusts X-Forwarded-For only from server.trusted_proxies (voicebot/limits.py)
     )
     return 0
 

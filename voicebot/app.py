@@ -19,7 +19,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from voicebot import __version__, auth, openai_audio, protocol
+from voicebot import __version__, auth, limits, openai_audio, protocol
 from voicebot.asr.funasr_ws import funasr_segmenter, serve_funasr
 from voicebot.channels import run_listener
 from voicebot.config import Settings, load_settings
@@ -60,6 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="voicebot", version=__version__, lifespan=lifespan)
     app.state.runtime = rt
+    client_limits = limits.install(app, settings.server)  # connections and sessions per client address
     app.include_router(openai_audio.router)  # /v1/audio/speech, /v1/audio/transcriptions
 
     @app.get("/healthz")
@@ -95,9 +96,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def voices() -> dict:
         return {"voices": [v.__dict__ for v in rt.synthesizer.voices()], "default": settings.tts.voice}
 
-    async def admit(ws: WebSocket, listener: bool = False, channel: str | None = None) -> bool:
-        """Accept a connection if its token is right, its channel name valid and there is room."""
-        if not await auth.accept(ws, settings.server.token, rt.metrics, settings.server.allowed_origins):
+    async def admit(ws: WebSocket, listener: bool = False, channel: str | None = None, funasr: bool = False) -> bool:
+        """Accept a connection if its token is right, its channel name valid and there is room,
+        for it and for its client address; a session counts for its address until it closes."""
+        token = auth.required_token(settings.server, ws, funasr)
+        if not await auth.accept(ws, token, rt.metrics, settings.server.allowed_origins):
             return False
         if rt.draining or not rt.ready:
             await _refuse(ws, rt, ErrorCode.SHUTTING_DOWN, "the server is shutting down", CloseCode.GOING_AWAY, "shutting down")
@@ -105,6 +108,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if channel is not None and not protocol.CHANNEL_NAME.fullmatch(channel):
             await _refuse(ws, rt, ErrorCode.INVALID_MESSAGE, f"channel {channel!r}: use 1-64 letters, digits, _ . or -",
                           CloseCode.POLICY, "bad channel")
+            return False
+        if too_many := client_limits.refusal(ws.scope, session=not listener):
+            await _refuse(ws, rt, ErrorCode.BUSY, too_many, CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=5, limit="per_client")
             return False
         if not listener and occupied() >= settings.server.max_sessions:
             await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at its limit of {settings.server.max_sessions} sessions",
@@ -120,6 +126,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                           "speaking sessions below real time", CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=retry_after,
                           overloaded=rt.synthesizer.name)
             return False
+        if not listener:
+            client_limits.hold_session(ws.scope)
         return True
 
     @app.websocket("/v1/voice")
@@ -135,10 +143,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.websocket("/")  # the runtime's C++/Java/Python clients connect to ws://host:port/ only
     async def funasr(ws: WebSocket) -> None:
         """The FunASR runtime's 2-pass protocol (docs/funasr.md), on the same recognizer and VAD."""
-        if await admit(ws):
+        if await admit(ws, funasr=True):
             funasr_open[0] += 1
             try:
-                await serve_funasr(ws, rt.recognizer, funasr_segmenter(rt.recognizer, settings.endpoint, rt.audio_worker))
+                segmenter = funasr_segmenter(rt.recognizer, settings.endpoint, rt.audio_worker)
+                await serve_funasr(ws, rt.recognizer, segmenter, settings, rt.metrics)
             finally:
                 funasr_open[0] -= 1
 

@@ -6,6 +6,9 @@ A client presents it in one of three ways, so that every kind of client has one 
   no headers on a WebSocket; the server answers with `voicebot`.
 - `Authorization: Bearer <TOKEN>`: for programs (the reference client).
 
+A FunASR client cannot present a token at all: `required_token` lets the FunASR paths go without
+it for clients in `server.funasr_tokenless_networks`.
+
 Also here, the rest of what an exposed server needs (docs/security.md): `check_exposure` refuses
 a server bound beyond loopback with no token (unless `server.allow_anonymous`), the Origin check
 stops any web page a user visits from driving the server (cross-site WebSocket hijacking), and
@@ -42,6 +45,18 @@ def presented_token(ws: WebSocket) -> str | None:
             return offered[len(TOKEN_PREFIX) :]
     scheme, _, credentials = ws.headers.get("authorization", "").partition(" ")
     return credentials.strip() if scheme.lower() == "bearer" else None
+
+
+def required_token(server: ServerConfig, ws: WebSocket, funasr: bool) -> str | None:
+    """The token this connection must present: none for a FunASR client from one of
+    `server.funasr_tokenless_networks` (FunASR's clients have no way to send one, docs/funasr.md)."""
+    if funasr and server.funasr_tokenless_networks and ws.client is not None:
+        with contextlib.suppress(ValueError):  # a client that is not an IP address (a Unix socket)
+            address = ipaddress.ip_address(ws.client.host)
+            address = getattr(address, "ipv4_mapped", None) or address  # an IPv4 client of a dual-stack socket
+            if any(address in network for network in server.funasr_tokenless_networks):
+                return None
+    return server.token
 
 
 async def accept(ws: WebSocket, token: str | None, metrics: Metrics, allowed_origins: list[str] = ()) -> bool:

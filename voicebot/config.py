@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, IPvAnyNetwork, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +53,21 @@ class ServerConfig(Section):
     # run_server.py: a TCP connection whose HTTP request head is not complete by then is closed
     # (one that sends nothing, slowloris); uvicorn alone waits for ever.
     handshake_timeout_s: float = Field(10.0, gt=0)
+    # A started session on which the client has sent nothing (no audio, no event) for this long
+    # while the bot is not replying is closed (1008, idle_timeout); so are /funasr connections.
+    # Listeners are not sessions: they only receive. None: never.
+    idle_timeout_s: float | None = Field(60.0, gt=0)
+    # Per client address (voicebot/limits.py): WebSocket connections of every kind, and sessions
+    # as max_sessions counts them. Past either: `busy`, close 1013. None: no limit. Loopback is an
+    # address like any other.
+    max_connections_per_client: int | None = Field(None, ge=1)
+    max_sessions_per_client: int | None = Field(None, ge=1)
+    # Proxies (addresses or CIDR networks) whose X-Forwarded-For names the client, e.g. the HAProxy
+    # of deploy/haproxy; any other peer is the client itself, whatever it sends.
+    trusted_proxies: list[IPvAnyNetwork] = []
+    # FunASR's clients cannot present a token: with server.token set, clients in these networks use
+    # the FunASR paths (/funasr, /, any path not served otherwise) without one. Nothing else does.
+    funasr_tokenless_networks: list[IPvAnyNetwork] = []
 
 
 class LimitsConfig(Section):
@@ -61,8 +76,12 @@ class LimitsConfig(Section):
     max_messages_per_s: float = Field(200.0, gt=0)
     # Audio bytes per second allowed, as a multiple of the session's real-time byte rate.
     max_audio_realtime_factor: float = Field(4.0, gt=1)
-    # Rates are averaged over this window, so a burst after a network stall is not abuse.
+    # Each rate's allowance holds this long of it (voicebot/session/flood.py): a client may catch up
+    # after a network stall this long.
     window_s: float = Field(2.0, gt=0)
+    # FunASR's clients send a file as fast as the server reads it (funasr-client in every mode, the
+    # runtime's own clients in offline mode): this much audio more may come at once on /funasr.
+    funasr_audio_burst_s: float = Field(60.0, ge=0)
     # A new session is refused (busy) when an engine thread pool that cannot batch would be busier
     # than this share of its threads' time with it (voicebot/serving/capacity.py).
     max_worker_load: float = Field(0.85, gt=0, le=1)

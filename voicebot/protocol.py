@@ -69,6 +69,7 @@ class ErrorCode:
     UNAUTHORIZED = "unauthorized"  # missing or wrong token; sent just before CloseCode.UNAUTHORIZED
     FORBIDDEN_ORIGIN = "forbidden_origin"  # a web page not in server.allowed_origins; then CloseCode.POLICY
     START_TIMEOUT = "start_timeout"  # no session.start within server.start_timeout_s; then CloseCode.POLICY
+    IDLE_TIMEOUT = "idle_timeout"  # nothing from the client for server.idle_timeout_s; then CloseCode.POLICY
     CHANNEL_TAKEN = "channel_taken"  # session.start named a channel another session speaks on
     READ_ONLY = "read_only"  # a listener sent something other than ping
 

@@ -127,9 +127,9 @@ class FunasrSession:
         try:
             message = load_json(text)  # the input policy of every route: nothing echoed is unencodable
         except VoiceProtocolError as exc:
-            return await self._refuse(f"not JSON: {exc.message}" if exc.code == ErrorCode.INVALID_JSON else exc.message)
+            return await self.refuse(f"not JSON: {exc.message}" if exc.code == ErrorCode.INVALID_JSON else exc.message)
         if not isinstance(message, dict):
-            return await self._refuse("a text message must be a JSON object")
+            return await self.refuse("a text message must be a JSON object")
         if self._refused:
             if not message.get("is_speaking", True):
                 return [self._dropped_report()] if self._dropped_unreported else []
@@ -138,7 +138,7 @@ class FunasrSession:
         try:
             self.config.update(message)
         except ProtocolError as exc:
-            return await self._refuse(str(exc))
+            return await self.refuse(str(exc))
         if (self.config.audio_fs, self.config.wav_format) != previous:
             self._resampler = StreamResampler(self.config.audio_fs, SAMPLE_RATE)
         if message.get("is_speaking", True):
@@ -152,7 +152,7 @@ class FunasrSession:
         if self.config.wav_format != "pcm":
             if len(self._file) + len(data) > MAX_FILE_BYTES:
                 self._drop(len(data))
-                return await self._refuse(f"the file is over {MAX_FILE_BYTES // 2**20} MiB")
+                return await self.refuse(f"the file is over {MAX_FILE_BYTES // 2**20} MiB")
             self._file += data
             return []
         data = self._odd_byte + data
@@ -171,7 +171,7 @@ class FunasrSession:
             try:
                 audio, _ = await asyncio.to_thread(decode_file, bytes(self._file))
             except UndecodableAudio as exc:
-                return await self._refuse(f"the {self.config.wav_format} file: {exc}")
+                return await self.refuse(f"the {self.config.wav_format} file: {exc}")
             self._file.clear()
             events = []
             for start in range(0, len(audio), _FILE_PIECE):
@@ -188,7 +188,7 @@ class FunasrSession:
             messages[-1]["is_end"] = True
         return messages
 
-    async def _refuse(self, reason: str) -> list[dict]:
+    async def refuse(self, reason: str) -> list[dict]:
         """End the stream: the results of the audio received so far, then the error as the final result."""
         messages = []
         if not self._refused:

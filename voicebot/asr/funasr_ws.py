@@ -2,21 +2,28 @@
 
 Serves existing FunASR runtime clients with the server's loaded recognizer (same model, same
 worker, shared with /v1/voice sessions); utterances end by fsmn-vad when one is configured (as in
-the FunASR runtime), else by the server's own Silero endpointer.
+the FunASR runtime), else by the server's own Silero endpointer. The same limits as a session's:
+the flood guard (with `limits.funasr_audio_burst_s` for files sent whole) and the idle timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 
 import numpy as np
-from fastapi import WebSocket
+from fastapi import WebSocket, WebSocketDisconnect
 
 from voicebot.asr.base import Recognizer
 from voicebot.asr.funasr_protocol import FunasrSession, ProtocolError, Segmenter
 from voicebot.audio.endpoint import Endpointer, VadEvent
-from voicebot.config import EndpointConfig
+from voicebot.config import EndpointConfig, Settings
+from voicebot.metrics import Metrics
+from voicebot.protocol import CloseCode, ErrorCode
 from voicebot.serving.worker import Worker
+from voicebot.session.flood import FloodGuard
+from voicebot.session.idle import IdleWatch
 from voicebot.transport import Wire, receive_loop
 
 
@@ -42,11 +49,34 @@ def funasr_segmenter(recognizer: Recognizer, endpoint: EndpointConfig, audio_wor
     return EndpointerSegmenter(Endpointer(endpoint), audio_worker)
 
 
-async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segmenter) -> None:
-    """Serve one accepted connection until the client goes away."""
+async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segmenter, settings: Settings, metrics: Metrics) -> None:
+    """Serve one accepted connection until the client goes away, floods or goes quiet for
+    `server.idle_timeout_s`; those two end it as a refused stream ends, and close it."""
     session = FunasrSession(recognizer, segmenter)
+    limits = settings.limits
+    flood = FloodGuard(limits.max_messages_per_s, limits.max_audio_realtime_factor, limits.window_s,
+                       audio_burst_s=limits.funasr_audio_burst_s)
+    handling = False  # a message is being recognised (a whole file can take a while): not idle
+    idle = IdleWatch(settings.server.idle_timeout_s, busy=lambda: handling)
+    flooding: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    quiet = asyncio.create_task(idle.expire())
 
     async def on_message(message: Wire) -> None:
+        nonlocal handling
+        idle.heard()
+        audio_bytes = len(message) if isinstance(message, bytes) else 0
+        if reason := flood.check(audio_bytes, session.config.audio_fs):
+            # Counted as PCM at audio_fs, a compressed file's bytes too. The receive loop ends here.
+            metrics.input_dropped.labels("flooding").inc(audio_bytes / (2 * session.config.audio_fs))
+            flooding.set_result(f"flooding: {reason}")
+            return
+        handling = True
+        try:
+            await handle(message)
+        finally:
+            handling = False
+
+    async def handle(message: Wire) -> None:
         try:
             if isinstance(message, str):
                 replies = await session.on_text(message)
@@ -58,6 +88,20 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
             await ws.send_text(json.dumps(reply, ensure_ascii=False))
 
     try:
-        await receive_loop(ws, on_message)
+        await receive_loop(ws, on_message, until=(flooding, quiet))
+        if flooding.done():
+            await _end(ws, session, metrics, ErrorCode.FLOODING, flooding.result(), CloseCode.FLOODING)
+        elif quiet.done():
+            await _end(ws, session, metrics, ErrorCode.IDLE_TIMEOUT, quiet.result(), CloseCode.POLICY)
     finally:
+        quiet.cancel()
         await session.close()
+
+
+async def _end(ws: WebSocket, session: FunasrSession, metrics: Metrics, code: str, reason: str, close_code: int) -> None:
+    """The results of the audio received so far, the reason as the final result, then the close."""
+    metrics.errors.labels(code).inc()
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError):  # the client may be gone already
+        for reply in await session.refuse(reason):
+            await ws.send_text(json.dumps(reply, ensure_ascii=False))
+        await ws.close(close_code, code)

@@ -27,6 +27,7 @@ from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
 from voicebot.session.choices import Choices
 from voicebot.session.flood import FloodGuard
+from voicebot.session.idle import IdleWatch
 from voicebot.session.listening import FrontEnd, Listening
 from voicebot.session.outbox import Outbox
 from voicebot.session.replying import Reply, Replying
@@ -76,6 +77,7 @@ class Session:
         self.flood = FloodGuard(limits.max_messages_per_s, limits.max_audio_realtime_factor, limits.window_s)
         self.close_request: tuple[int, str, str] | None = None  # (close code, error code, reason)
         self.close_requested = asyncio.Event()
+        self.idle = IdleWatch(self.settings.server.idle_timeout_s, busy=lambda: self.replying)
 
         self.outbox = Outbox(runtime.metrics)
         self.audio_in: asyncio.Queue[Inbound] = asyncio.Queue(AUDIO_IN_MAX)
@@ -150,6 +152,7 @@ class Session:
 
     async def on_message(self, message: str | bytes) -> None:
         """One message from the socket's receive loop (voicebot.transport.receive_loop)."""
+        self.idle.heard()
         if isinstance(message, str):
             await self.on_text(message)
         else:
@@ -201,6 +204,10 @@ class Session:
         await asyncio.sleep(timeout_s)
         if self.state is State.STARTING:
             self.request_close(CloseCode.POLICY, ErrorCode.START_TIMEOUT, f"no session.start within {timeout_s:g} s")
+
+    async def _close_when_idle(self) -> None:
+        """From session.start on: close the session once its client has gone quiet (session/idle.py)."""
+        self.request_close(CloseCode.POLICY, ErrorCode.IDLE_TIMEOUT, await self.idle.expire())
 
     async def _dispatch(self, message) -> None:
         if isinstance(message, protocol.SessionStart):
@@ -256,6 +263,7 @@ class Session:
             asyncio.create_task(self._listen(), name=f"listen-{self.id[:8]}"),
             asyncio.create_task(self._speak(), name=f"speak-{self.id[:8]}"),
             asyncio.create_task(self._reset_timer(), name=f"reset-{self.id[:8]}"),
+            asyncio.create_task(self._close_when_idle(), name=f"idle-{self.id[:8]}"),
         ]
 
     async def _resume(self, resume_token: str | None) -> bool:
