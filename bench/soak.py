@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.conftest import TEST_PHRASES, free_port, speech_pcm  # noqa: E402
 from tests.hostile import HOSTILE_TEXT  # noqa: E402
-from voicebot.protocol import CloseCode  # noqa: E402
+from voicebot.protocol import CloseCode, ErrorCode  # noqa: E402
 
 ROLES = ("talker", "barger", "reconnector", "slow_reader")
 # Closes that follow an `error` event and are documented (docs/protocol.md).
@@ -77,6 +77,7 @@ class Tally:
     reconnects: int = 0
     deaths: list[str] = field(default_factory=list)  # a session that died without an error event
     fuzz_messages: int = 0
+    idle_closes: int = 0  # the idle socket closed by the server's idle timeout, as it must be
     started: float = field(default_factory=time.monotonic)
 
 
@@ -240,7 +241,8 @@ async def reconnector(url: str, tally: Tally, deadline: float, index: int) -> No
 
 
 async def idle_socket(url: str, tally: Tally, deadline: float) -> None:
-    """A started session that never speaks, kept open (the client answers the server's pings)."""
+    """A started session that never speaks (the client answers the server's WebSocket pings): the
+    server must close it after server.idle_timeout_s with an `idle_timeout` error; it comes back."""
     while time.monotonic() < deadline:
         async with Client(url, tally) as client:
             try:
@@ -248,7 +250,11 @@ async def idle_socket(url: str, tally: Tally, deadline: float) -> None:
                 while time.monotonic() < deadline and not client._reader.done():
                     await asyncio.sleep(1)
                 if client._reader.done():
-                    client.died("idle socket closed by the server")
+                    errors = [e.get("code") for e in client.events if e["type"] == "error"]
+                    if client.ws.close_code == CloseCode.POLICY and errors[-1:] == [ErrorCode.IDLE_TIMEOUT]:
+                        tally.idle_closes += 1
+                    else:
+                        client.died("idle socket closed by the server without idle_timeout")
             except (ConnectionError, TimeoutError, websockets.ConnectionClosed) as exc:
                 client.died(f"idle socket: {exc}")
 
@@ -349,6 +355,7 @@ async def run(url: str, probe: ServerProbe, process: subprocess.Popen, args) -> 
             "frames_promised": tally.frames_promised, "frames_received": tally.frames_received, "lost_frames": lost,
             "deaths": len(tally.deaths), "utterances_sent": tally.utterances_sent, "asr_finals": tally.utterances_heard,
             "resumed": tally.resumed, "reconnects": tally.reconnects, "fuzz_messages": tally.fuzz_messages,
+            "idle_closes": tally.idle_closes,
             "rss_mb_first": rows[0]["rss_mb"] if rows else None, "rss_mb_last": rows[-1]["rss_mb"] if rows else None,
             "rss_drift_pct_after_warmup": round(drift, 2), "server_alive": process.poll() is None, "rows": rows}
 
