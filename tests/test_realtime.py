@@ -1,0 +1,210 @@
+"""/v1/realtime with the official openai SDK, unmodified, as the client, against the real server.
+
+The SDK builds its URL from base_url (http://127.0.0.1:PORT/v1 -> ws://127.0.0.1:PORT/v1/realtime
+?model=...) and sends the API key as `Authorization: Bearer`. Speech is espeak's at 24 kHz
+(tests/conftest.py); pocketsphinx with the test phrase grammar transcribes it and the echo
+responder answers with what it heard, so every transcript is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import time
+from typing import Any
+
+from openai import AsyncOpenAI
+
+from tests.conftest import TEST_PHRASES, RunningServer, speech_pcm
+
+RATE = 24000
+CHUNK_BYTES = RATE // 10 * 2  # 100 ms of pcm16
+
+
+class Recorder:
+    """Reads every server event off an SDK connection; `wait` returns them as dicts."""
+
+    def __init__(self, connection) -> None:
+        self.connection = connection
+        self.events: list[dict] = []
+        self._new = asyncio.Event()
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        with contextlib.suppress(Exception):
+            async for event in self.connection:  # the SDK's own parsing of each event
+                self.events.append(event.to_dict())
+                self._new.set()
+
+    def of_type(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == kind]
+
+    async def wait(self, kind: str, count: int = 1, timeout: float = 20, **match: Any) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [e for e in self.of_type(kind) if all(e.get(k) == v for k, v in match.items())]
+            if len(found) >= count:
+                return found[count - 1]
+            if (remaining := deadline - time.monotonic()) <= 0:
+                raise AssertionError(f"no {count} x {kind} {match} in {timeout} s; got {[e['type'] for e in self.events]}")
+            self._new.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._new.wait(), remaining)
+
+    def audio(self, response_id: str) -> bytes:
+        return b"".join(base64.b64decode(e["delta"]) for e in self.of_type("response.output_audio.delta")
+                        if e["response_id"] == response_id)
+
+    def close(self) -> None:
+        self._reader.cancel()
+
+
+@contextlib.asynccontextmanager
+async def realtime(server: RunningServer):
+    client = AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="unused-without-a-server-token")
+    async with client.realtime.connect(model="voicebot-test") as connection:
+        recorder = Recorder(connection)
+        try:
+            await recorder.wait("session.created")
+            yield connection, recorder
+        finally:
+            recorder.close()
+
+
+async def append_speech(connection, pcm: bytes, speed: float = 2.0) -> None:
+    for i in range(0, len(pcm), CHUNK_BYTES):
+        await connection.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + CHUNK_BYTES]).decode())
+        await asyncio.sleep(0.1 / speed)
+
+
+def history(server: RunningServer, recorder: Recorder) -> list[dict]:
+    session_id = recorder.of_type("session.created")[0]["session"]["id"].removeprefix("sess_")
+    return server.on_loop(lambda: server.runtime.sessions[session_id].conversation.messages())
+
+
+def run(coro, timeout: float = 60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def test_a_spoken_question_gets_its_transcript_and_a_spoken_reply(server):
+    phrase = TEST_PHRASES[2]
+
+    async def scenario():
+        async with realtime(server) as (connection, events):
+            created = events.of_type("session.created")[0]["session"]
+            assert created["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": RATE}
+            await connection.session.update(session={
+                "type": "realtime", "instructions": "You are Mo, a cheerful co-host.",
+                "audio": {"input": {"transcription": {"model": "any", "language": "en"},
+                                    "turn_detection": {"type": "server_vad", "silence_duration_ms": 500, "threshold": 0.5}},
+                          "output": {"voice": "en"}}})
+            updated = (await events.wait("session.updated"))["session"]
+            assert updated["instructions"] == "You are Mo, a cheerful co-host." and updated["audio"]["output"]["voice"] == "en"
+            await append_speech(connection, speech_pcm(phrase, rate=RATE))
+            started = await events.wait("input_audio_buffer.speech_started")
+            completed = await events.wait("conversation.item.input_audio_transcription.completed")
+            assert completed["transcript"] == phrase and completed["item_id"] == started["item_id"]
+            assert completed["voicebot"]["model"].startswith("pocketsphinx") and "confidence" in completed["voicebot"]  # None: pocketsphinx has none
+            assert events.of_type("input_audio_buffer.committed")[0]["item_id"] == started["item_id"]
+            done = (await events.wait("response.done"))["response"]
+            assert done["status"] == "completed"
+            transcript = "".join(e["delta"] for e in events.of_type("response.output_audio_transcript.delta"))
+            assert transcript == phrase  # the echo responder
+            assert events.of_type("response.created")[0]["response"]["id"] == done["id"]
+            assert len(events.audio(done["id"])) / 2 / RATE > 1.0  # seconds of 24 kHz speech
+            assert history(server, events) == [{"role": "user", "content": phrase}, {"role": "assistant", "content": phrase}]
+            assert server.on_loop(lambda: next(iter(server.runtime.sessions.values())).conversation.instructions) == \
+                "You are Mo, a cheerful co-host."
+
+    run(scenario())
+
+
+def test_cancel_and_truncate_keep_only_what_was_heard(server):
+    text = TEST_PHRASES[1]
+
+    async def scenario():
+        async with realtime(server) as (connection, events):
+            await connection.conversation.item.create(item={
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+            await events.wait("conversation.item.added")
+            await connection.response.create()
+            created = (await events.wait("response.created"))["response"]
+            await events.wait("response.output_audio.delta", count=7)  # 1.4 s of the reply's audio
+            await connection.response.cancel()
+            done = (await events.wait("response.done"))["response"]
+            assert done["status"] == "cancelled" and done["status_details"]["reason"] == "client_cancelled"
+            assert done["voicebot"]["frames_dropped"] >= 0 and done["voicebot"]["heard_text"]
+            item_id = events.of_type("response.output_item.added")[0]["item"]["id"]
+            await connection.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=1000)
+            truncated = await events.wait("conversation.item.truncated")
+            heard = truncated["voicebot"]["heard_text"]
+            assert truncated["item_id"] == item_id and truncated["audio_end_ms"] == 1000
+            assert heard and text.startswith(heard) and heard != text  # words of the first second only
+            assert history(server, events) == [{"role": "user", "content": text}, {"role": "assistant", "content": heard}]
+            assert created["id"] == done["id"]
+
+    run(scenario())
+
+
+def test_bad_events_get_openai_errors_and_the_session_goes_on(server):
+    async def scenario():
+        async with realtime(server) as (connection, events):
+            await connection.send_raw("{not json")
+            await connection.send_raw('{"type": "bogus.event", "event_id": "e1"}')
+            await connection.send_raw('{"type": "input_audio_buffer.append", "audio": "***"}')
+            await connection.session.update(session={"type": "realtime", "audio": {"output": {"voice": "no-such-voice"}}})
+            await connection.response.cancel()  # nothing to cancel
+            await events.wait("error", count=5)
+            errors = [e["error"] for e in events.of_type("error")]
+            assert [e["code"] for e in errors] == ["invalid_json", "unknown_event_type", "invalid_value", "invalid_value",
+                                                   "response_cancel_not_active"]
+            assert all(e["type"] == "invalid_request_error" and e["message"] for e in errors)
+            assert errors[1]["event_id"] == "e1" and errors[3]["param"] == "session.audio.output.voice"
+            # Still serving: a typed message is answered.
+            await connection.conversation.item.create(item={
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "stop talking now"}]})
+            await connection.response.create()
+            done = (await events.wait("response.done"))["response"]
+            assert done["status"] == "completed" and events.audio(done["id"])
+            assert server.metric("voicebot_errors_total", 'code="unknown_event_type"') >= 1
+
+    run(scenario())
+
+
+def test_manual_commit_without_turn_detection(server):
+    phrase = TEST_PHRASES[0]
+
+    async def scenario():
+        async with realtime(server) as (connection, events):
+            await connection.input_audio_buffer.commit()  # nothing appended yet
+            assert (await events.wait("error"))["error"]["code"] == "input_audio_buffer_commit_empty"
+            await connection.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+            assert (await events.wait("session.updated"))["session"]["audio"]["input"]["turn_detection"] is None
+            await append_speech(connection, speech_pcm(phrase, rate=RATE, tail_s=0.6), speed=3)
+            await asyncio.sleep(0.3)
+            assert not events.of_type("input_audio_buffer.committed")  # no VAD commit without turn detection
+            await connection.input_audio_buffer.commit()
+            committed = await events.wait("input_audio_buffer.committed")
+            completed = await events.wait("conversation.item.input_audio_transcription.completed")
+            assert completed["transcript"] == phrase and completed["item_id"] == committed["item_id"]
+            await connection.response.create()  # voicebot answers the committed turn: this asks for that reply
+            done = (await events.wait("response.done"))["response"]
+            assert done["status"] == "completed" and len(events.of_type("response.created")) == 1
+
+    run(scenario())
+
+
+def test_realtime_counts_toward_max_sessions():
+    from tests.conftest import make_settings, running_server
+
+    async def scenario(server):
+        client = AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="k")
+        async with client.realtime.connect(model="m") as first:
+            assert (await first.recv()).type == "session.created"
+            async with client.realtime.connect(model="m") as second:
+                event = (await second.recv()).to_dict()
+                assert event["type"] == "error" and event["code"] == "busy"
+
+    with running_server(make_settings(server={"max_sessions": 1})) as server:
+        run(scenario(server))
