@@ -36,7 +36,7 @@ class RealtimeSocket:
         self._session: Session | None = None
         self._started = False
         # What one client event stands for, handed to the session before the next event is read:
-        # at most the chunks of one append (a 64 KiB text frame holds under 2 s of audio: 2 chunks).
+        # at most the chunks of one append (a 64 KiB text frame holds about 1 s of audio: 2 chunks).
         self._for_session: deque[dict] = deque()
         self._send_lock = asyncio.Lock()  # the session's sender and this receive loop both send
 

@@ -151,9 +151,10 @@ class RealtimeTranslator:
     _utterance: _Utterance | None = None  # speech started, not yet transcribed
     _last_item: str | None = None
     _pending_texts: list[str] = field(default_factory=list)  # typed user messages awaiting response.create
-    _answered_turns: int = 0  # spoken turns voicebot answered on its own, not yet matched by a response.create
+    _turn_answered: bool = False  # voicebot answered the latest spoken turn on its own; no response.create claimed it
     _responses: dict[str, _Response] = field(default_factory=dict)  # by reply id, the last RESPONSES_KEPT
     _playing: _Response | None = None  # the response whose frames are arriving
+    _in_force: dict = field(default_factory=dict)  # voicebot's own view of the settings (its session.updated)
     _items: itertools.count = field(default_factory=lambda: itertools.count(1))
     _events: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -299,9 +300,9 @@ class RealtimeTranslator:
         if self._pending_texts:
             text, self._pending_texts = "\n".join(self._pending_texts), []
             return [Answer(text)]
-        if self._answered_turns:
-            # voicebot answers every spoken turn itself: this response.create asks for that one.
-            self._answered_turns -= 1
+        if self._turn_answered:
+            # voicebot answers every spoken turn itself: this response.create asks for that reply.
+            self._turn_answered = False
             return []
         raise RealtimeError("nothing new to respond to: add a user message or commit speech first",
                             "response_create_nothing_new")
@@ -327,7 +328,7 @@ class RealtimeTranslator:
     def server_text(self, wire: str) -> list[dict]:
         event = json.loads(wire)
         handler = self._SERVER_EVENTS.get(event["type"])
-        return handler(self, event) if handler else []  # pong, turn.end, state.reset: nothing to say
+        return handler(self, event) if handler else []  # pong, state.reset: nothing to say
 
     def server_audio(self, pcm: bytes) -> list[dict]:
         response = self._playing
@@ -343,6 +344,7 @@ class RealtimeTranslator:
 
     def _updated(self, event: dict) -> list[dict]:
         self.voice = event["voice"]
+        self._in_force = {k: event[k] for k in ("responder", "language", "turn", "endpoint_silence_ms", "barge_in_min_ms")}
         return [self._event("session.updated", session=self.session())]
 
     def _speech_started(self, event: dict) -> list[dict]:
@@ -367,8 +369,6 @@ class RealtimeTranslator:
         self._utterance = None
         self.uncommitted_bytes = 0
         text = event["text"]
-        if text:
-            self._answered_turns += 1
         previous, self._last_item = self._last_item, item_id
         item = {"id": item_id, "object": "realtime.item", "type": "message", "status": "completed", "role": "user",
                 "content": [{"type": "input_audio", "transcript": text if self.transcription is not None else None}]}
@@ -385,6 +385,11 @@ class RealtimeTranslator:
                 voicebot={"confidence": event["confidence"], "model": event["model"], "fallback": event["fallback"],
                           "gate_muted_ms": event["gate_muted_ms"]}))
         return events
+
+    def _turn_end(self, event: dict) -> list[dict]:
+        if event["text"]:
+            self._turn_answered = True  # its reply follows (a turn may hold several utterances)
+        return []
 
     def _reply_delta(self, event: dict) -> list[dict]:
         events, response = self._response(event["reply_id"])
@@ -431,6 +436,7 @@ class RealtimeTranslator:
         "speech.started": _speech_started,
         "asr.partial": _partial,
         "asr.final": _final,
+        "turn.end": _turn_end,
         "reply.delta": _reply_delta,
         "reply.done": _reply_done,
         "audio.start": _audio_start,
@@ -506,6 +512,8 @@ class RealtimeTranslator:
                           "turn_detection": self.turn_detection},
                 "output": {"format": PCM_FORMAT, "voice": self.voice, "speed": 1.0},
             },
+            # What decides a turn here: `turn` smart or silence (silence where the end-of-turn model did not load).
+            "voicebot": self._in_force or None,
         }
 
     def error(self, message: str, code: str, param: str | None = None, *, kind: str | None = None,
