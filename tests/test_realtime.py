@@ -195,16 +195,39 @@ def test_manual_commit_without_turn_detection(server):
     run(scenario())
 
 
-def test_realtime_counts_toward_max_sessions():
+def test_realtime_sessions_and_audio_requests_share_max_sessions():
+    import httpx
+    import openai
+
     from tests.conftest import make_settings, running_server
 
     async def scenario(server):
-        client = AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="k")
+        client = AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="k", max_retries=0)
         async with client.realtime.connect(model="m") as first:
             assert (await first.recv()).type == "session.created"
             async with client.realtime.connect(model="m") as second:
                 event = (await second.recv()).to_dict()
-                assert event["type"] == "error" and event["code"] == "busy"
+                assert event["type"] == "error" and event["code"] == "busy"  # admit()'s refusal, before the session
+            try:
+                await client.audio.speech.create(model="tts-1", voice="en", input="hello")
+                raise AssertionError("a speech request was served past max_sessions")
+            except openai.APIStatusError as refused:
+                assert refused.status_code == 503 and refused.body["code"] == "busy"
+                assert refused.response.headers["retry-after"] == "5"
+        # A speech stream holds its place while it runs: minutes of speech, more than the socket's
+        # buffers hold, so it is still running while this client reads nothing; then the client leaves.
+        long_text = ". ".join([TEST_PHRASES[1]] * 100)[:4000]
+        async with httpx.AsyncClient(base_url=server.http_url, timeout=10) as http:
+            async with http.stream("POST", "/v1/audio/speech", json={"model": "m", "voice": "en", "input": long_text}) as speech:
+                assert speech.status_code == 200 and server.metric("voicebot_audio_api_active") == 1
+                async with client.realtime.connect(model="m") as third:
+                    assert (await third.recv()).to_dict()["code"] == "busy"
+        deadline = time.monotonic() + 5
+        while server.metric("voicebot_audio_api_active") and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert server.metric("voicebot_audio_api_active") == 0
+        assert server.metric("voicebot_audio_api_requests_total", 'outcome="busy",route="speech"') == 1
+        assert server.metric("voicebot_audio_api_requests_total", 'outcome="client_gone",route="speech"') == 1
 
     with running_server(make_settings(server={"max_sessions": 1})) as server:
         run(scenario(server))

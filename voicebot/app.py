@@ -42,8 +42,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     rt = Runtime(settings)
     funasr_open = [0]  # /funasr connections: they count toward max_sessions like sessions do
 
+    audio_requests = openai_audio.AudioRequests()  # /v1/audio/* requests count toward max_sessions too
+
     def occupied() -> int:
-        return len(rt.sessions) + funasr_open[0]
+        return len(rt.sessions) + funasr_open[0] + audio_requests.running
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -64,6 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="voicebot", version=__version__, lifespan=lifespan)
     app.state.runtime = rt
     client_limits = limits.install(app, settings.server)  # connections and sessions per client address
+    app.state.audio_requests, app.state.occupied = audio_requests, occupied
     app.include_router(openai_audio.router)  # /v1/audio/speech, /v1/audio/transcriptions
 
     @app.get("/healthz")
