@@ -147,6 +147,31 @@ def test_cancel_and_truncate_keep_only_what_was_heard(server):
     run(scenario())
 
 
+def test_speech_over_the_reply_cancels_it_and_the_history_keeps_what_was_heard(server):
+    question, interruption = TEST_PHRASES[1], TEST_PHRASES[3]
+
+    async def scenario():
+        async with realtime(server) as (connection, events):
+            await connection.conversation.item.create(item={
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": question}]})
+            await connection.response.create()
+            await events.wait("response.output_audio.delta", count=3)
+            await append_speech(connection, speech_pcm(interruption, rate=RATE, lead_s=0.1))
+            cut = (await events.wait("response.done"))["response"]
+            assert cut["status"] == "cancelled" and cut["status_details"]["reason"] == "turn_detected"
+            heard = cut["voicebot"]["heard_text"]
+            assert question.startswith(heard) and heard != question
+            completed = await events.wait("conversation.item.input_audio_transcription.completed")
+            assert completed["transcript"] == interruption
+            answer = (await events.wait("response.done", count=2))["response"]
+            assert answer["status"] == "completed"
+            expected = [{"role": "user", "content": question}] + ([{"role": "assistant", "content": heard}] if heard else [])
+            assert history(server, events) == expected + [{"role": "user", "content": interruption},
+                                                          {"role": "assistant", "content": interruption}]
+
+    run(scenario())
+
+
 def test_bad_events_get_openai_errors_and_the_session_goes_on(server):
     async def scenario():
         async with realtime(server) as (connection, events):
