@@ -26,7 +26,7 @@ from voicebot.channels import run_listener
 from voicebot.config import Settings, load_settings
 from voicebot.obs_plugin import ObsSocket
 from voicebot.protocol import CloseCode, ErrorCode
-from voicebot.realtime import RealtimeSocket
+from voicebot.realtime import RealtimeSocket, RefusingInOpenAIShape
 from voicebot.realtime_events import RealtimeTranslator
 from voicebot.runtime import Runtime
 from voicebot.session import Session
@@ -167,9 +167,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.websocket("/v1/realtime")
     async def realtime(ws: WebSocket) -> None:
         """The OpenAI Realtime protocol (docs/realtime.md), over the same session pipeline."""
-        if await admit(ws):
-            voices = [v.name for v in rt.synthesizer.voices()]
-            socket = RealtimeSocket(ws, RealtimeTranslator(ws.query_params.get("model", "voicebot"), voices), rt.metrics)
+        translator = RealtimeTranslator(ws.query_params.get("model", "voicebot"), [v.name for v in rt.synthesizer.voices()])
+        if await admit(RefusingInOpenAIShape(ws, translator)):
+            socket = RealtimeSocket(ws, translator, rt.metrics)
             await run_session(socket, rt, on_session=socket.attach)
 
     # The FunASR C++ server answers on any path (its HTML5 client suggests /wss/): every WebSocket

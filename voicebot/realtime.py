@@ -19,8 +19,7 @@ from collections import deque
 from starlette.websockets import WebSocket, WebSocketState
 
 from voicebot.metrics import Metrics
-from voicebot.realtime_events import (Action, Answer, Forward, Instruct, RealtimeTranslator, Send, SetThreshold,
-                                      Truncate)
+from voicebot.realtime_events import Action, Answer, Forward, Instruct, RealtimeTranslator, Send, SetThreshold, Truncate
 from voicebot.session import Session
 
 log = logging.getLogger("voicebot.realtime")
@@ -115,6 +114,23 @@ class RealtimeSocket:
 
     async def close(self, code: int, reason: str) -> None:
         await self._ws.close(code, reason)
+
+
+class RefusingInOpenAIShape:
+    """The WebSocket as admission (voicebot.app admit, voicebot.auth) uses it, with its refusals
+    (busy, unauthorized, forbidden_origin, ...: voicebot error events) sent in OpenAI's shape,
+    so that a Realtime client reads them as it reads any error."""
+
+    def __init__(self, ws: WebSocket, translator: RealtimeTranslator) -> None:
+        self._ws = ws
+        self._translator = translator
+
+    def __getattr__(self, name: str):
+        return getattr(self._ws, name)
+
+    async def send_json(self, data: dict) -> None:
+        for event in self._translator.server_text(json.dumps(data)):
+            await self._ws.send_json(event)
 
 
 def _asgi(forward: Forward) -> dict:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import itertools
+import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any

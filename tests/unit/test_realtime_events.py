@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from voicebot.realtime_events import (CHUNK_BYTES, MANUAL_SILENCE_MS, Answer, Forward, Instruct, RealtimeTranslator, Send,
-                                      SetThreshold, Truncate)
+from voicebot.realtime_events import CHUNK_BYTES, MANUAL_SILENCE_MS, Answer, Forward, Instruct, RealtimeTranslator, Send, SetThreshold, Truncate
 
 
 def translator() -> RealtimeTranslator:
