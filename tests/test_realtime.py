@@ -202,6 +202,21 @@ def test_bad_events_get_openai_errors_and_the_session_goes_on(server):
     run(scenario())
 
 
+def test_events_the_adapter_answers_itself_count_for_the_flood_guard(server):
+    async def scenario():
+        async with realtime(server) as (connection, events):
+            for _ in range(1000):  # far over limits.max_messages_per_s, each answered with an error
+                with contextlib.suppress(Exception):  # the server closes the connection part way
+                    await connection.send_raw('{"type": "response.cancel"}')
+            deadline = time.monotonic() + 10
+            while not any(e["error"]["code"] == "flooding" for e in events.of_type("error")) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            codes = {e["error"]["code"] for e in events.of_type("error")}
+            assert codes == {"response_cancel_not_active", "flooding"}, codes
+
+    run(scenario())
+
+
 def test_manual_commit_without_turn_detection(server):
     phrase = TEST_PHRASES[0]
 

@@ -51,10 +51,16 @@ class RealtimeSocket:
             if message["type"] == "websocket.disconnect":
                 return message
             if message.get("text") is None:
+                if not self._session.heard_unforwarded():
+                    continue
                 await self._answer(self.translator.error("binary messages are not part of the protocol: send "
                                                        "input_audio_buffer.append with base64 audio", "invalid_event"))
                 continue
-            for action in self.translator.client_event(message["text"]):
+            actions = self.translator.client_event(message["text"])
+            # An event the session does not see still counts as the client's (idle timeout, flood guard).
+            if not any(isinstance(a, Forward) for a in actions) and not self._session.heard_unforwarded():
+                continue  # flooding: the session is closing; the receive loop stops
+            for action in actions:
                 await self._perform(action)
         return self._for_session.popleft()
 

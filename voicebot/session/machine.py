@@ -159,6 +159,12 @@ class Session:
         else:
             await self.on_bytes(message)
 
+    def heard_unforwarded(self) -> bool:
+        """A client message a protocol adapter answered itself (voicebot.realtime): it counts for the
+        idle timeout and the flood guard like any message; False once the session closes for flooding."""
+        self.idle.heard()
+        return not self._flooding(0)
+
     async def on_text(self, raw: str) -> None:
         if self._flooding(0):
             return
