@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections import deque
 
 from starlette.websockets import WebSocket, WebSocketState
@@ -21,8 +20,6 @@ from starlette.websockets import WebSocket, WebSocketState
 from voicebot.metrics import Metrics
 from voicebot.realtime_events import Action, Answer, Forward, Instruct, RealtimeTranslator, Send, SetThreshold, Truncate
 from voicebot.session import Session
-
-log = logging.getLogger("voicebot.realtime")
 
 
 class RealtimeSocket:
