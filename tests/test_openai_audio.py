@@ -171,3 +171,24 @@ def test_the_server_goes_on_after_bad_requests(client):
     with pytest.raises(openai.BadRequestError):
         client.audio.speech.create(model="tts-1", voice="nobody", input="hello")
     speech_like(pcm_float(spoken(client, TEST_PHRASES[0], response_format="pcm")), TEST_PHRASES[0])
+
+
+def test_requests_and_their_audio_are_counted(client, server, two_phrases):
+    def requests(route: str, outcome: str) -> float:
+        return server.metric("voicebot_audio_api_requests_total", f'outcome="{outcome}",route="{route}"')
+
+    def seconds(route: str) -> float:
+        return server.metric("voicebot_audio_api_audio_seconds_total", f'route="{route}"')
+
+    before = {k: requests(*k) for k in [("speech", "ok"), ("speech", "400"), ("transcriptions", "ok")]}
+    spoken_before, heard_before = seconds("speech"), seconds("transcriptions")
+    pcm = spoken(client, TEST_PHRASES[0], response_format="pcm")
+    with pytest.raises(openai.BadRequestError):
+        client.audio.speech.create(model="tts-1", voice="nobody", input="hello")
+    client.audio.transcriptions.create(model="whisper-1", file=two_phrases)
+    assert requests("speech", "ok") == before["speech", "ok"] + 1
+    assert requests("speech", "400") == before["speech", "400"] + 1
+    assert requests("transcriptions", "ok") == before["transcriptions", "ok"] + 1
+    assert seconds("speech") - spoken_before == pytest.approx(len(pcm) / 2 / TTS_RATE, abs=1e-3)
+    assert seconds("transcriptions") - heard_before == pytest.approx(soundfile.info(two_phrases).duration, abs=0.01)
+    assert server.metric("voicebot_audio_api_active") == 0

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
@@ -25,6 +26,8 @@ from voicebot.channels import run_listener
 from voicebot.config import Settings, load_settings
 from voicebot.obs_plugin import ObsSocket
 from voicebot.protocol import CloseCode, ErrorCode
+from voicebot.realtime import RealtimeSocket, RefusingInOpenAIShape
+from voicebot.realtime_events import RealtimeTranslator
 from voicebot.runtime import Runtime
 from voicebot.session import Session
 from voicebot.transport import Socket, receive_loop
@@ -39,8 +42,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     rt = Runtime(settings)
     funasr_open = [0]  # /funasr connections: they count toward max_sessions like sessions do
 
+    audio_requests = openai_audio.AudioRequests()  # /v1/audio/* requests count toward max_sessions too
+
     def occupied() -> int:
-        return len(rt.sessions) + funasr_open[0]
+        return len(rt.sessions) + funasr_open[0] + audio_requests.running
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -61,6 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="voicebot", version=__version__, lifespan=lifespan)
     app.state.runtime = rt
     client_limits = limits.install(app, settings.server)  # connections and sessions per client address
+    app.state.audio_requests, app.state.occupied = audio_requests, occupied
     app.include_router(openai_audio.router)  # /v1/audio/speech, /v1/audio/transcriptions
 
     @app.get("/healthz")
@@ -158,6 +164,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if await admit(ws, channel=channel):
             await run_session(ObsSocket(ws, channel, rt.metrics), rt)
 
+    @app.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket) -> None:
+        """The OpenAI Realtime protocol (docs/realtime.md), over the same session pipeline."""
+        translator = RealtimeTranslator(ws.query_params.get("model", "voicebot"), [v.name for v in rt.synthesizer.voices()])
+        if await admit(RefusingInOpenAIShape(ws, translator)):
+            socket = RealtimeSocket(ws, translator, rt.metrics)
+            await run_session(socket, rt, on_session=socket.attach)
+
     # The FunASR C++ server answers on any path (its HTML5 client suggests /wss/): every WebSocket
     # path not served above is the FunASR runtime too. Registered last, so it shadows nothing.
     app.add_api_websocket_route("/{path:path}", funasr)
@@ -179,8 +193,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-async def run_session(ws: Socket, rt: Runtime) -> None:
+async def run_session(ws: Socket, rt: Runtime, on_session: Callable[[Session], None] | None = None) -> None:
+    """Serve one speaking session on `ws`; `on_session` gets the session first (an adapter that
+    uses its hooks: voicebot.realtime)."""
     session = Session(rt, ws.send_text, ws.send_bytes)
+    if on_session is not None:
+        on_session(session)
     rt.sessions[session.id] = session
     rt.metrics.active_sessions.inc()
     rt.metrics.sessions_total.inc()

@@ -15,7 +15,11 @@ carry the recognizer's own `confidence` (geometric mean of token posteriors, nul
 engine has none; `avg_logprob` is its log) and `model`.
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and status. With
-`server.token` set the token is required, as the API key (`Authorization: Bearer`).
+`server.token` set the token is required, as the API key (`Authorization: Bearer`). A request
+takes a place in `server.max_sessions` while it runs (a speech stream until its last byte): at the
+limit it gets 503 `busy` with Retry-After. voicebot_audio_api_requests_total{route, outcome} counts
+requests (outcome `ok` or the error code), voicebot_audio_api_audio_seconds_total{route} the audio
+synthesized or uploaded.
 Model work stays off the event loop: the engines run on their own workers, and the endpointer and
 the file decoder run in a thread.
 """
@@ -38,6 +42,7 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.datastructures import UploadFile
 
 from voicebot import auth
@@ -60,22 +65,64 @@ TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json")
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry_after_s = retry_after_s
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+    @property
+    def outcome(self) -> str:
+        """The label of this failure in voicebot_audio_api_requests_total."""
+        return self.code or str(self.status)
 
 
-def _authorized_runtime(request: Request):
+class AudioRequests:
+    """The /v1/audio/* requests running now; the app counts them toward server.max_sessions."""
+
+    def __init__(self) -> None:
+        self.running = 0
+
+
+class _Place:
+    """One request's place in server.max_sessions, from admission to its last byte."""
+
+    def __init__(self, requests: AudioRequests, metrics, route: str) -> None:
+        self._requests, self._metrics, self._route = requests, metrics, route
+        self._held = True
+        requests.running += 1
+        metrics.audio_api_active.inc()
+
+    def release(self, outcome: str) -> None:
+        """Give the place back (once) and count the request's outcome: `ok` or an error code."""
+        if self._held:
+            self._held = False
+            self._requests.running -= 1
+            self._metrics.audio_api_active.dec()
+            self._metrics.audio_api_requests.labels(self._route, outcome).inc()
+
+
+def _admit(request: Request, route: str):
+    """The runtime and the request's place, or an ApiError (counted) if it cannot be served now."""
     rt = request.app.state.runtime
     token = rt.settings.server.token
     presented = auth.presented_token(request)  # type: ignore[arg-type]  # an HTTP request has the same fields
-    if token is not None and not (presented and hmac.compare_digest(presented.encode(), token.encode())):
-        raise ApiError(401, "missing or wrong API key (the server's token)", code="invalid_api_key")
-    return rt
+    try:
+        if token is not None and not (presented and hmac.compare_digest(presented.encode(), token.encode())):
+            raise ApiError(401, "missing or wrong API key (the server's token)", code="invalid_api_key")
+        if rt.draining or not rt.ready:
+            raise ApiError(503, "the server is shutting down", code="shutting_down", kind="server_error")
+        if request.app.state.occupied() >= rt.settings.server.max_sessions:
+            raise ApiError(503, f"the server is at its limit of {rt.settings.server.max_sessions} sessions",
+                           code="busy", kind="server_error", retry_after_s=5)
+    except ApiError as exc:
+        rt.metrics.audio_api_requests.labels(route, exc.outcome).inc()
+        raise
+    return rt, _Place(request.app.state.audio_requests, rt.metrics, route)
 
 
 # --- speech
@@ -138,7 +185,10 @@ async def _one(text: str) -> AsyncIterator[str]:
 @router.post("/speech", response_model=None)
 async def speech(request: Request) -> Response:
     try:
-        rt = _authorized_runtime(request)
+        rt, place = _admit(request, "speech")
+    except ApiError as exc:
+        return exc.response()
+    try:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -149,24 +199,28 @@ async def speech(request: Request) -> Response:
         except KeyError:
             names = ", ".join(v.name for v in rt.synthesizer.voices())
             raise ApiError(400, f"voice {req.voice!r} is not configured; have {names}", "voice") from None
-        audio = _pcm(context, req.input)
+        audio = _pcm(context, req.input, rt.metrics)
         try:
             # The first chunk before the status line: an engine that fails at once gets a 500, not a
             # 200 with an empty body.
             first = await anext(audio, b"")
         except Exception as exc:  # the generator has closed the context on its way out
             log.exception("speech synthesis failed")
-            raise ApiError(500, f"synthesis failed: {exc}", kind="server_error") from exc
+            raise ApiError(500, f"synthesis failed: {exc}", kind="server_error", code="synthesis_failed") from exc
     except ApiError as exc:
+        place.release(exc.outcome)
         return exc.response()
     if req.response_format == "wav":
         first = wav_header(TTS_RATE) + first
+    # The place is released as the stream ends; the background task only covers a stream that never
+    # began (the client gone before its first byte), and does nothing otherwise.
+    never_began = BackgroundTask(place.release, "client_gone")
     if req.stream_format == "sse":
-        return StreamingResponse(_sse(first, audio), media_type="text/event-stream")
-    return StreamingResponse(_bytes(first, audio), media_type=f"audio/{req.response_format}")
+        return StreamingResponse(_sse(first, audio, place), media_type="text/event-stream", background=never_began)
+    return StreamingResponse(_bytes(first, audio, place), media_type=f"audio/{req.response_format}", background=never_began)
 
 
-async def _pcm(context, text: str) -> AsyncIterator[bytes]:
+async def _pcm(context, text: str, metrics) -> AsyncIterator[bytes]:
     """The synthesizer's chunks as s16le bytes; closes the context when done or cut off."""
     samples = 0
     try:
@@ -176,23 +230,40 @@ async def _pcm(context, text: str) -> AsyncIterator[bytes]:
                 yield float_to_pcm16(chunk.audio)
     finally:
         await context.close()
+        metrics.audio_api_seconds.labels("speech").inc(samples / TTS_RATE)
         log.debug("speech: %.2f s synthesized", samples / TTS_RATE)
 
 
-async def _bytes(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    async with contextlib.aclosing(rest):
+@contextlib.asynccontextmanager
+async def _streaming(rest: AsyncIterator[bytes], place: _Place):
+    """While a response streams: its place is held; at the end it is released with the outcome
+    (`client_gone` if the client left first, `synthesis_failed` if the engine failed mid-stream)."""
+    outcome = "client_gone"
+    try:
+        async with contextlib.aclosing(rest):
+            yield
+        outcome = "ok"
+    except Exception:
+        outcome = "synthesis_failed"
+        raise
+    finally:
+        place.release(outcome)
+
+
+async def _bytes(first: bytes, rest: AsyncIterator[bytes], place: _Place) -> AsyncIterator[bytes]:
+    async with _streaming(rest, place):
         yield first
         async for pcm in rest:
             yield pcm
 
 
-async def _sse(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _sse(first: bytes, rest: AsyncIterator[bytes], place: _Place) -> AsyncIterator[bytes]:
     """The same bytes as the audio stream, base64 in `speech.audio.delta` events."""
 
     def event(body: dict) -> bytes:
         return f"data: {json.dumps(body)}\n\n".encode()
 
-    async with contextlib.aclosing(rest):
+    async with _streaming(rest, place):
         if first:
             yield event({"type": "speech.audio.delta", "audio": base64.b64encode(first).decode()})
         async for pcm in rest:
@@ -250,7 +321,10 @@ async def _form(request: Request):
 @router.post("/transcriptions", response_model=None)
 async def transcriptions(request: Request) -> Response:
     try:
-        rt = _authorized_runtime(request)
+        rt, place = _admit(request, "transcriptions")
+    except ApiError as exc:
+        return exc.response()
+    try:
         data, fields = await _form(request)
         if not isinstance(fields.get("model"), str) or not fields["model"]:
             raise ApiError(400, "model is required (any name: the server has one recognizer)", "model")
@@ -267,10 +341,13 @@ async def transcriptions(request: Request) -> Response:
             audio, duration = await asyncio.to_thread(decode_file, data)
         except UndecodableAudio as exc:
             raise ApiError(400, f"the file: {exc}", "file", "invalid_value") from exc
+        rt.metrics.audio_api_seconds.labels("transcriptions").inc(duration)
         language = str(fields.get("language") or "") or None
         segments = await _recognize(rt, audio, language)
     except ApiError as exc:
+        place.release(exc.outcome)
         return exc.response()
+    place.release("ok")
     text = " ".join(s.hypothesis.text for s in segments if s.hypothesis.text)
     if response_format == "text":
         return PlainTextResponse(text + "\n")
@@ -293,7 +370,7 @@ async def _recognize(rt, audio: np.ndarray, language: str | None) -> list[Segmen
             segments.append(Segment(start / ASR_RATE, end / ASR_RATE, await stream.finish()))
     except Exception as exc:
         log.exception("transcription failed")
-        raise ApiError(500, f"recognition failed: {exc}", kind="server_error") from exc
+        raise ApiError(500, f"recognition failed: {exc}", kind="server_error", code="recognition_failed") from exc
     finally:
         await stream.close()
     return segments

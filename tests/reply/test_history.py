@@ -41,3 +41,15 @@ def test_an_answer_nobody_heard_is_not_kept():
     c = Conversation(max_turns=5)
     exchange(c, "hello", "")
     assert c.messages() == [{"role": "user", "content": "hello"}]
+
+
+def test_a_reply_revised_to_what_the_client_heard():
+    c = Conversation(max_turns=5)
+    exchange(c, "q1", "same words")
+    exchange(c, "q2", "same words")
+    assert c.revise_assistant("same words", "same")  # the latest one
+    assert [m["content"] for m in c.messages()] == ["q1", "same words", "q2", "same"]
+    assert c.tokens == sum(estimate_tokens(m["content"]) for m in c.messages())
+    assert c.revise_assistant("same", "")  # nothing heard: the reply goes, its question stays
+    assert [m["content"] for m in c.messages()] == ["q1", "same words", "q2"]
+    assert not c.revise_assistant("never said", "x") and c.tokens == sum(estimate_tokens(m["content"]) for m in c.messages())

@@ -77,6 +77,16 @@ def test_consecutive_same_role_messages_are_merged():
     ]
 
 
+def test_a_system_message_heading_the_history_replaces_the_persona():
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    assert chat_messages("You are Mo.", history, "again") == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "again"},
+    ]
+
+
 def test_slow_first_token_is_retried_then_fails_with_first_token_timeout(sse):
     sse.reset(default=Behaviour(first_delay_s=5))
     responder = make(sse, first_token_timeout_s=0.3, retries=1)

@@ -157,3 +157,44 @@ def test_a_started_reply_holds_its_audio_until_play_and_a_cancel_counts_it():
     assert "frame" not in sent and "audio.start" not in sent
     # Every frame produced is counted as dropped, those waiting for room too, plus the framer's partial one.
     assert metrics.frames_dropped.labels("interrupted")._value.get() == reply.frames_produced + 1
+
+
+class RecordingEcho(EchoResponder):
+    """The echo responder, keeping the history each reply was asked with."""
+
+    def __init__(self) -> None:
+        self.histories: list[list[dict]] = []
+
+    async def reply(self, history, text, voice=None):
+        self.histories.append(history)
+        async for delta in super().reply(history, text, voice):
+            yield delta
+
+
+def test_the_clients_instructions_lead_the_history_and_a_truncate_keeps_what_was_played():
+    loop = VirtualTimeLoop()
+    metrics, conversation, responder = Metrics(), Conversation(8), RecordingEcho()
+    conversation.instructions = "Be brief."
+    conversation.add_user("earlier")
+    conversation.add_assistant("reply")
+
+    async def scenario():
+        outbox = Outbox(metrics)
+        stage = Replying(ToneSynthesis(0.05), conversation, outbox, metrics, SpeechFilter([]), ReplyConfig(),
+                         PacingConfig(), clock=loop.time)
+        reply = stage.reply(Turn("tell me a long story", say=False), "echo", responder, on_speaking=lambda: None)
+        player = asyncio.create_task(reply.run())
+        while not (isinstance(message := await outbox.get(), Event) and message.payload["type"] == "audio.end"):
+            pass  # the whole reply is sent (virtual time)
+        await player
+        return reply.truncate(REPLY_S * 1000 / 2)  # but the client played only half of the 60 s
+
+    try:
+        heard = loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    assert responder.histories == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "earlier"},
+                                    {"role": "assistant", "content": "reply"}]]
+    assert heard == "tell me a"  # half of the one segment's words, cut at a word
+    assert conversation.messages()[-2:] == [{"role": "user", "content": "tell me a long story"},
+                                            {"role": "assistant", "content": "tell me a"}]

@@ -26,6 +26,9 @@ class Conversation:
         # Each turn is a user message and, when the bot answered, its reply.
         self._messages: deque[Message] = deque(maxlen=max(2, 2 * max_turns))
         self._tokens = 0
+        # The client's own system prompt for this conversation (/v1/realtime `instructions`);
+        # the responder uses it instead of the configured persona. None: the persona.
+        self.instructions: str | None = None
 
     def add_user(self, text: str) -> None:
         self._append({"role": "user", "content": text})
@@ -33,6 +36,21 @@ class Conversation:
     def add_assistant(self, heard: str) -> None:
         if heard:
             self._append({"role": "assistant", "content": heard})
+
+    def revise_assistant(self, said: str, heard: str) -> bool:
+        """Replace the latest reply recorded as `said` by what the listener says it heard (a client
+        that knows its playback better than the server's estimate); an empty `heard` removes it."""
+        for index in range(len(self._messages) - 1, -1, -1):
+            message = self._messages[index]
+            if message["role"] == "assistant" and message["content"] == said:
+                self._tokens -= estimate_tokens(said)
+                if heard:
+                    self._messages[index] = {"role": "assistant", "content": heard}
+                    self._tokens += estimate_tokens(heard)
+                else:
+                    del self._messages[index]
+                return True
+        return False
 
     def messages(self) -> list[Message]:
         return list(self._messages)

@@ -85,6 +85,7 @@ class Session:
         self._tasks: list[asyncio.Task] = []
         self._reply_task: asyncio.Task | None = None
         self._reply: Reply | None = None
+        self.last_reply: Reply | None = None  # the latest reply, playing or done: a client may still truncate it
         self._engine_lock = asyncio.Lock()  # held per audio chunk, to start a reply and by a reset
         self.asr: RecognizerStream | None = None  # this session's engine state, from session.start on
         self.tts: SynthesisContext | None = None
@@ -157,6 +158,12 @@ class Session:
             await self.on_text(message)
         else:
             await self.on_bytes(message)
+
+    def heard_unforwarded(self) -> bool:
+        """A client message a protocol adapter answered itself (voicebot.realtime): it counts for the
+        idle timeout and the flood guard like any message; False once the session closes for flooding."""
+        self.idle.heard()
+        return not self._flooding(0)
 
     async def on_text(self, raw: str) -> None:
         if self._flooding(0):
@@ -341,6 +348,10 @@ class Session:
         reply.prepare()
         return reply
 
+    async def answer(self, text: str) -> None:
+        """Reply to `text` as to something the user said (a typed message: /v1/realtime)."""
+        await self._queue_turn(Turn(text, say=False))
+
     async def _queue_turn(self, turn: Turn) -> None:
         if self.turns.full():
             await self.outbox.error(ErrorCode.ENGINE_ERROR, "too many replies queued; this one is dropped", dropped_text=turn.text)
@@ -360,7 +371,7 @@ class Session:
                 name = self.choices.responder
                 reply = self.turn_taking.claim(turn) or self.replies.reply(
                     turn, name, self.rt.responders[name], on_speaking=lambda: self._enter(State.SPEAKING))
-                self._reply = reply
+                self._reply = self.last_reply = reply
                 self._reply_task = asyncio.create_task(reply.run(), name=f"reply-{self.id[:8]}")
             try:
                 await self._reply_task

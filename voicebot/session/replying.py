@@ -84,7 +84,7 @@ class Reply:
         self.first_audio_at: float | None = None
         self.first_frame_at: float | None = None
         self.failed = False  # the responder failed (the text may be the fallback line)
-        self._remembered = False
+        self._remembered: str | None = None  # what the conversation holds of this reply, once it does
         self._produced_samples = 0
         self.frames_produced = 0  # framed for self.frames (queued or waiting for room); less pacer.frames_sent: never sent
         self._producer: asyncio.Task | None = None
@@ -175,6 +175,18 @@ class Reply:
         self.stage.metrics.frames_dropped.labels(reason).inc(dropped)
         return dropped
 
+    def truncate(self, played_ms: float) -> str:
+        """The client played only `played_ms` of this reply (it says so: /v1/realtime's
+        conversation.item.truncate): the conversation keeps only what that much audio held."""
+        heard = self.heard.heard(int(played_ms * SPEAK_RATE / 1000))
+        if self._remembered is None:
+            self._remember(heard)
+        elif self._remembered != heard:
+            if not self.turn.say:
+                self.stage.conversation.revise_assistant(self._remembered, heard)
+            self._remembered = heard
+        return heard
+
     def remember_heard(self, played_ms: float | None = None) -> str:
         """Put what the listener heard of this reply so far into the conversation (once)."""
         played_ms = self.pacer.played_ms() if played_ms is None else played_ms
@@ -188,7 +200,10 @@ class Reply:
         stage = self.stage
         if self.turn.say:
             return stage.speech_filter.apply(_one(self.turn.text))
-        deltas = self.responder.reply(self._history, self.turn.text, voice=stage.tts.voice)
+        history = self._history
+        if stage.conversation.instructions:  # the client's system prompt, in place of the persona
+            history = [{"role": "system", "content": stage.conversation.instructions}, *history]
+        deltas = self.responder.reply(history, self.turn.text, voice=stage.tts.voice)
         return spoken(deltas, stage.speech_filter, stage.reply_config.fallback_line, self._responder_failed)
 
     async def _responder_failed(self, exc: ResponderError) -> None:
@@ -319,9 +334,10 @@ class Reply:
             )
 
     def _remember(self, text: str) -> None:
-        if not (self.turn.say or self._remembered):
-            self.stage.conversation.add_assistant(text)
-        self._remembered = True
+        if self._remembered is None:
+            if not self.turn.say:
+                self.stage.conversation.add_assistant(text)
+            self._remembered = text
 
 
 async def _one(text: str) -> AsyncIterator[str]:

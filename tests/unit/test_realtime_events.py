@@ -1,0 +1,244 @@
+"""The Realtime translator without sockets: client events to session actions, session events to
+Realtime server events."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from voicebot.realtime_events import CHUNK_BYTES, MANUAL_SILENCE_MS, Answer, Forward, Instruct, RealtimeTranslator, Send, SetThreshold, Truncate
+
+
+def translator() -> RealtimeTranslator:
+    t = RealtimeTranslator("gpt-realtime", ["en", "zh"])
+    t.server_text(json.dumps({"type": "session.ready", "session_id": "abc", "voice": "en", "resume_token": "secret"}))
+    return t
+
+
+def client(t: RealtimeTranslator, event: dict | str) -> list:
+    return t.client_event(event if isinstance(event, str) else json.dumps(event))
+
+
+def server(t: RealtimeTranslator, kind: str, **fields) -> list[dict]:
+    return t.server_text(json.dumps({"type": kind, **fields}))
+
+
+def forwarded(actions: list) -> list:
+    return [json.loads(a.wire) if isinstance(a.wire, str) else a.wire for a in actions if isinstance(a, Forward)]
+
+
+def error_of(actions: list) -> dict:
+    (action,) = actions
+    assert isinstance(action, Send) and action.event["type"] == "error"
+    assert set(action.event["error"]) == {"type", "code", "message", "param", "event_id"}
+    return action.event["error"]
+
+
+def types(events: list[dict]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+def test_the_session_starts_at_24_khz_with_server_vad_and_reports_itself():
+    t = RealtimeTranslator("gpt-realtime", ["en"])
+    start = json.loads(t.start().wire)
+    assert start == {"type": "session.start", "sample_rate": 24000, "endpointing": {"turn": "silence", "endpoint_silence_ms": 500}}
+    (created,) = t.server_text(json.dumps({"type": "session.ready", "session_id": "abc", "voice": "en", "resume_token": "secret"}))
+    assert created["type"] == "session.created" and created["event_id"]
+    session = created["session"]
+    assert session["id"] == "sess_abc" and session["model"] == "gpt-realtime" and "secret" not in json.dumps(created)
+    assert session["audio"]["input"]["format"] == session["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
+    assert session["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+
+
+def test_session_update_becomes_the_sessions_settings_and_hooks():
+    t = translator()
+    actions = client(t, {"type": "session.update", "session": {
+        "type": "realtime", "instructions": "Be brief.",
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                            "turn_detection": {"type": "server_vad", "threshold": 0.7, "silence_duration_ms": 800},
+                            "transcription": {"model": "whisper-1", "language": "zh"}},
+                  "output": {"voice": "zh"}}}})
+    assert Instruct("Be brief.") in actions and SetThreshold(0.7) in actions
+    assert forwarded(actions) == [{"type": "session.update", "voice": "zh", "language": "zh",
+                                   "endpointing": {"turn": "silence", "endpoint_silence_ms": 800}}]
+    (updated,) = server(t, "session.updated", voice="zh", responder="echo", language="zh", turn="silence",
+                        endpoint_silence_ms=800, barge_in_min_ms=300)
+    session = updated["session"]
+    assert session["instructions"] == "Be brief." and session["audio"]["output"]["voice"] == "zh"
+    assert session["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 800
+    assert session["voicebot"]["turn"] == "silence"
+
+
+@pytest.mark.parametrize("detection, endpointing", [
+    (None, {"turn": "silence", "endpoint_silence_ms": MANUAL_SILENCE_MS}),
+    ({"type": "semantic_vad", "eagerness": "high"}, {"turn": "smart"}),
+])
+def test_manual_and_semantic_turn_detection(detection, endpointing):
+    t = translator()
+    actions = client(t, {"type": "session.update", "session": {"audio": {"input": {"turn_detection": detection}}}})
+    assert forwarded(actions)[0]["endpointing"] == endpointing
+
+
+@pytest.mark.parametrize("session, param", [
+    ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "session.audio.input.format"),
+    ({"audio": {"output": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "session.audio.output.format"),
+    ({"audio": {"output": {"voice": "alloy"}}}, "session.audio.output.voice"),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 50}}}},
+     "session.audio.input.turn_detection.silence_duration_ms"),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 1.5}}}}, "session.audio.input.turn_detection.threshold"),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "create_response": False}}}},
+     "session.audio.input.turn_detection.create_response"),
+    ({"output_modalities": ["text"]}, "session.output_modalities"),
+    ({"tools": [{"type": "function", "name": "f"}]}, "session.tools"),
+    ({"instructions": 7}, "session.instructions"),
+])
+def test_a_refused_session_update_changes_nothing(session, param):
+    t = translator()
+    before = t.session()
+    error = error_of(client(t, {"type": "session.update", "event_id": "ev1", "session": {"instructions": "x", **session}}))
+    assert error["param"] == param and error["event_id"] == "ev1" and error["type"] == "invalid_request_error"
+    assert t.session() == before
+
+
+def test_append_splits_into_chunks_the_session_takes():
+    t = translator()
+    pcm = bytes(range(250)) * 196  # 49000 bytes: just over 1 s at 24 kHz, and just under the text frame limit in base64
+    chunks = forwarded(client(t, {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()}))
+    assert [len(c) for c in chunks] == [CHUNK_BYTES, len(pcm) - CHUNK_BYTES] and b"".join(chunks) == pcm
+
+
+def test_an_append_over_the_text_frame_limit_is_refused():
+    pcm = bytes(2 * CHUNK_BYTES)  # 2 s: 128 000 characters of base64
+    error = error_of(client(translator(), {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()}))
+    assert error["code"] == "frame_too_large"
+
+
+@pytest.mark.parametrize("event, code", [
+    ("not json", "invalid_json"),
+    ("[1, 2]", "invalid_event"),
+    ({"type": "bogus"}, "unknown_event_type"),
+    ({"type": "input_audio_buffer.append", "audio": "%%%"}, "invalid_value"),
+    ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}, "invalid_value"),
+    ({"type": "input_audio_buffer.append"}, "invalid_value"),
+    ({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty"),
+    ({"type": "response.create"}, "response_create_nothing_new"),
+    ({"type": "response.cancel"}, "response_cancel_not_active"),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "assistant", "content": []}}, "unsupported_value"),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                   "content": [{"type": "input_audio", "audio": ""}]}}, "unsupported_value"),
+    ({"type": "conversation.item.truncate", "item_id": "item_nope", "content_index": 0, "audio_end_ms": 0},
+     "item_truncate_invalid_item_id"),
+])
+def test_bad_events_get_one_error(event, code):
+    assert error_of(client(translator(), event))["code"] == code
+
+
+def test_commit_ends_the_input_and_the_utterance_brings_the_items():
+    t = translator()
+    client(t, {"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\0\0" * 24000).decode()})
+    assert forwarded(client(t, {"type": "input_audio_buffer.commit"})) == [{"type": "input.end"}]
+    started = server(t, "speech.started", utterance_id="u1")
+    assert started[0]["item_id"] == "item_u1" and started[0]["audio_start_ms"] == 1000
+    deltas = server(t, "asr.partial", utterance_id="u1", text="hello") + server(t, "asr.partial", utterance_id="u1", text="hello there")
+    assert [d["delta"] for d in deltas] == ["hello", " there"]
+    assert server(t, "asr.partial", utterance_id="u1", text="yellow") == []  # a revision has no delta
+    final = server(t, "asr.final", utterance_id="u1", text="hello there", confidence=0.9, model="paraformer",
+                   fallback=None, gate_muted_ms=0, timings={})
+    assert types(final) == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added",
+                            "conversation.item.done", "conversation.item.input_audio_transcription.completed"]
+    completed = final[-1]
+    assert completed["transcript"] == "hello there" and completed["voicebot"]["confidence"] == 0.9
+    assert completed["voicebot"]["model"] == "paraformer"
+    assert final[1]["item_id"] == "item_u1" and final[1]["previous_item_id"] is None
+    # voicebot answers the turn itself; one response.create asks for that reply, a second has nothing new.
+    server(t, "turn.end", utterance_id="u1", text="hello there", by="silence")
+    assert client(t, {"type": "response.create"}) == []
+    assert error_of(client(t, {"type": "response.create"}))["code"] == "response_create_nothing_new"
+
+
+def test_no_transcription_events_when_transcription_is_off():
+    t = translator()
+    client(t, {"type": "session.update", "session": {"audio": {"input": {"transcription": None}}}})
+    server(t, "speech.started", utterance_id="u1")
+    assert server(t, "asr.partial", utterance_id="u1", text="hi") == []
+    final = server(t, "asr.final", utterance_id="u1", text="hi", confidence=None, model="m", fallback=None, gate_muted_ms=0)
+    assert "conversation.item.input_audio_transcription.completed" not in types(final)
+
+
+def test_clear_refuses_speech_already_in_transcription():
+    t = translator()
+    assert types([a.event for a in client(t, {"type": "input_audio_buffer.clear"})]) == ["input_audio_buffer.cleared"]
+    server(t, "speech.started", utterance_id="u1")
+    assert error_of(client(t, {"type": "input_audio_buffer.clear"}))["code"] == "unsupported_value"
+
+
+def test_typed_messages_wait_for_response_create():
+    t = translator()
+    sent = client(t, {"type": "conversation.item.create", "item": {"id": "mine", "type": "message", "role": "user",
+                                                                  "content": [{"type": "input_text", "text": "hi"}]}})
+    assert types([a.event for a in sent]) == ["conversation.item.added", "conversation.item.done"]
+    assert sent[0].event["item"]["id"] == "mine"
+    client(t, {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                            "content": [{"type": "input_text", "text": "again"}]}})
+    assert client(t, {"type": "response.create", "response": {}}) == [Answer("hi\nagain")]
+
+
+def test_a_reply_becomes_one_response_with_audio_and_transcript():
+    t = translator()
+    opened = server(t, "reply.delta", reply_id="r1", text="Hi")
+    assert types(opened) == ["response.created", "response.output_item.added", "conversation.item.added",
+                             "response.content_part.added", "response.output_audio_transcript.delta"]
+    assert opened[0]["response"]["id"] == "resp_r1" and opened[0]["response"]["status"] == "in_progress"
+    assert server(t, "reply.delta", reply_id="r1", text=" there")[0]["delta"] == " there"
+    assert server(t, "reply.done", reply_id="r1", text="Hi there") == []
+    assert server(t, "audio.start", reply_id="r1", sample_rate=24000, frame_ms=200) == []
+    frame = bytes(9600)
+    (delta,) = t.server_audio(frame)
+    assert delta["type"] == "response.output_audio.delta" and base64.b64decode(delta["delta"]) == frame
+    assert (delta["response_id"], delta["item_id"]) == ("resp_r1", "item_r1")
+    done = server(t, "audio.end", reply_id="r1", frames=1, samples=4800, timings={})
+    assert types(done) == ["response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
+                           "response.output_item.done", "conversation.item.done", "response.done"]
+    assert done[1]["transcript"] == "Hi there"
+    response = done[-1]["response"]
+    assert response["status"] == "completed" and response["output"][0]["content"][0]["transcript"] == "Hi there"
+
+
+def test_an_interrupted_reply_is_cancelled_and_can_be_truncated_within_its_audio():
+    t = translator()
+    server(t, "reply.delta", reply_id="r1", text="Hello there")
+    server(t, "audio.start", reply_id="r1")
+    for _ in range(3):
+        t.server_audio(bytes(9600))  # 600 ms
+    assert forwarded(client(t, {"type": "response.cancel"})) == [{"type": "interrupt"}]
+    done = server(t, "audio.interrupted", reply_id="r1", reason="barge_in", frames_sent=3, frames_dropped=4,
+                  played_ms=600, heard_text="Hello")
+    response = done[-1]["response"]
+    assert response["status"] == "cancelled" and response["status_details"]["reason"] == "turn_detected"
+    assert response["voicebot"]["heard_text"] == "Hello" and response["voicebot"]["frames_dropped"] == 4
+    assert error_of(client(t, {"type": "response.cancel"}))["code"] == "response_cancel_not_active"
+    truncate = {"type": "conversation.item.truncate", "item_id": "item_r1", "content_index": 0}
+    assert client(t, {**truncate, "audio_end_ms": 400}) == [Truncate("r1", "item_r1", 0, 400)]
+    assert error_of(client(t, {**truncate, "audio_end_ms": 601}))["code"] == "audio_end_ms_out_of_range"
+    assert error_of(client(t, {**truncate, "audio_end_ms": -1}))["param"] == "audio_end_ms"
+
+
+def test_errors_take_openais_shape_and_a_failed_reply_ends_its_response():
+    t = translator()
+    (error,) = server(t, "error", code="invalid_message", message="bad")
+    assert error["error"] == {"type": "invalid_request_error", "code": "invalid_message", "message": "bad", "param": None,
+                              "event_id": None}
+    events = server(t, "error", code="engine_error", message="tts died", reply_id="r2")
+    assert types(events)[0] == "response.created" and "error" in types(events)
+    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["id"] == "resp_r2"
+    assert next(e for e in events if e["type"] == "error")["error"]["type"] == "server_error"
+    # A responder failure is an error; its fallback line is still spoken in the same response.
+    assert types(server(t, "error", code="reply_failed", message="timeout", reply_id="r3", failure="first_token_timeout")) == ["error"]
+
+
+def test_events_voicebot_has_and_realtime_does_not_are_dropped():
+    t = translator()
+    assert server(t, "pong", id=1) == [] and server(t, "state.reset", reason="periodic", duration_ms=1, engines=[]) == []
+    assert t.server_audio(bytes(9600)) == []  # not between audio.start and its end

@@ -1,0 +1,584 @@
+"""The OpenAI Realtime protocol (GA event names) translated to and from voicebot's, without I/O.
+
+`RealtimeTranslator.client_event(raw)` turns one Realtime client event into `Action`s: messages of
+the /v1/voice protocol for the session (`Forward`), the session hooks the Realtime protocol needs
+and /v1/voice has no message for (`Answer` a typed user message, `Truncate` a reply at the audio
+the client played, `Instruct` the responder, `SetThreshold` of the VAD), and events for the
+client (`Send`). `server_text(wire)` and `server_audio(pcm)` turn what the session sends (its
+events, its 24 kHz frames) into Realtime server events. voicebot/realtime.py does the I/O;
+docs/realtime.md lists every event, what voicebot adds and what it does not do.
+
+Ids: a user audio item is `item_<utterance id>`, a typed one `item_t<n>` unless the client named
+it, a response `resp_<reply id>` and its assistant item `item_<reply id>`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import itertools
+import json
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from voicebot.audio.rates import SPEAK_RATE
+from voicebot.protocol import MAX_CHUNK_SECONDS, ProtocolError, load_json
+
+INPUT_RATE = 24000  # the only input rate of the Realtime protocol's audio/pcm
+PCM_FORMAT = {"type": "audio/pcm", "rate": INPUT_RATE}
+# The largest binary message the session takes: 1 s at the input rate. An append of more is split.
+CHUNK_BYTES = int(INPUT_RATE * MAX_CHUNK_SECONDS) * 2
+# Range of the session's endpoint_silence_ms (voicebot.protocol.EndpointingUpdate).
+SILENCE_MS = (100, 5000)
+# turn_detection null (manual commits): the VAD still cuts an utterance, after this much silence.
+MANUAL_SILENCE_MS = SILENCE_MS[1]
+DEFAULT_TURN_DETECTION = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
+                          "create_response": True, "interrupt_response": True, "idle_timeout_ms": None}
+# Bounds of what the translator keeps: typed messages waiting for response.create, and the
+# responses a client may still truncate (older ones are forgotten, oldest first).
+PENDING_TEXTS_MAX = 16
+RESPONSES_KEPT = 8
+# voicebot error codes that are the server's fault; the rest are the client's.
+SERVER_ERRORS = {"engine_error", "reply_failed", "shutting_down", "busy"}
+
+
+class RealtimeError(Exception):
+    """A client event refused; the connection goes on."""
+
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.code, self.param = message, code, param
+
+
+# ---- actions: what one client event asks of the session and the socket -----------------------
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A /v1/voice message for the session's on_message: JSON text, or PCM at INPUT_RATE."""
+
+    wire: str | bytes
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Reply to the user's typed text (Session.answer)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Truncate:
+    """The client played `audio_end_ms` of this reply: keep only that in the history."""
+
+    reply_id: str
+    item_id: str
+    content_index: int
+    audio_end_ms: int
+
+
+@dataclass(frozen=True)
+class Instruct:
+    """The responder's system prompt for this conversation (None: the configured persona)."""
+
+    text: str | None
+
+
+@dataclass(frozen=True)
+class SetThreshold:
+    """The VAD's speech probability threshold for this session."""
+
+    threshold: float
+
+
+@dataclass(frozen=True)
+class Send:
+    """A Realtime server event for the client, straight away."""
+
+    event: dict
+
+
+Action = Forward | Answer | Truncate | Instruct | SetThreshold | Send
+
+
+def _voice_message(kind: str, **fields: Any) -> Forward:
+    return Forward(json.dumps({"type": kind, **fields}))
+
+
+# ---- state ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Response:
+    reply_id: str
+    audio_bytes: int = 0
+    transcript: str = ""
+    done: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"resp_{self.reply_id}"
+
+    @property
+    def item_id(self) -> str:
+        return f"item_{self.reply_id}"
+
+    @property
+    def audio_ms(self) -> int:
+        return self.audio_bytes * 1000 // (2 * SPEAK_RATE)
+
+
+@dataclass
+class _Utterance:
+    item_id: str
+    start_ms: int
+    partial: str = ""
+
+
+@dataclass
+class RealtimeTranslator:
+    model: str
+    voices: Collection[str]  # the voices session.update may choose
+    voice: str | None = None  # the session's, as voicebot last reported it
+    instructions: str = ""
+    language: str | None = None
+    turn_detection: dict | None = field(default_factory=lambda: dict(DEFAULT_TURN_DETECTION))
+    transcription: dict | None = field(default_factory=lambda: {"model": "voicebot", "language": None, "prompt": None})
+    session_id: str | None = None
+    input_bytes: int = 0  # all audio appended, at INPUT_RATE
+    uncommitted_bytes: int = 0  # appended since the last commit or utterance
+    _utterance: _Utterance | None = None  # speech started, not yet transcribed
+    _last_item: str | None = None
+    _pending_texts: list[str] = field(default_factory=list)  # typed user messages awaiting response.create
+    _turn_answered: bool = False  # voicebot answered the latest spoken turn on its own; no response.create claimed it
+    _responses: dict[str, _Response] = field(default_factory=dict)  # by reply id, the last RESPONSES_KEPT
+    _playing: _Response | None = None  # the response whose frames are arriving
+    _in_force: dict = field(default_factory=dict)  # voicebot's own view of the settings (its session.updated)
+    _items: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _events: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    # ---- the session's first message ----
+
+    def start(self) -> Forward:
+        return _voice_message("session.start", sample_rate=INPUT_RATE, endpointing=self._endpointing())
+
+    # ---- client events --------------------------------------------------------------------
+
+    def client_event(self, raw: str) -> list[Action]:
+        """The actions one Realtime client event asks for; a refused event gives one `error`."""
+        event_id = None
+        try:
+            try:
+                event = load_json(raw)  # the input policy of every route (voicebot.protocol)
+            except ProtocolError as exc:
+                raise RealtimeError(exc.message, exc.code) from None
+            if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+                raise RealtimeError("an event must be a JSON object with a string 'type'", "invalid_event", "type")
+            event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+            handler = self._CLIENT_EVENTS.get(event["type"])
+            if handler is None:
+                raise RealtimeError(f"unknown or unsupported event type {event['type'][:80]!r}", "unknown_event_type", "type")
+            return handler(self, event)
+        except RealtimeError as exc:
+            return [Send(self.error(exc.message, exc.code, exc.param, event_id=event_id))]
+
+    def _session_update(self, event: dict) -> list[Action]:
+        session = _object(event, "session", "session")
+        if session.get("type", "realtime") != "realtime":
+            raise RealtimeError("only realtime sessions are served here (not transcription)", param="session.type")
+        if session.get("output_modalities") not in (None, ["audio"]):
+            raise RealtimeError("output_modalities must be [\"audio\"]: voicebot always speaks its replies",
+                                "unsupported_value", "session.output_modalities")
+        if session.get("tools"):
+            raise RealtimeError("tools are not supported", "unsupported_value", "session.tools")
+        audio = _object(session, "audio", "session.audio", required=False)
+        audio_in = _object(audio, "input", "session.audio.input", required=False)
+        audio_out = _object(audio, "output", "session.audio.output", required=False)
+        for where, config in (("input", audio_in), ("output", audio_out)):
+            if "format" in config and config["format"] != PCM_FORMAT and config["format"] != {"type": "audio/pcm"}:
+                raise RealtimeError(f"audio {where} format must be {json.dumps(PCM_FORMAT)}", "unsupported_value",
+                                    f"session.audio.{where}.format")
+        if audio_out.get("speed", 1.0) != 1.0:
+            raise RealtimeError("speed is not supported", "unsupported_value", "session.audio.output.speed")
+        voice = audio_out.get("voice")
+        if voice is not None and (not isinstance(voice, str) or voice not in self.voices):
+            raise RealtimeError(f"unknown voice {str(voice)[:64]!r}; available: {', '.join(self.voices)}", param="session.audio.output.voice")
+        instructions = session.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise RealtimeError("instructions must be a string", param="session.instructions")
+        turn_detection = _turn_detection(audio_in["turn_detection"]) if "turn_detection" in audio_in else self.turn_detection
+        transcription = _transcription(audio_in["transcription"]) if "transcription" in audio_in else self.transcription
+        # Checked in full: now take it all.
+        actions: list[Action] = []
+        if instructions is not None:
+            self.instructions = instructions
+            actions.append(Instruct(instructions or None))
+        self.turn_detection, self.transcription = turn_detection, transcription
+        if transcription is not None and transcription.get("language"):
+            self.language = transcription["language"]
+        if turn_detection is not None and turn_detection.get("threshold") is not None:
+            actions.append(SetThreshold(turn_detection["threshold"]))
+        update: dict[str, Any] = {"endpointing": self._endpointing()}
+        if voice is not None:
+            update["voice"] = voice
+        if self.language:
+            update["language"] = self.language
+        actions.append(_voice_message("session.update", **update))  # answered by session.updated
+        return actions
+
+    def _append(self, event: dict) -> list[Action]:
+        audio = event.get("audio")
+        if not isinstance(audio, str):
+            raise RealtimeError("audio must be a base64 string of pcm16 at 24 kHz", param="audio")
+        try:
+            pcm = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise RealtimeError("audio is not valid base64", param="audio") from None
+        if len(pcm) % 2:
+            raise RealtimeError(f"audio holds {len(pcm)} bytes; pcm16 needs an even count", param="audio")
+        self.input_bytes += len(pcm)
+        self.uncommitted_bytes += len(pcm)
+        return [Forward(pcm[i : i + CHUNK_BYTES]) for i in range(0, len(pcm), CHUNK_BYTES)]
+
+    def _commit(self, event: dict) -> list[Action]:
+        if self.uncommitted_bytes == 0:
+            raise RealtimeError("the input audio buffer is empty", "input_audio_buffer_commit_empty")
+        self.uncommitted_bytes = 0
+        return [_voice_message("input.end")]  # its utterance's asr.final brings `committed`
+
+    def _clear(self, event: dict) -> list[Action]:
+        if self._utterance is not None:
+            raise RealtimeError("speech in the buffer is already being transcribed; it cannot be cleared",
+                                "unsupported_value")
+        self.uncommitted_bytes = 0
+        return [Send(self._event("input_audio_buffer.cleared"))]
+
+    def _item_create(self, event: dict) -> list[Action]:
+        item = _object(event, "item", "item")
+        if item.get("type") != "message" or item.get("role") != "user":
+            raise RealtimeError("only user messages can be added (type message, role user)", "unsupported_value", "item")
+        content = item.get("content")
+        if not isinstance(content, list) or not content or not all(
+                isinstance(part, dict) and part.get("type") == "input_text" and isinstance(part.get("text"), str) for part in content):
+            raise RealtimeError("a user message's content must be input_text parts", "unsupported_value", "item.content")
+        text = " ".join(part["text"] for part in content).strip()
+        if not text:
+            raise RealtimeError("the message has no text", param="item.content")
+        if len(self._pending_texts) >= PENDING_TEXTS_MAX:
+            raise RealtimeError(f"{PENDING_TEXTS_MAX} messages already wait for response.create", "too_many_items", "item")
+        self._pending_texts.append(text)
+        item_id = item["id"] if isinstance(item.get("id"), str) and item["id"] else f"item_t{next(self._items)}"
+        stored = {"id": item_id, "object": "realtime.item", "type": "message", "status": "completed", "role": "user",
+                  "content": [{"type": "input_text", "text": text}]}
+        previous, self._last_item = self._last_item, item_id
+        return [Send(self._event("conversation.item.added", previous_item_id=previous, item=stored)),
+                Send(self._event("conversation.item.done", previous_item_id=previous, item=stored))]
+
+    def _item_truncate(self, event: dict) -> list[Action]:
+        item_id = event.get("item_id")
+        audio_end_ms = event.get("audio_end_ms")
+        content_index = event.get("content_index", 0)
+        response = next((r for r in self._responses.values() if r.item_id == item_id), None)
+        if response is None:
+            raise RealtimeError(f"no assistant item {str(item_id)[:64]!r} to truncate", "item_truncate_invalid_item_id", "item_id")
+        if not isinstance(audio_end_ms, int) or isinstance(audio_end_ms, bool) or audio_end_ms < 0:
+            raise RealtimeError("audio_end_ms must be a non-negative integer", param="audio_end_ms")
+        if content_index != 0:
+            raise RealtimeError("an assistant item here has one content part: content_index 0", param="content_index")
+        if audio_end_ms > response.audio_ms:
+            raise RealtimeError(f"audio_end_ms {audio_end_ms} is past the {response.audio_ms} ms of audio sent",
+                                "audio_end_ms_out_of_range", "audio_end_ms")
+        return [Truncate(response.reply_id, item_id, content_index, audio_end_ms)]
+
+    def truncated(self, action: Truncate, heard: str) -> dict:
+        """The event that reports a truncation done (the adapter calls it after the session did)."""
+        return self._event("conversation.item.truncated", item_id=action.item_id, content_index=action.content_index,
+                           audio_end_ms=action.audio_end_ms, voicebot={"heard_text": heard})
+
+    def _response_create(self, event: dict) -> list[Action]:
+        if self._pending_texts:
+            text, self._pending_texts = "\n".join(self._pending_texts), []
+            return [Answer(text)]
+        if self._turn_answered:
+            # voicebot answers every spoken turn itself: this response.create asks for that reply.
+            self._turn_answered = False
+            return []
+        raise RealtimeError("nothing new to respond to: add a user message or commit speech first",
+                            "response_create_nothing_new")
+
+    def _response_cancel(self, event: dict) -> list[Action]:
+        if not any(not r.done for r in self._responses.values()):
+            raise RealtimeError("there is no response in progress", "response_cancel_not_active")
+        return [_voice_message("interrupt")]
+
+    _CLIENT_EVENTS = {
+        "session.update": _session_update,
+        "input_audio_buffer.append": _append,
+        "input_audio_buffer.commit": _commit,
+        "input_audio_buffer.clear": _clear,
+        "conversation.item.create": _item_create,
+        "conversation.item.truncate": _item_truncate,
+        "response.create": _response_create,
+        "response.cancel": _response_cancel,
+    }
+
+    # ---- server side: voicebot's events and frames ------------------------------------------
+
+    def server_text(self, wire: str) -> list[dict]:
+        event = json.loads(wire)
+        handler = self._SERVER_EVENTS.get(event["type"])
+        return handler(self, event) if handler else []  # pong, state.reset: nothing to say
+
+    def server_audio(self, pcm: bytes) -> list[dict]:
+        response = self._playing
+        if response is None or response.done:
+            return []  # not reachable: frames come between audio.start and its end
+        response.audio_bytes += len(pcm)
+        return [self._event("response.output_audio.delta", **self._where(response), delta=base64.b64encode(pcm).decode())]
+
+    def _ready(self, event: dict) -> list[dict]:
+        self.session_id = event["session_id"]
+        self.voice = event["voice"]
+        return [self._event("session.created", session=self.session())]
+
+    def _updated(self, event: dict) -> list[dict]:
+        self.voice = event["voice"]
+        self._in_force = {k: event[k] for k in ("responder", "language", "turn", "endpoint_silence_ms", "barge_in_min_ms")}
+        return [self._event("session.updated", session=self.session())]
+
+    def _speech_started(self, event: dict) -> list[dict]:
+        self._utterance = _Utterance(f"item_{event['utterance_id']}", self._input_ms())
+        return [self._event("input_audio_buffer.speech_started", audio_start_ms=self._utterance.start_ms,
+                            item_id=self._utterance.item_id)]
+
+    def _partial(self, event: dict) -> list[dict]:
+        utterance = self._utterance
+        if utterance is None or self.transcription is None or not event["text"].startswith(utterance.partial):
+            return []  # a revised partial has no delta; `completed` carries the final text
+        delta, utterance.partial = event["text"][len(utterance.partial):], event["text"]
+        if not delta:
+            return []
+        return [self._event("conversation.item.input_audio_transcription.delta", item_id=utterance.item_id,
+                            content_index=0, delta=delta)]
+
+    def _final(self, event: dict) -> list[dict]:
+        item_id = f"item_{event['utterance_id']}"
+        start_ms = self._utterance.start_ms if self._utterance else self._input_ms()
+        end_ms = self._input_ms()
+        self._utterance = None
+        self.uncommitted_bytes = 0
+        text = event["text"]
+        previous, self._last_item = self._last_item, item_id
+        item = {"id": item_id, "object": "realtime.item", "type": "message", "status": "completed", "role": "user",
+                "content": [{"type": "input_audio", "transcript": text if self.transcription is not None else None}]}
+        events = [
+            self._event("input_audio_buffer.speech_stopped", audio_end_ms=end_ms, item_id=item_id),
+            self._event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id),
+            self._event("conversation.item.added", previous_item_id=previous, item=item),
+            self._event("conversation.item.done", previous_item_id=previous, item=item),
+        ]
+        if self.transcription is not None:
+            events.append(self._event(
+                "conversation.item.input_audio_transcription.completed", item_id=item_id, content_index=0, transcript=text,
+                usage={"type": "duration", "seconds": round((end_ms - start_ms) / 1000, 3)},
+                voicebot={"confidence": event["confidence"], "model": event["model"], "fallback": event["fallback"],
+                          "gate_muted_ms": event["gate_muted_ms"]}))
+        return events
+
+    def _turn_end(self, event: dict) -> list[dict]:
+        if event["text"]:
+            self._turn_answered = True  # its reply follows (a turn may hold several utterances)
+        return []
+
+    def _reply_delta(self, event: dict) -> list[dict]:
+        events, response = self._response(event["reply_id"])
+        response.transcript += event["text"]
+        events.append(self._event("response.output_audio_transcript.delta", **self._where(response), delta=event["text"]))
+        return events
+
+    def _reply_done(self, event: dict) -> list[dict]:
+        events, response = self._response(event["reply_id"])
+        if not event["text"]:
+            events += self._finish(response, "completed")  # nothing to speak: no audio follows
+        return events
+
+    def _audio_start(self, event: dict) -> list[dict]:
+        events, self._playing = self._response(event["reply_id"])
+        return events
+
+    def _audio_end(self, event: dict) -> list[dict]:
+        events, response = self._response(event["reply_id"])
+        return events + self._finish(response, "completed")
+
+    def _interrupted(self, event: dict) -> list[dict]:
+        events, response = self._response(event["reply_id"])
+        reason = "turn_detected" if event["reason"] == "barge_in" else "client_cancelled"
+        extra = {k: event[k] for k in ("played_ms", "heard_text", "frames_sent", "frames_dropped")}
+        return events + self._finish(response, "cancelled", {"type": "cancelled", "reason": reason}, extra)
+
+    def _error(self, event: dict) -> list[dict]:
+        extra = {k: v for k, v in event.items() if k not in ("type", "code", "message")}
+        events = [self.error(event["message"], event["code"], kind="server_error" if event["code"] in SERVER_ERRORS else None,
+                             voicebot=extra or None)]
+        reply_id = event.get("reply_id")
+        if reply_id and event["code"] == "engine_error":  # the reply ended with it (reply_failed: a fallback line follows)
+            created, response = self._response(reply_id)
+            events = created + events
+            if response is not self._playing:  # no audio.end follows a reply that sent no frame
+                events += self._finish(response, "failed", {"type": "failed", "error": {"type": "server_error",
+                                                                                         "code": "engine_error"}})
+        return events
+
+    _SERVER_EVENTS = {
+        "session.ready": _ready,
+        "session.updated": _updated,
+        "speech.started": _speech_started,
+        "asr.partial": _partial,
+        "asr.final": _final,
+        "turn.end": _turn_end,
+        "reply.delta": _reply_delta,
+        "reply.done": _reply_done,
+        "audio.start": _audio_start,
+        "audio.end": _audio_end,
+        "audio.interrupted": _interrupted,
+        "error": _error,
+    }
+
+    # ---- responses -----------------------------------------------------------------------
+
+    def _response(self, reply_id: str) -> tuple[list[dict], _Response]:
+        """The response of a voicebot reply, and the events that open it if it is new."""
+        if (response := self._responses.get(reply_id)) is not None:
+            return [], response
+        response = self._responses[reply_id] = _Response(reply_id)
+        while len(self._responses) > RESPONSES_KEPT:
+            del self._responses[next(iter(self._responses))]
+        previous, self._last_item = self._last_item, response.item_id
+        return [
+            self._event("response.created", response=self._response_object(response, "in_progress")),
+            self._event("response.output_item.added", response_id=response.id, output_index=0,
+                        item=self._item(response, "in_progress")),
+            self._event("conversation.item.added", previous_item_id=previous, item=self._item(response, "in_progress")),
+            self._event("response.content_part.added", **self._where(response), part=self._part(response)),
+        ], response
+
+    def _finish(self, response: _Response, status: str, details: dict | None = None, extra: dict | None = None) -> list[dict]:
+        if response.done:
+            return []
+        response.done = True
+        if self._playing is response:
+            self._playing = None
+        item_status = "completed" if status == "completed" else "incomplete"
+        where = self._where(response)
+        return [
+            self._event("response.output_audio.done", **where),
+            self._event("response.output_audio_transcript.done", **where, transcript=response.transcript),
+            self._event("response.content_part.done", **where, part=self._part(response)),
+            self._event("response.output_item.done", response_id=response.id, output_index=0, item=self._item(response, item_status)),
+            self._event("conversation.item.done", previous_item_id=None, item=self._item(response, item_status)),
+            self._event("response.done", response=self._response_object(response, status, details, extra)),
+        ]
+
+    def _where(self, response: _Response) -> dict:
+        return {"response_id": response.id, "item_id": response.item_id, "output_index": 0, "content_index": 0}
+
+    def _part(self, response: _Response) -> dict:
+        return {"type": "audio", "transcript": response.transcript}
+
+    def _item(self, response: _Response, status: str) -> dict:
+        return {"id": response.item_id, "object": "realtime.item", "type": "message", "status": status, "role": "assistant",
+                "content": [{"type": "output_audio", "transcript": response.transcript}]}
+
+    def _response_object(self, response: _Response, status: str, details: dict | None = None, extra: dict | None = None) -> dict:
+        body = {"object": "realtime.response", "id": response.id, "status": status, "status_details": details,
+                "output": [] if status == "in_progress" else [self._item(response, "completed" if status == "completed" else "incomplete")],
+                "conversation_id": None, "output_modalities": ["audio"], "max_output_tokens": "inf",
+                "audio": {"output": {"format": PCM_FORMAT, "voice": self.voice}}, "usage": None, "metadata": None}
+        if extra:
+            body["voicebot"] = extra
+        return body
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def session(self) -> dict:
+        """The session object of session.created and session.updated: what is in force."""
+        return {
+            "type": "realtime", "object": "realtime.session", "id": f"sess_{self.session_id}", "model": self.model,
+            "output_modalities": ["audio"], "instructions": self.instructions, "tools": [], "tool_choice": "auto",
+            "max_output_tokens": "inf", "tracing": None, "prompt": None, "expires_at": 0, "include": None,
+            "audio": {
+                "input": {"format": PCM_FORMAT, "transcription": self.transcription, "noise_reduction": None,
+                          "turn_detection": self.turn_detection},
+                "output": {"format": PCM_FORMAT, "voice": self.voice, "speed": 1.0},
+            },
+            # What decides a turn here: `turn` smart or silence (silence where the end-of-turn model did not load).
+            "voicebot": self._in_force or None,
+        }
+
+    def error(self, message: str, code: str, param: str | None = None, *, kind: str | None = None,
+              event_id: str | None = None, voicebot: dict | None = None) -> dict:
+        """An `error` event in OpenAI's shape; `voicebot` holds what voicebot's own error adds."""
+        body = {"type": kind or "invalid_request_error", "code": code, "message": message, "param": param, "event_id": event_id}
+        return self._event("error", error=body, **({"voicebot": voicebot} if voicebot else {}))
+
+    def _endpointing(self) -> dict:
+        detection = self.turn_detection
+        if detection is None:
+            return {"turn": "silence", "endpoint_silence_ms": MANUAL_SILENCE_MS}
+        if detection["type"] == "semantic_vad":
+            return {"turn": "smart"}
+        return {"turn": "silence", "endpoint_silence_ms": detection["silence_duration_ms"]}
+
+    def _input_ms(self) -> int:
+        return self.input_bytes * 1000 // (2 * INPUT_RATE)
+
+    def _event(self, kind: str, **fields: Any) -> dict:
+        return {"type": kind, "event_id": f"event_{next(self._events)}", **fields}
+
+
+def _object(parent: dict, key: str, param: str, required: bool = True) -> dict:
+    value = parent.get(key)
+    if value is None and not required:
+        return {}
+    if not isinstance(value, dict):
+        raise RealtimeError(f"{param} must be an object", param=param)
+    return value
+
+
+def _turn_detection(value: Any) -> dict | None:
+    """A client's turn_detection, completed with the defaults; None: manual commits."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("server_vad", "semantic_vad"):
+        raise RealtimeError("turn_detection must be null or of type server_vad or semantic_vad",
+                            param="session.audio.input.turn_detection")
+    param = "session.audio.input.turn_detection"
+    for flag in ("create_response", "interrupt_response"):
+        if value.get(flag) is False:
+            raise RealtimeError(f"{flag}: false is not supported: voicebot answers every turn and yields to the user",
+                                "unsupported_value", f"{param}.{flag}")
+    if value["type"] == "semantic_vad":
+        return {"type": "semantic_vad", "eagerness": value.get("eagerness", "auto"), "create_response": True,
+                "interrupt_response": True}
+    detection = {**DEFAULT_TURN_DETECTION, **{k: v for k, v in value.items() if k in DEFAULT_TURN_DETECTION and v is not None}}
+    silence = detection["silence_duration_ms"]
+    if not isinstance(silence, int) or isinstance(silence, bool) or not SILENCE_MS[0] <= silence <= SILENCE_MS[1]:
+        raise RealtimeError(f"silence_duration_ms must be an integer in {SILENCE_MS[0]}-{SILENCE_MS[1]}",
+                            param=f"{param}.silence_duration_ms")
+    threshold = detection["threshold"]
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0 < threshold < 1:
+        raise RealtimeError("threshold must be a number between 0 and 1", param=f"{param}.threshold")
+    return detection
+
+
+def _transcription(value: Any) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RealtimeError("transcription must be null or an object", param="session.audio.input.transcription")
+    language = value.get("language")
+    if language is not None and (not isinstance(language, str) or not 1 <= len(language) <= 64):
+        raise RealtimeError("language must be a name of 1-64 characters", param="session.audio.input.transcription.language")
+    # The model is the server's recognizer, whatever the client names; the prompt is not used.
+    return {"model": value.get("model") or "voicebot", "language": language, "prompt": value.get("prompt")}
