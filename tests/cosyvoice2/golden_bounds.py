@@ -16,7 +16,10 @@ official stream's seams alone: 0.3 of the peak).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+from torch import Tensor
 
 # Logits and hidden states, mels and the flow encoder's output: deep stacks of fp32 dot products,
 # ~10^2 ulps of the peak. The speech inherits the mel's error amplified by HiFT (the mel's 3e-7
@@ -39,3 +42,45 @@ def max_error_to_peak(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def assert_close_to_peak(actual: torch.Tensor, expected: torch.Tensor, bound: float, what: str = "") -> None:
     error = max_error_to_peak(actual, expected)
     assert error <= bound, f"{what + ': ' if what else ''}max abs error {error:.3g} of the peak > {bound:g}"
+
+
+# Near-ties: a greedy token is decided by fp32 only where its top-1/top-2 logit margin exceeds twice
+# the logit bound (each of the two logits may be off by the bound). At a step within that, a
+# correct implementation may take either token, and every later step then differs from the
+# official decode; a token test compares up to there and says so, instead of failing or passing
+# by the luck of the summation order.
+
+
+class Margins:
+    """Wraps a sampler: each step's top-1/top-2 log-prob margin as the sampler saw it (eos masked
+    where it was) and the id it chose (inf where the choice was forced, not an argmax)."""
+
+    def __init__(self, sample) -> None:
+        self.sample, self.margins, self.chosen = sample, [], []
+
+    def __call__(self, logp: Tensor, history: list[int]) -> int:
+        top2 = logp.topk(2).values
+        chosen = self.sample(logp, history)
+        self.margins.append((top2[0] - top2[1]).item() if chosen == int(logp.argmax()) else float("inf"))
+        self.chosen.append(chosen)
+        return chosen
+
+
+def compared_steps(speech_token_size: int, margins: Margins, tokens: list[int], expected: list[int],
+                   expected_logits: Tensor) -> int | None:
+    """Tokens equal `expected` up to the first near-tie where they part (the rule above);
+    returns how many decode steps are comparable: None for all, else up to and including that near-tie."""
+    tie_within = 2 * LOGITS * expected_logits.abs().max().item()
+    ties = [i for i, m in enumerate(margins.margins) if m <= tie_within]
+    if ties:
+        warnings.warn(f"near-tie steps {ties} (top-2 margin ≤ {tie_within:.2g}): tokens there are not decided by fp32")
+    parted = next((k for k, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+    if parted is None and len(tokens) == len(expected):
+        return None
+    parted = min(len(tokens), len(expected)) if parted is None else parted
+    # the step that chose the token at `parted` (or the stop): fill tokens take steps of their own
+    speech_steps = [i for i, t in enumerate(margins.chosen) if t < speech_token_size]
+    step = speech_steps[parted] if parted < len(speech_steps) else len(margins.margins) - 1
+    assert step in ties, (f"token {parted} (step {step}, margin {margins.margins[step]:.3g} > {tie_within:.2g}) "
+                          f"differs from the official one: {tokens[parted:parted + 1]} != {expected[parted:parted + 1]}")
+    return step + 1
