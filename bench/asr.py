@@ -15,13 +15,12 @@ import argparse
 import asyncio
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.asr.tiny_models
+import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 
 from tests.asr.tiny_models import build_model_dir, synthetic_speech  # noqa: E402
 from voicebot.asr.base import SAMPLE_RATE, Hypothesis  # noqa: E402

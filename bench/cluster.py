@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import signal
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -35,7 +34,7 @@ import numpy as np
 import websockets
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 
 from tests.cluster.processes import HAProxy, RedisServer, VoicebotServer, start_behind_haproxy, wait_until  # noqa: E402
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from voicebot.config import REPO_ROOT, Cosyvoice2Config
 from voicebot.serving.lm_pool import LMPool
 from voicebot.serving.scheduler import Scheduler

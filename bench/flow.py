@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from bench.cosyvoice2 import FIXTURES, released_hparams
 from voicebot.config import REPO_ROOT
 from voicebot.tts.cosyvoice2 import estimator as packed

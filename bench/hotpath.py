@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 
 from tests.audio import dbfs_gain, espeak_speech, fan_noise, to_pcm16  # noqa: E402
 from voicebot import protocol  # noqa: E402

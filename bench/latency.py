@@ -41,7 +41,7 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 
 from tests.audio import to_pcm16  # noqa: E402
 from tests.conftest import free_port  # noqa: E402

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import re
 
+import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from tests.conftest import TEST_PHRASES, VoiceClient, make_settings, running_server, speech_pcm
 from tests.reply.sse_server import Behaviour, SSEServer
 

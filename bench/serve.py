@@ -36,6 +36,7 @@ import numpy as np
 import soundfile as sf
 import torch
 
+import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from bench.cosyvoice2 import FIXTURES, released_hparams
 from voicebot.config import REPO_ROOT, Cosyvoice2Config
 from voicebot.serving.lm_pool import LMPool

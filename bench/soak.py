@@ -47,7 +47,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 
 from tests.conftest import TEST_PHRASES, free_port, speech_pcm  # noqa: E402
 from tests.hostile import HOSTILE_TEXT  # noqa: E402

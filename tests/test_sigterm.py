@@ -10,7 +10,8 @@ import signal
 
 import websockets
 
-from tests.conftest import start_server_process
+from tests.conftest import make_settings, start_server_process
+from voicebot.runtime import Runtime
 from voicebot.protocol import CloseCode, ErrorCode
 
 
@@ -36,3 +37,22 @@ def test_sigterm_closes_sessions_with_1001_and_exits_0(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_drain_wakes_when_the_last_session_leaves_and_gives_up_at_its_timeout():
+    """The drain waits on the runtime's news (a reply ended, a session left), not on a poll."""
+    rt = Runtime(make_settings())
+    rt.sessions.update({"a": object(), "b": object()})
+
+    async def drain() -> tuple[bool, bool, bool]:
+        waiting = asyncio.create_task(rt.wait_until(lambda: not rt.sessions, timeout_s=10))
+        await asyncio.sleep(0)
+        rt.session_left("a")
+        await asyncio.sleep(0)
+        still_waiting = not waiting.done()
+        rt.session_left("b")
+        emptied = await asyncio.wait_for(waiting, 1)
+        rt.sessions["c"] = object()
+        return still_waiting, emptied, await rt.wait_until(lambda: not rt.sessions, timeout_s=0.05)
+
+    assert asyncio.run(drain()) == (True, True, False)

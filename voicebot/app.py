@@ -222,7 +222,7 @@ async def run_session(ws: Socket, rt: Runtime, on_session: Callable[[Session], N
         for task in (sender, close_requested, start_deadline):
             task.cancel()
         await asyncio.gather(sender, close_requested, start_deadline, return_exceptions=True)
-        rt.sessions.pop(session.id, None)
+        rt.session_left(session.id)
         rt.metrics.active_sessions.dec()
 
 
@@ -247,16 +247,12 @@ def _drain_on_sigterm(rt: Runtime) -> None:
 
     async def drain() -> None:
         rt.draining = True
-        deadline = time.monotonic() + rt.settings.server.shutdown_timeout_s
-        while rt.replies_in_progress() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await rt.wait_until(lambda: not rt.replies_in_progress(), rt.settings.server.shutdown_timeout_s)
         log.info("drained: %d replies still in progress", rt.replies_in_progress())
         # Closed here with 1001 and an error event, as documented; uvicorn's own stop would use 1012.
         for session in list(rt.sessions.values()):
             session.request_close(CloseCode.GOING_AWAY, ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-        deadline = time.monotonic() + 2
-        while rt.sessions and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await rt.wait_until(lambda: not rt.sessions, 2)
         loop.remove_signal_handler(signal.SIGTERM)
         if callable(previous):
             previous(signal.SIGTERM, None)

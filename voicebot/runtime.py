@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from voicebot.asr.base import Recognizer
@@ -74,6 +75,8 @@ class Runtime:
     _notices: set[asyncio.Task] = field(default_factory=set)  # cluster error events being queued, one per session
     speech_filter: SpeechFilter = field(init=False)  # blocklist and max length of what is spoken
     admission: Admission | None = None  # the thread pools' load; built by load()
+    # Set when a reply ends or a session leaves: what wait_until() wakes on to look again.
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.input_recorder = InputRecorder(self.settings.server.record_input_s)
@@ -137,6 +140,25 @@ class Runtime:
 
     def replies_in_progress(self) -> int:
         return sum(1 for s in self.sessions.values() if s.replying)
+
+    def reply_ended(self) -> None:
+        self._changed.set()
+
+    def session_left(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+        self._changed.set()
+
+    async def wait_until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until done() holds, looking again each time a reply ends or a session leaves;
+        False if timeout_s passed first."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not done():
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                return done()
+        return True
 
     def _cluster_changed(self, up: bool) -> None:
         if up:

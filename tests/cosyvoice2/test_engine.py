@@ -16,6 +16,7 @@ import soundfile as sf
 import torch
 from pydantic import ValidationError
 
+from golden_bounds import SPEECH, assert_close_to_peak
 from tiny_frontend import make_model_dir
 from voicebot.config import Cosyvoice2Config
 from voicebot.tts.base import SAMPLE_RATE
@@ -152,7 +153,7 @@ def test_bistream_reply_is_one_segment_with_the_model_run_directly(synth, fixed_
     assert {c.segment for c in chunks} == {0} and chunks[-1].text == text and len(chunks) >= 2
     tokens, direct = run_bistream_directly(synth, "tiny_zero_shot_spk", ["Hello world.", "This is test 3 of the tokenizer!"], 7)
     assert len(tokens) > 25 and sum(len(c.audio) for c in chunks) == len(tokens) * SAMPLES_PER_TOKEN
-    np.testing.assert_allclose(np.concatenate([c.audio for c in chunks]), direct, atol=1e-6)
+    assert_close_to_peak(torch.from_numpy(np.concatenate([c.audio for c in chunks])), torch.from_numpy(direct), SPEECH)
 
 
 def test_bistream_starts_a_new_request_when_one_is_full(synth, fixed_length, monkeypatch):
@@ -296,7 +297,7 @@ def test_engine_audio_equals_the_model_run_directly(synth, fixed_length, sentenc
     )
     direct = torch.cat([*stream.push(tokens), stream.finish()], dim=1)[0].numpy()
     assert len(tokens) == N_TOKENS
-    np.testing.assert_allclose(streamed, direct, atol=1e-6)
+    assert_close_to_peak(torch.from_numpy(streamed), torch.from_numpy(direct), SPEECH)
     # the prefix was used, and it is the voice's one cached copy
     assert prefixes == [synth.lm_prefix(voice)] and prefixes[0].length == 1 + voice.prompt_text.shape[1] > 1
     assert synth.info().details["lm_prefix_bytes"] >= prefixes[0].nbytes()
@@ -413,7 +414,7 @@ def test_a_session_in_a_batch_sounds_as_it_does_alone(synth, monkeypatch, text_i
     assert max(synth.scheduler.render_sizes) >= 2, synth.scheduler.render_sizes  # and flow/HiFT calls
     for key, audio in zip("abd", (a, b, d)):
         assert len(audio) == len(alone[key]), key
-        np.testing.assert_allclose(audio, alone[key], atol=1e-5, rtol=0, err_msg=key)
+        assert_close_to_peak(torch.from_numpy(audio), torch.from_numpy(alone[key]), SPEECH, key)
     assert c.size and all_slots_free(synth)
 
 

@@ -13,13 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from golden_bounds import MEL, assert_close_to_peak
 from voicebot.tts.cosyvoice2.flow import Flow, build_flow
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.loader import load_checkpoint
 
 pytestmark = pytest.mark.golden
-
-MEL_ATOL = 1e-4  # README "Suggested fp32 acceptance thresholds"
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +33,6 @@ def inputs(cv2_golden: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: cv2_golden[f"flow.{name}"] for name in ("token", "prompt_token", "prompt_feat", "embedding")}
 
 
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
-    assert actual.shape == expected.shape
-    err = (actual - expected).abs().max().item()
-    assert err <= atol, f"max abs error {err:.3g} > {atol}"
-
-
 def test_rand_noise_is_the_official_buffer(cv2_dir: Path, cv2_golden: dict, cv2_meta: dict, flow: Flow) -> None:
     assert cv2_meta["flow.rand_noise_equals_manual_seed0_randn"]
     expected = load_file(cv2_dir / "flow_rand_noise.safetensors")["rand_noise"]
@@ -52,13 +45,13 @@ def test_encoder_out_nonstream(cv2_golden: dict, inputs: dict, flow: Flow) -> No
     tokens = torch.cat([inputs["prompt_token"], inputs["token"]], dim=1)
     with torch.inference_mode():
         out = flow.encode(tokens, finalize=True, streaming=False)
-    _assert_close(out, cv2_golden["flow.encoder_out.nonstream"], MEL_ATOL)
+    assert_close_to_peak(out, cv2_golden["flow.encoder_out.nonstream"], MEL)
 
 
 @pytest.mark.parametrize(("key", "streaming"), [("flow.mel.nonstream", False), ("flow.mel.stream_finalize", True)])
 def test_mel_final(cv2_golden: dict, inputs: dict, flow: Flow, key: str, streaming: bool) -> None:
     mel = flow.inference(**inputs, streaming=streaming, finalize=True)
-    _assert_close(mel, cv2_golden[key], MEL_ATOL)
+    assert_close_to_peak(mel, cv2_golden[key], MEL)
 
 
 def test_mel_stream_chunk_with_lookahead(cv2_golden: dict, inputs: dict, flow: Flow) -> None:
@@ -67,4 +60,4 @@ def test_mel_stream_chunk_with_lookahead(cv2_golden: dict, inputs: dict, flow: F
     n_tokens = int(re.fullmatch(r"flow\.mel\.stream_chunk_(\d+)tok", key).group(1))
     mel = flow.inference(**{**inputs, "token": inputs["token"][:, :n_tokens]}, streaming=True, finalize=False)
     assert mel.shape[2] == (n_tokens - flow.pre_lookahead_len) * flow.token_mel_ratio
-    _assert_close(mel, cv2_golden[key], MEL_ATOL)
+    assert_close_to_peak(mel, cv2_golden[key], MEL)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from golden_bounds import SOURCE, SPEECH, assert_close_to_peak
 from voicebot.tts.cosyvoice2.hift import HiFT, SourceNoise, build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.loader import load_checkpoint
@@ -22,8 +23,6 @@ pytestmark = pytest.mark.golden
 # tensor, not with each element: unvoiced frames (f0 near 0 beside a voiced peak of ~200 Hz) met an
 # element-wise rtol only by luck of the CPU's summation order, so the bound is relative to the peak.
 F0_RTOL = 1e-5
-SPEECH_ATOL = 2e-4
-SOURCE_ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +30,6 @@ def hift(cv2_dir: Path) -> HiFT:
     model = build_hift(load_hparams(cv2_dir)["hift"]).eval()
     load_checkpoint(model, cv2_dir / "hift.pt", strip="generator.")
     return model
-
-
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
-    assert actual.shape == expected.shape
-    err = (actual - expected).abs().max().item()
-    assert err <= atol, f"max abs error {err:.3g} > {atol}"
 
 
 def _seeded_prefix(golden: dict) -> tuple[str, int]:
@@ -58,16 +51,16 @@ def test_zero_noise(cv2_golden: dict, hift: HiFT) -> None:
     mel = cv2_golden["hift.mel"]
     noise = SourceNoise.zeros(mel.shape[2] * hift.samples_per_frame, hift.m_source.n_harmonics)
     speech, source = hift.inference(mel, noise=noise)
-    _assert_close(speech, cv2_golden["hift.zero_noise.speech"], SPEECH_ATOL)
-    _assert_close(source, cv2_golden["hift.zero_noise.source"], SOURCE_ATOL)
+    assert_close_to_peak(speech, cv2_golden["hift.zero_noise.speech"], SPEECH)
+    assert_close_to_peak(source, cv2_golden["hift.zero_noise.source"], SOURCE)
 
 
 def test_injected_noise(cv2_golden: dict, hift: HiFT) -> None:
     prefix, _ = _seeded_prefix(cv2_golden)
     noise = SourceNoise(cv2_golden[f"{prefix}.rand_ini"], cv2_golden[f"{prefix}.sine_noise_std1"])
     speech, source = hift.inference(cv2_golden["hift.mel"], noise=noise)
-    _assert_close(speech, cv2_golden[f"{prefix}.speech"], SPEECH_ATOL)
-    _assert_close(source, cv2_golden[f"{prefix}.source"], SOURCE_ATOL)
+    assert_close_to_peak(speech, cv2_golden[f"{prefix}.speech"], SPEECH)
+    assert_close_to_peak(source, cv2_golden[f"{prefix}.source"], SOURCE)
 
 
 def test_seeded_generator_draws_like_the_official_vocoder(cv2_golden: dict, hift: HiFT) -> None:
@@ -79,5 +72,5 @@ def test_seeded_generator_draws_like_the_official_vocoder(cv2_golden: dict, hift
     assert torch.equal(noise.rand_ini, cv2_golden[f"{prefix}.rand_ini"])
     assert torch.equal(noise.sine_noise, cv2_golden[f"{prefix}.sine_noise_std1"])
     speech, _ = hift.inference(mel, generator=torch.Generator().manual_seed(seed))
-    _assert_close(speech, cv2_golden[f"{prefix}.speech"], SPEECH_ATOL)
+    assert_close_to_peak(speech, cv2_golden[f"{prefix}.speech"], SPEECH)
 

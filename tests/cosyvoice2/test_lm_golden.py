@@ -4,6 +4,12 @@ fixture directory by the same loader as a real model, plus unit tests of the cac
 Max abs differences reached (fp32, 1 thread; README tolerance 1e-4 for logits): step logits
 zero-shot 5.5e-6, cross-lingual 5.0e-6, bistream 1.1e-5; teacher-forced embeddings, hidden state
 and logits 0 (bit-exact). Tokens (greedy, seeded RAS, bistream) and call schedules exact.
+
+A greedy token is compared only where it is decided: each logit may be off by the logit bound, so a
+step whose top-1/top-2 margin is within twice the bound is a near-tie that a correct fp32
+implementation may take either way. Tokens must equal the official ones up to the first near-tie
+at which they part (the test says so by a warning); logits and calls are compared up to that step.
+The fixtures' smallest margins: zero-shot 0.019, cross-lingual 0.009, against a near-tie's 1.6e-3.
 """
 
 from __future__ import annotations
@@ -16,13 +22,14 @@ import pytest
 import torch
 from torch import Tensor
 
+from golden_bounds import HALF_LOGITS, LOGITS, Margins, assert_close_to_peak, compared_steps
+
 from voicebot.tts.cosyvoice2.bistream import Bistream
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Qwen2Config, build_lm_input, generate, run_alone
 from voicebot.tts.cosyvoice2.loader import load_lm
 from voicebot.tts.cosyvoice2.sampling import RasSampler, greedy
 
-LOGITS_ATOL = 1e-4  # README "Suggested fp32 acceptance thresholds"
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +55,12 @@ def recording(lm: CosyVoice2LM) -> Iterator[tuple[list[Tensor], list[list[int]]]
             h.remove()
 
 
-def _check_logits(logits: list[Tensor], expected: Tensor) -> None:
+def _check_logits(logits: list[Tensor], expected: Tensor, steps: int | None = None) -> None:
+    """The first `steps` step logits (None: all of them) within the logit bound."""
     got = torch.cat(logits)
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=0)
+    if steps is None:
+        assert got.shape == expected.shape
+    assert_close_to_peak(got[:steps], expected[:steps], LOGITS, "step logits")
 
 
 @pytest.mark.golden
@@ -59,13 +68,16 @@ def _check_logits(logits: list[Tensor], expected: Tensor) -> None:
 def test_greedy_decode_with_kv_cache(lm: CosyVoice2LM, cv2_golden: dict, cv2_meta: dict, case: str) -> None:
     g, meta = cv2_golden, cv2_meta[f"lm.{case}"]
     prompts = (g["lm.prompt_text"], g["lm.prompt_speech_token"]) if case == "zero_shot" else (None, None)
+    sampler = Margins(greedy)
     with recording(lm) as (logits, calls):
-        tokens = list(generate(lm, lm.new_cache(lm.cfg.max_position_embeddings), greedy, g["lm.text"], *prompts,
+        tokens = list(generate(lm, lm.new_cache(lm.cfg.max_position_embeddings), sampler, g["lm.text"], *prompts,
                                meta["min_token_text_ratio"], meta["max_token_text_ratio"]))
-    assert tokens == g[f"lm.{case}.greedy_tokens"].tolist()
-    assert len(tokens) == meta["n_tokens"]
-    _check_logits(logits, g[f"lm.{case}.step_logits"])
-    assert [c[:2] for c in calls] == meta["forward_one_step_calls"]
+    expected = g[f"lm.{case}.step_logits"]
+    steps = compared_steps(lm.speech_token_size, sampler, tokens, g[f"lm.{case}.greedy_tokens"].tolist(), expected)
+    if steps is None:
+        assert len(tokens) == meta["n_tokens"]
+    _check_logits(logits, expected, steps)
+    assert [c[:2] for c in calls[:steps]] == meta["forward_one_step_calls"][:steps]
 
 
 @pytest.mark.golden
@@ -80,8 +92,8 @@ def test_teacher_forced(lm: CosyVoice2LM, cv2_golden: dict, cv2_meta: dict) -> N
         torch.testing.assert_close(built, embeds, atol=0, rtol=0)
         hidden = lm.qwen(embeds, torch.arange(seq_len), lm.new_cache(seq_len))
         logits = lm.llm_decoder(hidden)
-    torch.testing.assert_close(hidden, g["lm.teacher_forced.hidden"], atol=LOGITS_ATOL, rtol=0)
-    torch.testing.assert_close(logits, g["lm.teacher_forced.logits"], atol=LOGITS_ATOL, rtol=0)
+    assert_close_to_peak(hidden, g["lm.teacher_forced.hidden"], LOGITS, "hidden")
+    assert_close_to_peak(logits, g["lm.teacher_forced.logits"], LOGITS, "logits")
 
 
 @pytest.mark.golden
@@ -99,11 +111,13 @@ def test_ras_seeded(lm: CosyVoice2LM, cv2_dir: Path, cv2_golden: dict, cv2_meta:
 def test_bistream(lm: CosyVoice2LM, cv2_golden: dict, cv2_meta: dict) -> None:
     g, meta = cv2_golden, cv2_meta["lm.bistream"]
 
-    def sample(logp: Tensor, history: list[int]) -> int:
+    def capped_greedy(logp: Tensor, history: list[int]) -> int:
         # The fixture's sampler: greedy, but eos once `cap` outputs exist and eos is allowed.
         if len(history) >= meta["cap_forcing_eos_after_out_tokens"] and logp[lm.eos] != -float("inf"):
             return lm.eos
         return int(logp.argmax())
+
+    sample = Margins(capped_greedy)
 
     cache = lm.new_cache(lm.cfg.max_position_embeddings)
     stream = Bistream(lm, cache.max_seq_len, g["lm.prompt_text"], g["lm.prompt_speech_token"])
@@ -112,23 +126,24 @@ def test_bistream(lm: CosyVoice2LM, cv2_golden: dict, cv2_meta: dict) -> None:
         for token in g["lm.bistream.text"].flatten():  # one text token at a time, as the frontend feeds
             tokens += run_alone(lm, cache, sample, stream.push(token.reshape(1, 1)))
         tokens += run_alone(lm, cache, sample, stream.finish())
-    assert tokens == g["lm.bistream.yielded_tokens"].tolist()
-    assert len(tokens) == meta["n_yielded"]
-    assert calls == meta["forward_one_step_calls"]
-    _check_logits(logits, g["lm.bistream.step_logits"])
+    expected = g["lm.bistream.step_logits"]
+    steps = compared_steps(lm.speech_token_size, sample, tokens, g["lm.bistream.yielded_tokens"].tolist(), expected)
+    if steps is None:
+        assert len(tokens) == meta["n_yielded"]
+    assert calls[:steps] == meta["forward_one_step_calls"][:steps]
+    _check_logits(logits, expected, steps)
 
 
 @pytest.mark.golden
 def test_half_precision_tracks_fp32(cv2_dir: Path, cv2_golden: dict) -> None:
-    """The CUDA default is float16; the same code runs on CPU. A bound, not golden: 2 % of the
-    logit range on the teacher-forced sequence (float16 reached 0.5 % on the tiny fixtures)."""
+    """The CUDA default is float16; the same code runs on CPU (bound: golden_bounds.HALF_LOGITS)."""
     lm16 = load_lm(cv2_dir, dtype=torch.float16)
     embeds, expected = cv2_golden["lm.teacher_forced.lm_input_embeds"], cv2_golden["lm.teacher_forced.logits"]
     cache = lm16.new_cache(embeds.shape[1])
     assert cache.k.dtype == torch.float16
     with torch.inference_mode():
         logits = lm16.llm_decoder(lm16.qwen(embeds.half(), torch.arange(embeds.shape[1]), cache)).float()
-    assert (logits - expected).abs().max() < 0.02 * expected.abs().max()
+    assert_close_to_peak(logits, expected, HALF_LOGITS, "float16 logits")
 
 
 def _tiny_lm(vocab: int = 32, speech: int = 16) -> CosyVoice2LM:
@@ -172,3 +187,21 @@ def test_ras_repeat_falls_back_to_the_full_distribution_without_the_repeated_id(
     sampler = RasSampler(top_k=1, generator=torch.Generator().manual_seed(0))
     assert sampler(logp, [3]) == 0
     assert {sampler(logp, [0]) for _ in range(50)} == {1, 2, 3}
+
+
+def test_a_greedy_token_may_part_from_the_official_one_only_at_a_near_tie() -> None:
+    """compared_steps (golden_bounds.py) on made-up steps over 4 ids (3 is the fill, not yielded):
+    logits peak 10, so a near-tie is a margin ≤ 2 × LOGITS × 10."""
+    tie = 2 * LOGITS * 10
+    steps = [torch.tensor([1.0, 0.0, -9.0, -9.0]), torch.tensor([0.0, 0.0, -9.0, 9.0]),  # id 0; the fill
+             torch.tensor([0.0, -tie / 2, -9.0, -9.0]), torch.tensor([-1.0, 0.0, -9.0, -9.0])]
+    logits = torch.full((4, 4), 10.0)
+    sampler = Margins(greedy)
+    tokens = [t for t in (sampler(logp, []) for logp in steps) if t < 3]
+    assert tokens == [0, 0, 1]
+    with pytest.warns(UserWarning, match=r"near-tie steps \[2\]"):
+        assert compared_steps(3, sampler, tokens, [0, 0, 1], logits) is None  # equal: everything compares
+    with pytest.warns(UserWarning):
+        assert compared_steps(3, sampler, tokens, [0, 1, 0], logits) == 3  # parted at the near-tie (step 2)
+    with pytest.warns(UserWarning), pytest.raises(AssertionError, match="token 2 .step 3"):
+        compared_steps(3, sampler, tokens, [0, 0, 0], logits)  # parted where the margin was 1

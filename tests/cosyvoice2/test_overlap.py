@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench.overlap import overlapped
+from golden_bounds import SPEECH, assert_close_to_peak
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 
 pytestmark = pytest.mark.golden
@@ -29,7 +30,7 @@ def test_overlapped_chunks_equal_the_sequential_ones(cv2_golden: dict, t2w: Toke
     assert torch.get_num_threads() == threads
     assert len(chunks) == len(expected)
     for chunk, want in zip(chunks, expected):
-        torch.testing.assert_close(chunk, want, rtol=0, atol=1e-6)
+        assert_close_to_peak(chunk, want, SPEECH)
 
 
 def test_decoding_errors_reach_the_consumer(t2w: Token2Wav, prompt: FlowPrompt) -> None:

@@ -12,20 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from golden_bounds import MEL, SOURCE, SPEECH, assert_close_to_peak
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 
 pytestmark = pytest.mark.golden
-
-# README "Suggested fp32 acceptance thresholds"
-MEL_ATOL = 1e-4
-SOURCE_ATOL = 1e-3
-SPEECH_ATOL = 2e-4
-
-
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
-    assert actual.shape == expected.shape
-    err = (actual - expected).abs().max().item()
-    assert err <= atol, f"max abs error {err:.3g} > {atol}"
 
 
 def _record_calls(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
@@ -64,7 +54,7 @@ def _record_calls(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> list[dict]
 
 def test_nonstream(cv2_golden: dict, t2w: Token2Wav, prompt: FlowPrompt) -> None:
     speech = t2w.full(cv2_golden["flow.token"], prompt, zero_noise=True)
-    _assert_close(speech, cv2_golden["tts.nonstream.speech"], SPEECH_ATOL)
+    assert_close_to_peak(speech, cv2_golden["tts.nonstream.speech"], SPEECH)
 
 
 def test_stream_one_token_at_a_time(cv2_golden: dict, cv2_meta: dict, t2w: Token2Wav, prompt: FlowPrompt,
@@ -83,25 +73,25 @@ def test_stream_one_token_at_a_time(cv2_golden: dict, cv2_meta: dict, t2w: Token
     for logged, expected in zip(calls, meta["calls"]):
         name = f"tts.stream.{expected['call']}"
         if logged["call"] == "flow":
-            _assert_close(logged["mel_full"], cv2_golden[f"{name}.mel_full"], MEL_ATOL)
+            assert_close_to_peak(logged["mel_full"], cv2_golden[f"{name}.mel_full"], MEL)
             continue
-        _assert_close(logged["mel_in"], cv2_golden[f"{name}.mel_in"], MEL_ATOL)
+        assert_close_to_peak(logged["mel_in"], cv2_golden[f"{name}.mel_in"], MEL)
         if logged["cache_source_len"]:
-            _assert_close(logged["cache_source_in"], cv2_golden[f"{name}.cache_source_in"], SOURCE_ATOL)
-        _assert_close(logged["source"], cv2_golden[f"{name}.source"], SOURCE_ATOL)
-        _assert_close(logged["speech"], cv2_golden[f"{name}.speech"], SPEECH_ATOL)
+            assert_close_to_peak(logged["cache_source_in"], cv2_golden[f"{name}.cache_source_in"], SOURCE)
+        assert_close_to_peak(logged["source"], cv2_golden[f"{name}.source"], SOURCE)
+        assert_close_to_peak(logged["speech"], cv2_golden[f"{name}.speech"], SPEECH)
 
     # Chunk causality, which a cached flow (no prefix recompute) relies on: a later non-final
     # call reproduces the frames of earlier ones.
     flows = [c for c in calls if c["call"] == "flow" and not c["finalize"]]
     for earlier, later in zip(flows, flows[1:]):
         n = earlier["mel_frames"]
-        _assert_close(later["mel_full"][:, :, :n], earlier["mel_full"], MEL_ATOL)
+        assert_close_to_peak(later["mel_full"][:, :, :n], earlier["mel_full"], MEL)
 
     assert [c.shape[1] for c in chunks] == meta["chunk_speech_lens"]
     assert sum(c.shape[1] for c in chunks) == meta["total"]
     for i, chunk in enumerate(chunks):
-        _assert_close(chunk, cv2_golden[f"tts.stream.chunk{i}.speech"], SPEECH_ATOL)
+        assert_close_to_peak(chunk, cv2_golden[f"tts.stream.chunk{i}.speech"], SPEECH)
 
 
 @pytest.mark.parametrize("push_size", [1, 7, 200])
@@ -110,7 +100,7 @@ def test_stream_exact_mode(cv2_golden: dict, cv2_meta: dict, golden_stream, push
     chunks = golden_stream("exact", push_size)
     assert [c.shape[1] for c in chunks] == cv2_meta["tts.stream"]["chunk_speech_lens"]
     for i, chunk in enumerate(chunks):
-        _assert_close(chunk, cv2_golden[f"tts.stream.chunk{i}.speech"], SPEECH_ATOL)
+        assert_close_to_peak(chunk, cv2_golden[f"tts.stream.chunk{i}.speech"], SPEECH)
 
 
 def test_second_stream_starts_from_the_first_hop(cv2_golden: dict, cv2_meta: dict, t2w: Token2Wav,
@@ -122,7 +112,7 @@ def test_second_stream_starts_from_the_first_hop(cv2_golden: dict, cv2_meta: dic
         stream = t2w.stream(prompt, zero_noise=True)
         chunks = stream.push(tokens) + [stream.finish()]
         assert [c.shape[1] for c in chunks] == cv2_meta["tts.stream"]["chunk_speech_lens"]
-    _assert_close(chunks[0], cv2_golden["tts.stream.chunk0.speech"], SPEECH_ATOL)
+    assert_close_to_peak(chunks[0], cv2_golden["tts.stream.chunk0.speech"], SPEECH)
 
 
 def test_utterance_shorter_than_the_first_hop_is_one_full_chunk(cv2_golden: dict, t2w: Token2Wav,

@@ -380,6 +380,7 @@ class Session:
                     raise
             finally:
                 self._reply = self._reply_task = None
+                self.rt.reply_ended()  # a SIGTERM drain waits on this (app.py)
                 if self.state is not State.CLOSING:
                     self._enter(State.LISTENING)
 

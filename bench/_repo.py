@@ -1,0 +1,8 @@
+"""Puts the repository root first on sys.path (see bench/__init__.py for why every script imports this)."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
