@@ -78,7 +78,7 @@ class TurnResult:
     ended_by: list[str] = field(default_factory=list)
     timings: dict = field(default_factory=dict)  # the server's, of the turn.end that ended it
     turn_end_ms: float | None = None  # when that turn.end arrived, from the end of the turn
-    cut_ins: list[str] = field(default_factory=list)  # "by p=probability" of each turn.end before the end
+    cut_ins: list[str] = field(default_factory=list)  # "by p=probability at pause_ms" of each turn.end before the end
 
 
 class Client:
@@ -144,7 +144,7 @@ async def speak(client: Client, turn: RenderedTurn) -> TurnResult:
         [e["by"] for _, e in ends],
         deciding[0][1]["timings"] if deciding else {},
         (deciding[0][0] - end) * 1000 if deciding else None,
-        [f"{e['by']} p={e['probability']}" for e in early],
+        [f"{e['by']} p={e['probability']} at {e['timings']['pause_ms']} ms" for e in early],
     )
 
 
@@ -231,7 +231,7 @@ def print_stages(rows: list) -> None:
 
 
 def print_cut_ins(rows: list) -> None:
-    print("\nfalse cut-ins: the turn, and each turn.end before its end (by, the model's last probability)")
+    print("\nfalse cut-ins: the turn, and each turn.end before its end (by, the model's last probability, the silence heard)")
     for policy, n, results, _ in rows:
         cut = [f"{r.name} ({', '.join(r.cut_ins)})" for r in results if r.cut_in]
         print(f"{policy:>9} {n:>7}  {'; '.join(cut) or '-'}")
