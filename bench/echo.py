@@ -10,11 +10,12 @@ mixes what it played back into its input `delay` ms later at `gain` dB: the room
 mix. In the barge-in cases a real user (espeak-ng) talks over the reply from BARGE_AT_S into it.
 
 Per case:
-- attenuation: echo energy in over echo energy out of the canceller while the bot spoke
-  (voicebot_echo_attenuation_db, observed when the session closes; none without a canceller);
+- attenuation: energy in over energy out of the canceller while the bot spoke
+  (voicebot_echo_attenuation_db, observed when the session closes; none without a canceller); the
+  echo's attenuation in the cases without a barge-in (with one, the user's speech, kept, is in it);
 - false barge-ins: replies interrupted (`barge_in`) before any user spoke;
-- echo transcripts: utterances the recognizer made of the echo (speech that began before the user
-  spoke), and their text;
+- echo utterances: speech the endpointer heard in the echo (begun before the user spoke), and the
+  recognizer's transcripts of them;
 - barge-in delay: from the first sample of the real barge-in to the `audio.interrupted` that
   stopped the reply (`pacing.barge_in_min_ms` of speech has to be heard first);
 - heard: what the recognizer made of the barge-in itself.
@@ -60,10 +61,11 @@ BUFFER_S = CASE_LIMIT_S + 5  # the case's timeline: what was played, what the us
 class CaseResult:
     aec: bool
     delay_ms: int
-    gain_db: int
+    gain_db: int | None  # None: no echo at all (the barge-in's own delay, for reference)
     barge: bool
     attenuation_db: float | None = None
     false_barge_ins: int = 0
+    echo_utterances: int = 0
     echo_transcripts: list[str] = field(default_factory=list)
     barge_in_delay_ms: float | None = None
     heard: str = ""
@@ -72,11 +74,11 @@ class CaseResult:
 class Room:
     """The client's loudspeaker and microphone on one sample clock (sample k is at t0 + k / RATE)."""
 
-    def __init__(self, delay_ms: int, gain_db: int) -> None:
+    def __init__(self, delay_ms: int, gain_db: int | None) -> None:
         self.played = np.zeros(int(BUFFER_S * RATE), np.float32)  # what the speaker plays, when
         self.voice = np.zeros_like(self.played)  # what the user says, when
         self.delay = delay_ms * RATE // 1000
-        self.gain = 10 ** (gain_db / 20)
+        self.gain = 0.0 if gain_db is None else 10 ** (gain_db / 20)
         self.play_end = 0  # the speaker is busy until this sample
         self.t0 = time.monotonic()
         self._resampler = StreamResampler(24000, RATE)
@@ -159,6 +161,7 @@ async def run_case(url: str, case: CaseResult, barge_speech: np.ndarray) -> Case
 
     user_from = barge_at if barge_at is not None else len(room.voice)  # before it, only the bot spoke
     started = {e["utterance_id"]: at for at, e in log if e["type"] == "speech.started"}
+    case.echo_utterances = sum(1 for at in started.values() if at < user_from)
     for at, e in log:
         if e["type"] == "audio.interrupted" and e["reason"] == "barge_in":
             if at < user_from:
@@ -198,7 +201,9 @@ def main() -> None:
     url = base.replace("http", "ws") + "/v1/voice"
     results = []
     try:
-        for aec, delay_ms, gain_db, barge in itertools.product((False, True), args.delays, args.gains, (False, True)):
+        cases = [(aec, 0, None, True) for aec in (False, True)]
+        cases += itertools.product((False, True), args.delays, args.gains, (False, True))
+        for aec, delay_ms, gain_db, barge in cases:
             before = echo_attenuation(base)
             case = asyncio.run(run_case(url, CaseResult(aec, delay_ms, gain_db, barge), barge_speech))
             for _ in range(50):  # the session's close observes its canceller's figure
@@ -217,16 +222,15 @@ def main() -> None:
 
     print(f"config {args.config}; reply {len(REPLY)} characters said once per case; barge-in {BARGE_AT_S} s into "
           f"the reply; echo = the client's own playback, delayed and attenuated")
-    print(f"{'echo':>8} {'delay':>6} {'gain':>5} {'barge-in':>8} {'attenuation':>12} {'false barge-ins':>15} "
-          f"{'barge-in delay':>14}  echo transcripts / what the barge-in was heard as")
+    print(f"{'cancel':>6} {'delay':>6} {'gain':>6} {'barge-in':>8} {'attenuation':>14} {'false barge-ins':>15} "
+          f"{'barge-in delay':>14} {'echo utterances':>15}  echo transcripts / what the barge-in was heard as")
     for r in results:
-        att = "-" if r.attenuation_db is None else f"{r.attenuation_db:.1f} dB"
-        delay = "-" if r.barge_in_delay_ms is None else f"{r.barge_in_delay_ms:.0f} ms"
-        if not r.barge:
-            delay = "n/a"
-        heard = f"{len(r.echo_transcripts)} {r.echo_transcripts[:2]}" + (f" / {r.heard!r}" if r.barge else "")
-        print(f"{'on' if r.aec else 'off':>8} {r.delay_ms:>3} ms {r.gain_db:>3} dB {'yes' if r.barge else 'no':>8} "
-              f"{att:>12} {r.false_barge_ins:>15} {delay:>14}  {heard}")
+        att = "-" if r.attenuation_db is None else f"{r.attenuation_db:.1f} dB" + (" (+user)" if r.barge else "")
+        delay = "n/a" if not r.barge else "-" if r.barge_in_delay_ms is None else f"{r.barge_in_delay_ms:.0f} ms"
+        gain = "none" if r.gain_db is None else f"{r.gain_db} dB"
+        heard = f"{r.echo_transcripts[:2]}" + (f" / {r.heard!r}" if r.barge else "")
+        print(f"{'on' if r.aec else 'off':>6} {r.delay_ms:>3} ms {gain:>6} {'yes' if r.barge else 'no':>8} {att:>14} "
+              f"{r.false_barge_ins:>15} {delay:>14} {r.echo_utterances:>15}  {heard}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ that), and tunes nothing on the set it reports: the policies are chosen on one h
 (even-numbered in each group) and reported on both halves.
 
 `--hangover-ms`: real silence before the VAD's silence begins (Silero's hangover and the chunk,
-bench/latency.py's "end -> VAD speech end"); `--model-ms`: one call's answer time.
+bench/latency.py's "end -> VAD speech end"); `--model-ms`: one call's answer time. The replay
+gives the silence heard (from the true end) when the turn is decided; the reply's first frame
+follows by bench/latency.py's "turn.end -> first frame".
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from voicebot.audio.turn import SmartTurn  # noqa: E402
 from voicebot.config import EndpointConfig  # noqa: E402
 
 WINDOW_MS = 32
-GRID_MS = list(range(WINDOW_MS, 1500 + WINDOW_MS, WINDOW_MS))  # real silence after the speech, when asked
+# VAD silence when asked. Past 1 s no question is replayed (the set's pauses end by 0.9 s): an end
+# still "incomplete" then waits for the limit, so a policy's slowest ends read a little late.
+GRID_MS = list(range(WINDOW_MS, 1024 + WINDOW_MS, WINDOW_MS))
 PRE_SPEECH_MS = EndpointConfig().pre_speech_ms
 
 
