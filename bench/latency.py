@@ -18,6 +18,16 @@ would, and clocks everything itself:
   still in it: after its first word and before its last. (audio.start would also count a reply to
   the previous turn that a loaded server sends late.)
 Once that first frame is in, the client interrupts the reply (its length tells nothing) and goes on.
+
+Then where the time went, per stage (p50 / p95 over the turns that got a reply after their end),
+from the client's clock and the server's turn.end timings (docs/protocol.md); the two processes
+share the machine's monotonic clock:
+- end -> VAD speech end: the chunk that held the last sample (40 ms) and Silero's hangover;
+- speech end -> asked: the model's last question (the segment's pause, `smart_pause_ms`, or a re-ask);
+- queued: that question waiting behind the call in progress; model: the call (features + model);
+- answer -> turn.end: waiting for the transcript of the segment (by: smart);
+- turn.end -> first frame: responder, synthesis, prebuffer (nothing left to do if prepared and kept).
+And each false cut-in, with what decided it, to tell a policy's mistakes from load noise.
 """
 
 from __future__ import annotations
@@ -66,8 +76,9 @@ class TurnResult:
     cut_in: bool
     first_audio_ms: float | None  # None: no reply after the end
     ended_by: list[str] = field(default_factory=list)
-    pause_ms: float | None = None  # the server's turn.end timings: silence heard when it decided ...
-    decision_ms: float | None = None  # ... and the model's answer time (by: smart)
+    timings: dict = field(default_factory=dict)  # the server's, of the turn.end that ended it
+    turn_end_ms: float | None = None  # when that turn.end arrived, from the end of the turn
+    cut_ins: list[str] = field(default_factory=list)  # "by p=probability at pause_ms" of each turn.end before the end
 
 
 class Client:
@@ -123,13 +134,18 @@ async def speak(client: Client, turn: RenderedTurn) -> TurnResult:
     first = client.first_frame(end)
     if first is not None:
         await client.ws.send(json.dumps({"type": "interrupt"}))
-    cut_in = any(t < end for t, _ in client.events("turn.end", start + LEAD_S))
+    early = [e for t, e in client.events("turn.end", start + LEAD_S) if t < end]
     # Let the interrupt land, so no frame of this reply is counted for the next turn.
     await client.silence_until(lambda: False, 0.4)
-    ends = [e for _, e in client.events("turn.end", start)]
-    last = ends[-1]["timings"] if ends else {}
-    return TurnResult(turn.item.name, turn.item.paused, cut_in, None if first is None else (first - end) * 1000,
-                      [e["by"] for e in ends], last.get("pause_ms"), last.get("decision_ms"))
+    ends = client.events("turn.end", start)
+    deciding = [(t, e) for t, e in ends if first is None or t <= first][-1:]  # the one the reply answered
+    return TurnResult(
+        turn.item.name, turn.item.paused, bool(early), None if first is None else (first - end) * 1000,
+        [e["by"] for _, e in ends],
+        deciding[0][1]["timings"] if deciding else {},
+        (deciding[0][0] - end) * 1000 if deciding else None,
+        [f"{e['by']} p={e['probability']} at {e['timings']['pause_ms']} ms" for e in early],
+    )
 
 
 async def client_run(url: str, turns: list[RenderedTurn], gap_s: float) -> list[TurnResult]:
@@ -183,6 +199,44 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+def stages(r: TurnResult) -> dict[str, float | None]:
+    """One answered turn's time, stage by stage (ms; None where the stage did not happen)."""
+    t = r.timings
+    speech_end = None if r.turn_end_ms is None or "end_of_speech_ms" not in t else r.turn_end_ms - t["end_of_speech_ms"]
+    wait = None
+    if t.get("decision_ms") is not None and t.get("asked_ms") is not None:
+        wait = t["end_of_speech_ms"] - t["asked_ms"] - t["decision_ms"]
+    return {
+        "end -> VAD speech end": speech_end,
+        "speech end -> asked": t.get("asked_ms"),
+        "queued": t.get("queued_ms"),
+        "model": t.get("model_ms"),
+        "answer -> turn.end": wait,
+        "turn.end -> first frame": None if r.turn_end_ms is None else r.first_audio_ms - r.turn_end_ms,
+        "end -> first frame": r.first_audio_ms,
+    }
+
+
+def print_stages(rows: list) -> None:
+    names = list(stages(TurnResult("", False, False, 0.0)))
+    print("\nwhere the time goes (ms from the turn's true end; p50 / p95 over answered turns; n = turns with that stage)")
+    print(f"{'policy':>9} {'clients':>7}  " + "  ".join(f"{n:>23}" for n in names))
+    for policy, n, results, _ in rows:
+        per_turn = [stages(r) for r in results if r.first_audio_ms is not None]
+        cells = []
+        for name in names:
+            values = [s[name] for s in per_turn if s[name] is not None]
+            cells.append(f"{pct(values, 50):>6.0f} / {pct(values, 95):>5.0f} (n={len(values):>2})" if values else f"{'-':>23}")
+        print(f"{policy:>9} {n:>7}  " + "  ".join(f"{c:>23}" for c in cells))
+
+
+def print_cut_ins(rows: list) -> None:
+    print("\nfalse cut-ins: the turn, and each turn.end before its end (by, the model's last probability, the silence heard)")
+    for policy, n, results, _ in rows:
+        cut = [f"{r.name} ({', '.join(r.cut_ins)})" for r in results if r.cut_in]
+        print(f"{policy:>9} {n:>7}  {'; '.join(cut) or '-'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
@@ -223,7 +277,7 @@ def main() -> None:
     print(f"config {args.config}; {args.turns} turns per client; client-side clock; target p50 <= {TARGET_P50_MS} ms, "
           f"p95 <= {TARGET_P95_MS} ms at 8 clients")
     print(f"{'policy':>9} {'clients':>7} {'turns':>5} {'false cut-ins':>14} {'paused':>7} {'complete':>8} "
-          f"{'end->audio p50':>15} {'p95':>7} {'pause p50':>10} {'model p50':>10} {'no reply':>8}  ended by")
+          f"{'end->audio p50':>15} {'p95':>7} {'pause p50':>10} {'decision p50':>13} {'no reply':>8}  ended by")
     for policy, n, results, turn_mode in rows:
         latencies = [r.first_audio_ms for r in results if r.first_audio_ms is not None]
         paused = [r for r in results if r.paused]
@@ -235,11 +289,13 @@ def main() -> None:
         print(f"{policy:>9} {n:>7} {len(results):>5} {100 * sum(r.cut_in for r in results) / len(results):>13.0f}% "
               f"{sum(r.cut_in for r in paused):>3}/{len(paused):<3} {sum(r.cut_in for r in complete):>3}/{len(complete):<4} "
               f"{pct(latencies, 50):>12.0f} ms {pct(latencies, 95):>4.0f} ms "
-              f"{pct([r.pause_ms for r in results if r.pause_ms is not None], 50):>7.0f} ms "
-              f"{pct([r.decision_ms for r in results if r.decision_ms is not None], 50):>7.0f} ms "
+              f"{pct([r.timings['pause_ms'] for r in results if 'pause_ms' in r.timings], 50):>7.0f} ms "
+              f"{pct([r.timings['decision_ms'] for r in results if r.timings.get('decision_ms') is not None], 50):>10.0f} ms "
               f"{len(results) - len(latencies):>8}  {' '.join(f'{k}:{v}' for k, v in sorted(by.items()))}")
         if turn_mode != POLICIES[policy]["turn"]:
             print(f"          (the server ran turn: {turn_mode}, not {POLICIES[policy]['turn']}: see its /readyz)")
+    print_stages(rows)
+    print_cut_ins(rows)
 
 
 if __name__ == "__main__":

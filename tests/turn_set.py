@@ -15,13 +15,18 @@ Used by tests/unit/test_turn.py and bench/latency.py.
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from tests.audio import espeak_speech
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_RATE = 16000
 PAUSES_MS = (300, 450, 600, 750, 900, 350, 500, 650, 800)  # cycled over the paused turns
 VOICES = {"en": "en-us", "zh": "cmn"}
@@ -161,10 +166,35 @@ def _trim(audio: np.ndarray, floor: float = 0.005) -> np.ndarray:
 
 
 @functools.cache
+def _synthesis_key() -> str:
+    """What the rendered audio depends on besides the text: the synthesis code and the espeak-ng data."""
+    import espeakng_loader
+
+    digest = hashlib.sha1()
+    for path in (REPO_ROOT / "tests" / "audio.py", REPO_ROOT / "voicebot" / "tts" / "espeak.py", Path(__file__)):
+        digest.update(path.read_bytes())
+    digest.update(str(os.stat(espeakng_loader.get_library_path()).st_mtime_ns).encode())
+    return digest.hexdigest()[:16]
+
+
+def _part(text: str, voice: str) -> np.ndarray:
+    """One part's speech, trimmed; kept on disk between runs (espeak-ng takes minutes for the set on a loaded box)."""
+    key = hashlib.sha1(f"{_synthesis_key()} {voice} {SAMPLE_RATE} {text}".encode()).hexdigest()
+    path = Path(tempfile.gettempdir()) / "voicebot-turn-set" / f"{key}.npy"
+    if path.is_file():
+        return np.load(path)
+    speech = _trim(espeak_speech(text, voice, SAMPLE_RATE))
+    path.parent.mkdir(exist_ok=True)
+    np.save(path.with_suffix(f".{os.getpid()}.npy"), speech)
+    os.replace(path.with_suffix(f".{os.getpid()}.npy"), path)  # whole or not at all, with two renderers at once
+    return speech
+
+
+@functools.cache
 def render(item: TurnItem) -> RenderedTurn:
     pieces, pauses, t = [], [], 0
     for i, part in enumerate(item.parts):
-        speech = _trim(espeak_speech(part, VOICES[item.language], SAMPLE_RATE))
+        speech = _part(part, VOICES[item.language])
         pieces.append(speech)
         t += len(speech)
         if i < len(item.pauses_ms):

@@ -63,6 +63,10 @@ def test_a_prepared_reply_is_kept_and_sent_at_once(server, sse):
     client, end, done = asyncio.run(run())
     assert end["by"] == "silence" and end["probability"] < 0.999 and end["text"] == TEST_PHRASES[2]
     assert end["timings"]["pause_ms"] >= 1200
+    # The model was asked at the short pause and again as it grew: its last question, timed.
+    timings = end["timings"]
+    assert timings["asked_ms"] > 0 and timings["queued_ms"] >= 0 and timings["model_ms"] > 0
+    assert timings["decision_ms"] is None  # the model did not decide this turn
     assert server.metric("voicebot_preemptive_total", 'outcome="kept"') == kept + 1
     assert len(sse.requests) == 1 and sse.cancelled == 0
     # Prepared during the pause: the first frame follows the decision by the send path alone.
@@ -115,6 +119,7 @@ def test_silence_rule_and_input_end(server, sse):
 
     by_silence, by_client = asyncio.run(run())
     assert by_silence["by"] == "silence" and by_silence["probability"] is None
+    assert by_silence["timings"]["asked_ms"] is None and by_silence["timings"]["model_ms"] is None
     assert 500 <= by_silence["timings"]["pause_ms"] < 700
     assert by_client["by"] == "input.end"
 

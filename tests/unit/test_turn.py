@@ -72,23 +72,24 @@ def test_a_batch_answers_as_each_alone(smart_turn, speech):
 def test_waiting_questions_go_in_one_call(smart_turn, speech):
     async def ask_many():
         batches = smart_turn.batches
-        first = asyncio.create_task(smart_turn.probability(speech))
+        first = asyncio.create_task(smart_turn.ask(speech))
         await asyncio.sleep(0.01)  # the first call is running: the next six wait for it, together
-        rest = [asyncio.create_task(smart_turn.probability(speech[: len(speech) - 800 * i])) for i in range(6)]
+        rest = [asyncio.create_task(smart_turn.ask(speech[: len(speech) - 800 * i])) for i in range(6)]
         answers = await asyncio.gather(first, *rest)
         return answers, smart_turn.batches - batches
 
     answers, calls = asyncio.run(ask_many())
-    assert len(answers) == 7 and all(0 <= p <= 1 for p in answers)
+    assert len(answers) == 7 and all(0 <= a.probability <= 1 for a in answers)
+    assert answers[0].queued_s < answers[1].queued_s  # the six waited for the first call
     assert calls == 2
 
 
 def test_a_question_given_up_is_skipped(smart_turn, speech):
     async def ask_and_cancel():
-        first = asyncio.create_task(smart_turn.probability(speech))
+        first = asyncio.create_task(smart_turn.ask(speech))
         await asyncio.sleep(0.01)
-        dropped = asyncio.create_task(smart_turn.probability(speech))
-        kept = asyncio.create_task(smart_turn.probability(speech[:-1600]))
+        dropped = asyncio.create_task(smart_turn.ask(speech))
+        kept = asyncio.create_task(smart_turn.ask(speech[:-1600]))
         await asyncio.sleep(0)
         questions = smart_turn.questions
         dropped.cancel()

@@ -8,8 +8,11 @@ gate, the VAD or the recognizer hear it. AEC3 beat speexdsp's canceller by 20-50
 echo here (24-62 dB vs 2-8 dB at 50-300 ms delay), and needs no system library.
 
 Timing: the far end is consumed at the input's pace, one 10 ms block per 10 ms of input, from the
-moment the server sends it; the echo then arrives later by the client's playback latency plus
-the acoustic and capture path. AEC3 finds and follows that delay itself within its search range
+moment the server sends it (the client plays each frame after the one before it); the echo then
+arrives later by the client's playback latency plus the acoustic and capture path. A reply's
+first frame is matched with the input that arrived when it was sent, not with the input the
+audio worker happens to be processing then: under load that input is older (it waited in the
+session's queue), and the echo would seem later by that wait, past AEC3's range. AEC3 finds and follows that delay itself within its search range
 (about 0.5 s here: 500 ms cancelled 59 dB, 800 ms only 13 dB), so `DelayTracker` measures it too
 (GCC-PHAT on the last second of both ends, while the bot speaks) and holds the far end back by
 the estimate less a margin, which keeps a long path (an OBS mix with buffering) inside that range.
@@ -21,6 +24,7 @@ tracker keeps `HISTORY_S` of each end; the input waits at most one 10 ms block.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -35,6 +39,9 @@ HISTORY_S = 2.0  # near: the last second; far: that second plus the longest dela
 ESTIMATE_EVERY_S = 1.0
 HOLD_MARGIN_S = 0.25  # the far end is held back by the estimate less this: AEC3 then finds the rest itself
 MIN_HOLD_CHANGE_S = 0.06  # AEC3 re-converges after every shift: only follow real changes
+# A frame sent this long after the audio before it should have finished playing starts a new
+# playout (the client ran dry). Not less: the resampler holds back ~21 ms of each frame until the next.
+PLAYOUT_GAP_S = 0.05
 FAR_ACTIVE_RMS = 1e-3  # about -60 dBFS: below it the bot is silent and there is nothing to measure
 
 
@@ -98,9 +105,15 @@ class EchoCanceller:
         self._apm.set_stream_format(SAMPLE_RATE, 1)
         self._apm.set_reverse_stream_format(SAMPLE_RATE, 1)
         self._reply_rate = reply_rate
-        self._resampler = StreamResampler(reply_rate, SAMPLE_RATE)
+        # Quick (cubic) resampling: it holds nothing back, where HQ's filter holds ~21 ms of each frame
+        # until the next, which made the reference run ~36 ms late (an echo path shorter than that,
+        # an OBS mix, was beyond cancelling; the first reply got 10-21 dB instead of 25-48 here).
+        self._resampler = StreamResampler(reply_rate, SAMPLE_RATE, "QQ")
         self._lock = threading.Lock()
-        self._far: deque[np.ndarray] = deque()  # resampled reply audio not yet matched with input
+        # Resampled reply audio not yet matched with input, with when it was sent if it starts a
+        # playout (a new reply, or playback ran dry); None: it plays right after the one before.
+        self._far: deque[tuple[np.ndarray, float | None]] = deque()
+        self._played_until = float("-inf")  # when the reply audio sent so far ends playing
         self._far_samples = 0
         self._held: deque[np.ndarray] = deque()  # far blocks matched with input, waiting out the hold
         self._hold_blocks = 0
@@ -127,14 +140,17 @@ class EchoCanceller:
             return None
         return round(10 * np.log10(self._near_energy / self._out_energy), 1)
 
-    def play(self, reply: np.ndarray) -> None:
-        """Reply audio (float32 at `reply_rate`) that the client is about to play."""
+    def play(self, reply: np.ndarray, sent_at: float | None = None) -> None:
+        """Reply audio (float32 at `reply_rate`) that the client is about to play, sent at `sent_at` (monotonic; now)."""
         audio = self._resampler.process(reply)
+        sent_at = time.monotonic() if sent_at is None else sent_at
         with self._lock:
-            self._far.append(audio)
+            starts = sent_at > self._played_until + PLAYOUT_GAP_S
+            self._played_until = (sent_at if starts else self._played_until) + len(audio) / SAMPLE_RATE
+            self._far.append((audio, sent_at if starts else None))
             self._far_samples += len(audio)
             while self._far_samples > MAX_FAR_S * SAMPLE_RATE:
-                dropped = self._far.popleft()
+                dropped, _ = self._far.popleft()
                 self._far_samples -= len(dropped)
                 self.far_dropped_samples += len(dropped)
 
@@ -143,22 +159,31 @@ class EchoCanceller:
         with self._lock:
             self._far.clear()
             self._far_samples = 0
-        self._resampler = StreamResampler(self._reply_rate, SAMPLE_RATE)
+            self._played_until = float("-inf")
+        self._resampler = StreamResampler(self._reply_rate, SAMPLE_RATE, "QQ")
 
-    def _far_block(self) -> np.ndarray:
+    def _far_block(self, block_at: float | None) -> np.ndarray:
+        """The far end matched with the input block that arrived at `block_at` (None: unknown, take the next)."""
         with self._lock:
             block = np.zeros(BLOCK, np.float32)
-            filled = 0
+            filled = consumed = 0
             while filled < BLOCK and self._far:
-                head = self._far[0]
+                head, sent_at = self._far[0]
+                if sent_at is not None and block_at is not None:
+                    not_yet = round((sent_at - block_at) * SAMPLE_RATE) - filled  # of this block, before the playout began
+                    if not_yet >= BLOCK - filled:
+                        break
+                    filled += max(0, not_yet)
+                    self._far[0] = (head, None)
                 take = min(BLOCK - filled, len(head))
                 block[filled : filled + take] = head[:take]
                 filled += take
+                consumed += take
                 if take == len(head):
                     self._far.popleft()
                 else:
-                    self._far[0] = head[take:]
-            self._far_samples -= filled
+                    self._far[0] = (head[take:], None)
+            self._far_samples -= consumed
             return block
 
     def _follow_delay(self) -> None:
@@ -170,15 +195,16 @@ class EchoCanceller:
             while len(self._held) > self._hold_blocks:
                 self._held.popleft()
 
-    def process(self, near: np.ndarray) -> np.ndarray:
-        """Input (16 kHz float32) with the echo removed; at most one 10 ms block is held back."""
+    def process(self, near: np.ndarray, arrived: float | None = None) -> np.ndarray:
+        """Input (16 kHz float32) whose last sample arrived at `arrived` (monotonic), with the echo
+        removed; at most one 10 ms block is held back."""
         data = np.concatenate([self._near_partial, np.asarray(near, np.float32)])
         n = len(data) // BLOCK * BLOCK
         self._near_partial = data[n:]
         out = np.empty(n, np.float32)
         for start in range(0, n, BLOCK):
             near_block = data[start : start + BLOCK]
-            far_block = self._far_block()
+            far_block = self._far_block(None if arrived is None else arrived - (len(data) - start) / SAMPLE_RATE)
             self.tracker.add(near_block, far_block)
             self._follow_delay()
             self._held.append(far_block)

@@ -25,10 +25,10 @@ class StreamResampler:
     the whole signal at once; `flush()` returns the tail held in the filter.
     """
 
-    def __init__(self, in_rate: int, out_rate: int) -> None:
+    def __init__(self, in_rate: int, out_rate: int, quality: str = "HQ") -> None:
         self.in_rate = in_rate
         self.out_rate = out_rate
-        self._soxr = None if in_rate == out_rate else soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32", quality="HQ")
+        self._soxr = None if in_rate == out_rate else soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32", quality=quality)
 
     def process(self, audio: np.ndarray) -> np.ndarray:
         audio = np.ascontiguousarray(audio, dtype=np.float32)

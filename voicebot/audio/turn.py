@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import importlib.metadata
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,10 +55,17 @@ def last_window(audio: np.ndarray) -> np.ndarray:
     return np.pad(audio, (WINDOW_SAMPLES - len(audio), 0))
 
 
+@dataclass(frozen=True)
+class Answer:
+    probability: float  # that the turn is complete
+    queued_s: float  # waiting for the call in progress (another session's question) to finish
+    model_s: float  # the call that answered: features and model, for the whole batch it was in
+
+
 class SmartTurn:
     """Smart Turn v3.2, shared by every session.
 
-    `await probability(audio)` from any session; one worker thread runs whatever is waiting as one
+    `await ask(audio)` from any session; one worker thread runs whatever is waiting as one
     batch, so a question waits for at most the call in progress. Waiting questions are bounded by
     the sessions (a `TurnPolicy` has at most one question out); a batch holds at most `max_batch`.
     """
@@ -79,7 +87,7 @@ class SmartTurn:
         self._features = WhisperFeatureExtractor(chunk_length=WINDOW_S, feature_size=80, sampling_rate=SAMPLE_RATE)
         self._worker = Worker("smart-turn", threads=1)
         self.max_batch = max_batch
-        self._waiting: list[tuple[np.ndarray, asyncio.Future[float]]] = []
+        self._waiting: list[tuple[np.ndarray, float, asyncio.Future[Answer]]] = []  # (audio, asked at, answer)
         self._drainer: asyncio.Task | None = None
         self.batches = 0  # calls made, for tests and metrics
         self.questions = 0
@@ -93,31 +101,33 @@ class SmartTurn:
         (probabilities,) = self._session.run(None, {"input_features": features.astype(np.float32)})
         return probabilities[:, 0]
 
-    async def probability(self, audio: np.ndarray) -> float:
-        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self._waiting.append((audio, future))
+    async def ask(self, audio: np.ndarray) -> Answer:
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._waiting.append((audio, time.monotonic(), future))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain(), name="smart-turn")
         return await future
 
     async def _drain(self) -> None:
         while self._waiting:
-            batch = [(a, f) for a, f in self._waiting[: self.max_batch] if not f.done()]  # done: its asker gave up
+            batch = [q for q in self._waiting[: self.max_batch] if not q[2].done()]  # done: its asker gave up
             del self._waiting[: self.max_batch]
             if not batch:
                 continue
             self.batches += 1
             self.questions += len(batch)
+            started = time.monotonic()
             try:
-                probabilities = await self._worker.run(self.predict, [a for a, _ in batch])
+                probabilities = await self._worker.run(self.predict, [audio for audio, _, _ in batch])
             except Exception as exc:
-                for _, future in batch:
+                for _, _, future in batch:
                     if not future.done():
                         future.set_exception(exc)
                 continue
-            for (_, future), p in zip(batch, probabilities):
+            model_s = time.monotonic() - started
+            for (_, asked, future), p in zip(batch, probabilities):
                 if not future.done():
-                    future.set_result(float(p))
+                    future.set_result(Answer(float(p), started - asked, model_s))
 
     def close(self) -> None:
         self._worker.shutdown()

@@ -70,7 +70,7 @@ class FrontEnd:
     def process(self, chunk: AudioIn) -> FrontEndOutput:
         audio = self.resampler.process(pcm16_to_float(chunk.pcm))
         if self.echo is not None:
-            audio = self.echo.process(audio)
+            audio = self.echo.process(audio, chunk.arrived)
         self._samples_in += len(audio)
         self._arrivals.append((self._samples_in, chunk.arrived))
         muted = 0

@@ -28,7 +28,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from voicebot import protocol
-from voicebot.audio.turn import Action, SmartTurn, TurnPolicy
+from voicebot.audio.turn import Action, Answer, SmartTurn, TurnPolicy
 from voicebot.config import EndpointConfig
 from voicebot.messages import Turn, Utterance
 from voicebot.metrics import Metrics
@@ -55,6 +55,10 @@ def joined(texts: list[str]) -> str:
             out += " "
         out += text
     return out
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)
 
 
 def _cjk(char: str) -> bool:
@@ -84,8 +88,7 @@ class TurnTaking:
         # a client that sent its tail and waits): then the silence limit runs on the wall clock.
         self._stall: asyncio.TimerHandle | None = None
         self._stall_end: asyncio.Task | None = None
-        self._asked_at: float | None = None
-        self._decision_s: float | None = None  # how long the model took to answer, last question
+        self._answered: tuple[float, float, Answer] | None = None  # this pause's last answer: (asked at, answered at, it)
         self._prepared: Reply | None = None
         self._prepared_text = ""
         self._kept: tuple[Turn, Reply] | None = None  # queued with its turn, until the session claims it
@@ -135,6 +138,7 @@ class TurnTaking:
             return
         if silence_ms == 0:  # the user goes on: the question and the prepared reply are moot
             await self._drop_question()
+            self._answered = None
             await self._discard("user_went_on")
             self._complete_early = False
         if self._consider(silence_ms) is Action.END:
@@ -168,8 +172,7 @@ class TurnTaking:
         action = self.policy.on_silence(silence_ms)
         if action is Action.ASK:
             audio = self._front_end.audio_since(self._turn_start)
-            self._asked_at = time.monotonic()
-            self._ask = asyncio.create_task(self._asking(self.policy.question, audio))
+            self._ask = asyncio.create_task(self._asking(self.policy.question, audio, time.monotonic()))
         return action
 
     async def end_now(self) -> None:
@@ -194,15 +197,16 @@ class TurnTaking:
 
     # ---- the model's question -------------------------------------------------------------------
 
-    async def _asking(self, question: int, audio: np.ndarray) -> None:
+    async def _asking(self, question: int, audio: np.ndarray, asked_at: float) -> None:
         try:
-            probability = await self.smart.probability(audio)
+            answer = await self.smart.ask(audio)
         except Exception:  # no answer: no more questions this turn, the silence limit ends it
             log.exception("the end-of-turn model failed; this turn ends at the silence limit")
             return
-        self._decision_s = time.monotonic() - self._asked_at
-        self._metrics.smart_turn.observe(self._decision_s)
-        if self.policy.on_answer(question, probability, self._front_end.silence_ms):
+        answered_at = time.monotonic()
+        self._answered = (asked_at, answered_at, answer)
+        self._metrics.smart_turn.observe(answered_at - asked_at)
+        if self.policy.on_answer(question, answer.probability, self._front_end.silence_ms):
             self._ask = None  # this task is ending the turn: _end must not cancel it
             if self._recognizing:
                 self._complete_early = True  # on_utterance ends the turn once its transcript is in
@@ -244,6 +248,19 @@ class TurnTaking:
         last = self._segments[-1]
         return Turn(text, say=False, speech_end=last.speech_end, utterance_id=last.id)
 
+    def _model_timings(self, by: str, speech_end: float) -> dict:
+        """Where the decision's time went: end of speech to the last question, its wait behind
+        another session's call, the call itself; decision_ms (asked to answered) when it decided."""
+        if self._answered is None:
+            return {"asked_ms": None, "queued_ms": None, "model_ms": None, "decision_ms": None}
+        asked_at, answered_at, answer = self._answered
+        return {
+            "asked_ms": _ms(asked_at - speech_end),
+            "queued_ms": _ms(answer.queued_s),
+            "model_ms": _ms(answer.model_s),
+            "decision_ms": _ms(answered_at - asked_at) if by == "smart" else None,
+        }
+
     async def _end(self, by: str) -> None:
         if self._stall is not None:
             self._stall.cancel()
@@ -263,12 +280,12 @@ class TurnTaking:
             text=text,
             timings={
                 "pause_ms": round(pause_ms),
-                "decision_ms": None if by != "smart" or self._decision_s is None else round(self._decision_s * 1000, 1),
-                "end_of_speech_ms": round((time.monotonic() - last.speech_end) * 1000, 1),
+                **self._model_timings(by, last.speech_end),
+                "end_of_speech_ms": _ms(time.monotonic() - last.speech_end),
             },
         ))
         self._segments = []
-        self._decision_s = None
+        self._answered = None
         prepared = self._prepared
         if prepared is not None and self._prepared_text == normalised(text):
             self._prepared = None

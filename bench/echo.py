@@ -1,0 +1,237 @@
+"""The bot hearing itself: its reply fed back into its input, echo cancellation off and on side by side.
+
+    python bench/echo.py [--config configs/default.yaml] [--delays 50 150 300] [--gains -6 -20]
+
+One server (a subprocess on 127.0.0.1); one session per case, so each canceller starts cold, as a
+new stream's does. The client is a speaker and a microphone in one: it streams its input in real
+time (40 ms chunks), asks for a spoken reply (`say`), plays each reply frame as it arrives (after
+the one before it; an `audio.interrupted` drops what is not played yet, as the mic page does), and
+mixes what it played back into its input `delay` ms later at `gain` dB: the room, or OBS's desktop
+mix. In the barge-in cases a real user (espeak-ng) talks over the reply from BARGE_AT_S into it.
+
+Per case:
+- attenuation: energy in over energy out of the canceller while the bot spoke
+  (voicebot_echo_attenuation_db, observed when the session closes; none without a canceller); the
+  echo's attenuation in the cases without a barge-in (with one, the user's speech, kept, is in it);
+- false barge-ins: replies interrupted (`barge_in`) before any user spoke;
+- echo utterances: speech the endpointer heard in the echo (begun before the user spoke), and the
+  recognizer's transcripts of them;
+- barge-in delay: from the first sample of the real barge-in to the `audio.interrupted` that
+  stopped the reply (`pacing.barge_in_min_ms` of speech has to be heard first);
+- heard: what the recognizer made of the barge-in itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.latency import start_server  # noqa: E402
+from tests.audio import espeak_speech, to_pcm16  # noqa: E402
+from voicebot.audio.resample import StreamResampler  # noqa: E402
+
+RATE = 16000
+CHUNK = RATE * 40 // 1000  # the mic page's 40 ms
+REPLY = ("Here is a longer reply from the bot. It keeps talking for a few seconds, as replies do, "
+         "so that the echo has time to come back.")
+BARGE_IN = "Stop talking now please, I want to say something."
+BARGE_AT_S = 2.0  # into the reply's playback
+SAY_AT_S = 0.5  # after the session is ready
+TAIL_S = 1.5  # kept listening after the reply (or the barge-in) ended
+CASE_LIMIT_S = 20.0
+BUFFER_S = CASE_LIMIT_S + 5  # the case's timeline: what was played, what the user said
+
+
+@dataclass
+class CaseResult:
+    aec: bool
+    delay_ms: int
+    gain_db: int | None  # None: no echo at all (the barge-in's own delay, for reference)
+    barge: bool
+    attenuation_db: float | None = None
+    false_barge_ins: int = 0
+    echo_utterances: int = 0
+    echo_transcripts: list[str] = field(default_factory=list)
+    barge_in_delay_ms: float | None = None
+    heard: str = ""
+
+
+class Room:
+    """The client's loudspeaker and microphone on one sample clock (sample k is at t0 + k / RATE)."""
+
+    def __init__(self, delay_ms: int, gain_db: int | None) -> None:
+        self.played = np.zeros(int(BUFFER_S * RATE), np.float32)  # what the speaker plays, when
+        self.voice = np.zeros_like(self.played)  # what the user says, when
+        self.delay = delay_ms * RATE // 1000
+        self.gain = 0.0 if gain_db is None else 10 ** (gain_db / 20)
+        self.play_end = 0  # the speaker is busy until this sample
+        self.t0 = time.monotonic()
+        self._resampler = StreamResampler(24000, RATE)
+
+    def now(self) -> int:
+        return int((time.monotonic() - self.t0) * RATE)
+
+    def play(self, frame_pcm: bytes) -> int:
+        """A reply frame arrived: it plays after what is queued; returns where it starts."""
+        audio = self._resampler.process(np.frombuffer(frame_pcm, "<i2").astype(np.float32) / 32768.0)
+        start = max(self.now(), self.play_end)
+        end = min(start + len(audio), len(self.played))
+        self.played[start:end] = audio[: end - start]
+        self.play_end = end
+        return start
+
+    def drop_unplayed(self) -> None:
+        now = self.now()
+        self.played[now:] = 0
+        self.play_end = now
+        self._resampler = StreamResampler(24000, RATE)
+
+    def say(self, speech: np.ndarray, at: int) -> None:
+        end = min(at + len(speech), len(self.voice))
+        self.voice[at:end] += speech[: end - at]
+
+    def mic(self, k: int) -> np.ndarray:
+        """Input samples k .. k + CHUNK: the user plus the echo of what played `delay` ago."""
+        echo = np.zeros(CHUNK, np.float32)
+        lo = k - self.delay
+        if lo + CHUNK > 0:
+            src = self.played[max(0, lo) : lo + CHUNK]
+            echo[CHUNK - len(src):] = src
+        return self.voice[k : k + CHUNK] + self.gain * echo
+
+
+async def run_case(url: str, case: CaseResult, barge_speech: np.ndarray) -> CaseResult:
+    import websockets
+
+    room = Room(case.delay_ms, case.gain_db)
+    log: list[tuple[int, dict]] = []  # (sample clock, event)
+    barge_at: int | None = None  # where the user starts talking, once the reply has started
+    reply_over: int | None = None
+
+    async with websockets.connect(url, max_size=None, ping_interval=None) as ws:
+        await ws.send(json.dumps({"type": "session.start", "sample_rate": RATE, "echo_cancellation": case.aec}))
+
+        async def receive() -> None:
+            nonlocal barge_at, reply_over
+            async for message in ws:
+                if isinstance(message, bytes):
+                    start = room.play(message)
+                    if case.barge and barge_at is None:
+                        barge_at = start + int(BARGE_AT_S * RATE)
+                        room.say(barge_speech, barge_at)
+                    continue
+                event = json.loads(message)
+                log.append((room.now(), event))
+                if event["type"] == "audio.interrupted":
+                    room.drop_unplayed()
+                if event["type"] in ("audio.end", "audio.interrupted") and reply_over is None:
+                    reply_over = max(room.play_end, room.now())
+
+        reader = asyncio.create_task(receive())
+        k = 0
+        said = False
+        while k < CASE_LIMIT_S * RATE:
+            await asyncio.sleep(max(0.0, room.t0 + (k + CHUNK) / RATE - time.monotonic()))
+            await ws.send(to_pcm16(room.mic(k)))
+            k += CHUNK
+            if not said and k >= SAY_AT_S * RATE:
+                await ws.send(json.dumps({"type": "say", "text": REPLY}))
+                said = True
+            user_done = barge_at + len(barge_speech) if barge_at is not None else 0
+            if reply_over is not None and k > max(reply_over, user_done) + TAIL_S * RATE:
+                break
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+    user_from = barge_at if barge_at is not None else len(room.voice)  # before it, only the bot spoke
+    started = {e["utterance_id"]: at for at, e in log if e["type"] == "speech.started"}
+    case.echo_utterances = sum(1 for at in started.values() if at < user_from)
+    for at, e in log:
+        if e["type"] == "audio.interrupted" and e["reason"] == "barge_in":
+            if at < user_from:
+                case.false_barge_ins += 1
+            elif case.barge_in_delay_ms is None:
+                case.barge_in_delay_ms = (at - user_from) * 1000 / RATE
+        if e["type"] == "asr.final" and e["text"].strip():
+            if started.get(e["utterance_id"], at) < user_from:
+                case.echo_transcripts.append(e["text"])
+            else:
+                case.heard += (" " if case.heard else "") + e["text"]
+    return case
+
+
+def echo_attenuation(base: str) -> tuple[float, int]:
+    """(sum, count) of voicebot_echo_attenuation_db so far."""
+    text = httpx.get(base + "/metrics", timeout=5).text
+    values = dict(re.findall(r"^voicebot_echo_attenuation_db_(sum|count) (\S+)$", text, re.M))
+    return float(values.get("sum", 0)), int(float(values.get("count", 0)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    parser.add_argument("--delays", type=int, nargs="+", default=[50, 150, 300])
+    parser.add_argument("--gains", type=int, nargs="+", default=[-6, -20])
+    args = parser.parse_args()
+
+    barge_speech = espeak_speech(BARGE_IN, "en-gb") * 0.7  # another voice than the bot's
+    config = yaml.safe_load(Path(args.config).read_text())
+    if config.get("asr", {}).get("engine", "pocketsphinx") == "pocketsphinx":
+        # Both texts as phrases: the general English model decodes slower than real time on a
+        # loaded 2-core box, and an echo that is transcribed at all still shows.
+        clauses = [c.strip() for c in re.split(r"[,.]", REPLY + " " + BARGE_IN) if c.strip()]
+        config.setdefault("asr", {}).setdefault("pocketsphinx", {})["phrases"] = clauses
+    server, base, config_file = start_server(config)
+    url = base.replace("http", "ws") + "/v1/voice"
+    results = []
+    try:
+        cases = [(aec, 0, None, True) for aec in (False, True)]
+        cases += itertools.product((False, True), args.delays, args.gains, (False, True))
+        for aec, delay_ms, gain_db, barge in cases:
+            before = echo_attenuation(base)
+            case = asyncio.run(run_case(url, CaseResult(aec, delay_ms, gain_db, barge), barge_speech))
+            for _ in range(50):  # the session's close observes its canceller's figure
+                after = echo_attenuation(base)
+                if not aec or after[1] > before[1]:
+                    break
+                time.sleep(0.1)
+            if after[1] > before[1]:
+                case.attenuation_db = (after[0] - before[0]) / (after[1] - before[1])
+            results.append(case)
+            print(f"  done: aec {aec} {delay_ms} ms {gain_db} dB barge-in {barge}", file=sys.stderr, flush=True)
+    finally:
+        server.terminate()
+        server.wait(30)
+        Path(config_file).unlink()
+
+    print(f"config {args.config}; reply {len(REPLY)} characters said once per case; barge-in {BARGE_AT_S} s into "
+          f"the reply; echo = the client's own playback, delayed and attenuated")
+    print(f"{'cancel':>6} {'delay':>6} {'gain':>6} {'barge-in':>8} {'attenuation':>14} {'false barge-ins':>15} "
+          f"{'barge-in delay':>14} {'echo utterances':>15}  echo transcripts / what the barge-in was heard as")
+    for r in results:
+        att = "-" if r.attenuation_db is None else f"{r.attenuation_db:.1f} dB" + (" (+user)" if r.barge else "")
+        delay = "n/a" if not r.barge else "-" if r.barge_in_delay_ms is None else f"{r.barge_in_delay_ms:.0f} ms"
+        gain = "none" if r.gain_db is None else f"{r.gain_db} dB"
+        heard = f"{r.echo_transcripts[:2]}" + (f" / {r.heard!r}" if r.barge else "")
+        print(f"{'on' if r.aec else 'off':>6} {r.delay_ms:>3} ms {gain:>6} {'yes' if r.barge else 'no':>8} {att:>14} "
+              f"{r.false_barge_ins:>15} {delay:>14} {r.echo_utterances:>15}  {heard}")
+
+
+if __name__ == "__main__":
+    main()
