@@ -181,7 +181,7 @@ def test_obs_audio_cancels_echo_by_default(server):
         async with websockets.connect(url) as ws:
             await ws.send(json.dumps({"type": "start", "timestamp": 0}))
             await ws.send(HEADER.pack(0, 48000, 1, 16, 0, 0) + bytes(2 * 1024))
-            for _ in range(100):
+            for _ in range(400):  # 20 s: a loaded box may take seconds to start the session
                 echo = server.on_loop(lambda: [s.echo is not None for i, s in server.runtime.sessions.items() if i not in before])
                 if echo:
                     return echo
