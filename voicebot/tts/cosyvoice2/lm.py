@@ -219,7 +219,12 @@ class Attention(nn.Module):
             v_cache[rows[:, None], :, pos] = v.transpose(1, 2)
             keys = k_cache[:B, :, :n_keys] if slots is None else k_cache[slots, :, :n_keys]  # a view, or a gather
             values = v_cache[:B, :, :n_keys] if slots is None else v_cache[slots, :, :n_keys]
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+            # The query heads sharing a kv head attend as one longer query, (B, n_kv, group·T, hd):
+            # one pass over each kv head's keys instead of enable_gqa's one per query head (a
+            # 16-row decode step's attention on CPU: 0.56 ms a layer instead of 1.5).
+            grouped = q.reshape(B, self.n_kv, -1, self.head_dim)
+            y = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+            y = y.view(B, self.n_head, T, self.head_dim).transpose(1, 2)
         return self.o_proj(y.reshape(B, T, -1))
 
 
@@ -287,8 +292,10 @@ class Qwen2(nn.Module):
                 # slots cost as much as the step's weights on CPU at 2048 slots.
                 n_written = int(pos.max()) + 1  # the step's one host sync
                 n_keys = min(cache.max_seq_len, -(-n_written // KV_BUCKET) * KV_BUCKET)
-            # (B, 1, T, n_keys): each row's query t sees the keys up to its own position.
-            mask = (torch.arange(n_keys, device=x.device) <= pos[:, :, None])[:, None]
+            # (B, 1, group·T, n_keys): each row's query t sees the keys up to its own position, the
+            # same for each of the query heads that Attention groups per kv head.
+            group = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+            mask = (torch.arange(n_keys, device=x.device) <= pos[:, :, None])[:, None].repeat(1, 1, group, 1)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, n_keys, pos, slots, cache.k[i], cache.v[i])
         return self.norm(x)
