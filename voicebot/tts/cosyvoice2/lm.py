@@ -119,7 +119,7 @@ class Linear(nn.Linear):
     on the dense weight, whose GEMV reads it as it lies (1.0 ms, against 1.4 ms prepacked). So the copy
     is a second one, as large as the weight: 1.43 GB for the released LM's linear layers in fp32.
     The state dict holds only the dense weight; the copy is remade when the weight is replaced or
-    written (loading, `.to()`, a layout change) and not used off CPU or off fp32.
+    written (loading, `.to()`, a layout change) and not used off CPU, off fp32 or under torch.compile.
     """
 
     _packed: tuple[Tensor, tuple] | None = None  # (the prepacked weight, the weight it was made from)
@@ -132,7 +132,9 @@ class Linear(nn.Linear):
         return 0 if self._packed is None else self.weight.numel() * self.weight.element_size()
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._packed is not None and x.numel() > x.shape[-1]:  # more than one row
+        # Under torch.compile the dense weight: inductor picks its own kernel (and with freezing
+        # prepacks the weight itself); its graphs cannot hold a oneDNN tensor.
+        if self._packed is not None and x.numel() > x.shape[-1] and not torch.compiler.is_compiling():
             if self._packed[1] != self._weight_key():
                 self.prepack()
             if self._packed is not None:
