@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from voicebot.serving.lm_pool import DECODE_BUCKETS, LMPool, PoolFull, decode_bucket
 from voicebot.tts.cosyvoice2.bistream import Bistream
-from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Qwen2Config, generate, run_alone, unistream
+from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Linear, Qwen2Config, generate, run_alone, unistream
 from voicebot.tts.cosyvoice2.sampling import RasSampler
 
 SPEECH = 64
@@ -185,3 +186,26 @@ def test_a_full_pool_refuses_and_a_closed_slot_is_reused(lm: CosyVoice2LM) -> No
     pool.close(row)
     pool.close(row)  # twice is once
     assert pool.open(ras(1)).slot == row.slot and pool.free == 0
+
+
+def test_prepacked_weights_serve_many_rows_and_follow_the_weights(lm: CosyVoice2LM) -> None:
+    """A pool prepacks the LM's linear layers; calls on many rows use the copy, one row the dense
+    weight, both giving F.linear's values; a written weight is repacked, and the state dict is unchanged."""
+    LMPool(lm, slots=2, max_seq_len=64)
+    linear = lm.qwen.layers[0].mlp.gate_proj
+    assert isinstance(linear, Linear) and linear.packed_nbytes() == linear.weight.numel() * 4
+    assert lm.prepack() == sum(m.weight.numel() * 4 for m in lm.modules() if isinstance(m, Linear))
+    assert set(lm.state_dict()) == set(CosyVoice2LM(lm.cfg, speech_token_size=SPEECH).state_dict())
+    x = torch.randn(5, 3, linear.in_features)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x), F.linear(x, linear.weight), atol=1e-5, rtol=1e-5)
+        assert torch.equal(linear(x[:1, :1]), F.linear(x[:1, :1], linear.weight))  # one row: the dense GEMV
+    before = linear.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            linear.weight.mul_(2)  # a write (as a load would): the copy follows it
+        with torch.inference_mode():
+            torch.testing.assert_close(linear(x), F.linear(x, linear.weight), atol=1e-5, rtol=1e-5)
+    finally:
+        with torch.no_grad():
+            linear.weight.copy_(before)

@@ -70,11 +70,14 @@ class LMRow:
 
 class LMPool:
     def __init__(self, lm: CosyVoice2LM, slots: int, max_seq_len: int, prefill_chunk: int = 64,
-                 graphs: bool = False) -> None:
+                 graphs: bool = False, prepack: bool = True) -> None:
         if graphs and slots > DECODE_BUCKETS[-1]:
             raise ValueError(f"{slots} slots: CUDA graphs are captured up to batch {DECODE_BUCKETS[-1]}")
         self.lm, self.slots, self.prefill_chunk = lm, slots, prefill_chunk
         self.graphs = graphs
+        # On CPU, steps of many rows (and prefill chunks) multiply prepacked weights: a second copy
+        # of the linear layers' weights (1.43 GB fp32 at released size), none elsewhere.
+        self.prepacked_bytes = lm.prepack() if prepack else 0
         # One slot more than requests get: the padding rows of a graph batch write there.
         self.cache = lm.new_cache(max_seq_len, batch=slots + 1)
         self.scratch = slots
