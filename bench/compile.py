@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch._inductor.config
 
+import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from bench.cosyvoice2 import FIXTURES, released_hparams
 from bench.flow import Timing, alternate
 from voicebot.tts.cosyvoice2.estimator import Segment, build_estimator
