@@ -26,6 +26,7 @@ from voicebot.reply.base import Responder
 from voicebot.reply.resume import ConversationStore
 from voicebot.reply.safety import SpeechFilter
 from voicebot.serving.capacity import Admission
+from voicebot.serving.metrics import register_vad_metrics
 from voicebot.serving.vad import VadBatcher
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import Synthesizer
@@ -102,6 +103,7 @@ class Runtime:
         for engine in (self.recognizer, self.synthesizer, *self.responders.values()):
             engine.load()
         self.synthesizer.register_metrics(self.metrics.registry)
+        register_vad_metrics(self.metrics.registry, self.vad)
         pools = [self.audio_worker, self.vad, *self.recognizer.workers(), *self.synthesizer.workers()]
         self.admission = Admission(pools, s.limits.max_worker_load)
         if s.endpoint.turn == "smart":

@@ -102,3 +102,19 @@ def test_waiting_requests_fail_when_it_stops():
         batcher._cond.notify()
     with pytest.raises(RuntimeError, match="stopped"):
         future.result(timeout=5)
+
+
+def test_metrics_count_calls_by_rows(batcher):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from voicebot.serving.metrics import register_vad_metrics
+
+    registry = CollectorRegistry()
+    register_vad_metrics(registry, batcher)
+    vads = [SileroVad(), SileroVad()]
+    with batcher._cond:
+        futures = [batcher.submit(v, np.zeros((2, WINDOW), np.float32)) for v in vads]
+    for future in futures:
+        future.result(timeout=30)
+    text = generate_latest(registry).decode()
+    assert 'voicebot_vad_calls_total{batch_size="2"} 2.0' in text and "voicebot_vad_queue_depth 0.0" in text
