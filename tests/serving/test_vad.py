@@ -118,3 +118,19 @@ def test_metrics_count_calls_by_rows(batcher):
         future.result(timeout=30)
     text = generate_latest(registry).decode()
     assert 'voicebot_vad_calls_total{batch_size="2"} 2.0' in text and "voicebot_vad_queue_depth 0.0" in text
+
+
+def test_a_session_that_goes_away_mid_chunk_leaves_the_others_judged(batcher):
+    """Its task is cancelled while its windows wait (asyncio passes the cancel on to the request)."""
+    windows = stream_audio(0)[:6]
+
+    async def main():
+        with batcher._cond:  # the thread cannot take it before the cancel
+            gone = asyncio.ensure_future(batcher.probabilities(SileroVad(), windows))
+            await asyncio.sleep(0)
+            gone.cancel()
+            await asyncio.sleep(0)
+        return await asyncio.wait_for(batcher.probabilities(SileroVad(), windows), 30)
+
+    np.testing.assert_allclose(asyncio.run(main()), SileroVad().probabilities(windows), rtol=0, atol=1e-6)
+    assert batcher.pending == 0 and batcher._thread.is_alive()

@@ -124,8 +124,10 @@ class VadBatcher:
                     self._cond.wait()
                 if self._stopping:
                     break
-                active.extend(self._incoming)
-                self._incoming.clear()
+                incoming, self._incoming = self._incoming, []
+            active += self._running(incoming)
+            if not active:
+                continue
             rows = active[: self.max_batch]
             try:
                 self._step(rows)
@@ -135,8 +137,20 @@ class VadBatcher:
                     request.judged = len(request.windows)
                     self._finish(request, exc)
             active = [r for r in active if r.judged < len(r.windows)]
-        for request in [*active, *self._incoming]:
+        for request in active + self._running(self._incoming):
             self._finish(request, RuntimeError("the VAD batcher has stopped"))
+
+    def _running(self, incoming: list[_Request]) -> list[_Request]:
+        """The requests still wanted, marked running (a running future can no longer be cancelled).
+        A session that went away cancelled its future (asyncio.wrap_future passes the cancel on):
+        its windows are not judged."""
+        running = []
+        for request in incoming:
+            if request.future.set_running_or_notify_cancel():
+                running.append(request)
+            else:
+                self._finish(request, cancelled=True)
+        return running
 
     def _step(self, rows: list[_Request]) -> None:
         start = time.thread_time()
@@ -151,9 +165,11 @@ class VadBatcher:
             if request.judged == len(request.windows):
                 self._finish(request)
 
-    def _finish(self, request: _Request, error: Exception | None = None) -> None:
+    def _finish(self, request: _Request, error: Exception | None = None, cancelled: bool = False) -> None:
         with self._cond:
             self._in_flight.discard(id(request.vad))
+        if cancelled:
+            return
         if error is None:
             request.future.set_result(request.probabilities)
         else:
