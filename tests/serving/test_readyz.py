@@ -22,22 +22,30 @@ def test_readyz_is_full_while_the_synthesizer_has_no_room(tmp_path):
         costs = synth.scheduler.costs
         assert srv.get("/readyz").status_code == 200
 
+        def measured(decode_step_s: float, render_per_audio_s: float) -> None:
+            """What the scheduler would have measured on a device this fast (set while nothing steps)."""
+            costs.decode, costs.render_per_audio_s = {1: decode_step_s}, render_per_audio_s
+
         async def run():
             async with VoiceClient.connect(srv.ws_url):  # one open session; nothing speaks, nothing steps
-                measured = costs.decode
-                costs.decode = {1: 10.0}  # what the scheduler would measure on a device far too slow
-                refused_before = synth.scheduler.refused
+                saved = costs.decode, costs.render_per_audio_s
                 try:
+                    measured(0.001, 0.01)  # room for every slot
+                    before = srv.get("/readyz")
+                    measured(10.0, 0.01)  # one step longer than a second: nothing more is real time
+                    refused_before = synth.scheduler.refused
                     full = srv.get("/readyz")
                     again = srv.get("/readyz")
                     async with websockets.connect(srv.ws_url) as ws:  # admit() refuses it
                         busy = json.loads(await ws.recv())
+                    measured(0.001, 0.01)
+                    room = srv.get("/readyz")
                 finally:
-                    costs.decode = measured
-                room = srv.get("/readyz")
-            return full, again, refused_before, busy, room
+                    costs.decode, costs.render_per_audio_s = saved
+            return before, full, again, refused_before, busy, room
 
-        full, again, refused_before, busy, room = asyncio.run(run())
+        before, full, again, refused_before, busy, room = asyncio.run(run())
+        assert before.status_code == 200 and not before.json()["full"]
         assert full.status_code == 503 and full.json()["full"] and not full.json()["ready"]
         assert again.json()["full"] and synth.scheduler.refused == refused_before + 1  # the connection, not /readyz
         assert busy["code"] == "busy" and busy["overloaded"] == synth.name and busy["retry_after_s"] > 0
