@@ -16,7 +16,7 @@ from voicebot.serving.vad import VadBatcher, VadOverloaded
 PHRASES = ["what time does the show start", "turn the music down a little", "hello there", "who is the guest tonight"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stream_audio(seed: int) -> np.ndarray:
     """Speech over noise with pauses (both speech and silence windows), a different take per seed."""
     rng = np.random.default_rng(seed)
