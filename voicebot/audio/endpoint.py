@@ -52,9 +52,6 @@ class SileroVad:
     """One stream's recurrent state and context; the speech probability of its windows."""
 
     def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
         self.state = np.zeros((2, 1, 128), np.float32)
         self.context = np.zeros((1, CONTEXT), np.float32)
 
