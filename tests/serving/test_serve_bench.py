@@ -23,8 +23,9 @@ def test_serve_bench_runs_batched_unbatched_and_through_the_server_at_tiny_size(
             row = next(line for line in lines if line.startswith(mode) and f"N={n:3d}" in line)
             assert "first p50" in row and "speech s/s" in row and "batches" in row
     assert any("throughput" in line for line in lines) and any("admission: capacity" in line for line in lines)
-    server = next(line for line in lines if line.startswith("server") and "N=  2" in line)
+    server = next((line for line in lines if line.startswith("server") and "N=  2" in line), None)
+    assert server is not None, out.stdout[-3000:] + out.stderr[-3000:]
     replies = int(server.split("replies")[1].split()[0])
     busy = int(server.split("busy")[1].split()[0])
     # Every client was either turned away or heard replies, whose first audio was measured.
-    assert replies >= 2 - busy and busy < 2 and "first p50" in server and "server underruns" in server
+    assert replies >= 2 - busy and busy < 2 and "first p50" in server and "server underruns" in server, server
