@@ -10,7 +10,13 @@ cost) and the ratios. `--lm-targets` first
 prints the issue's LM figures: one decode step at 16 rows vs 1 row, aggregate tokens/s at 16 rows
 vs unbatched.
 
-    python -m bench.serve --size tiny --seconds 5                  # seconds: the CI smoke run
+`--server N` then runs it once end to end: the real server (tiny CosyVoice 2 config) on 127.0.0.1
+and N WebSocket clients on /v1/voice, each sending `say` with a reply at the same duty cycle and
+playing the 200 ms frames as they come; first audio is from sending `say` (the whole reply text at
+once) to the first frame, underruns are counted by the client's playback clock and by the server's
+pacer (`audio.end` timings), and clients the server turns away (`busy`) are counted.
+
+    python -m bench.serve --size tiny --seconds 5 --server 2      # seconds: the CI smoke run
     python -m bench.serve --size released --lm-targets --sessions 1,2 --seconds 60   # minutes
     python -m bench.serve --size released --device cuda --dtype float16 --sessions 64   # bench/gpu_check.sh
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -38,6 +45,7 @@ import torch
 
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from bench.cosyvoice2 import FIXTURES, released_hparams
+from tests.conftest import make_settings, running_server
 from voicebot.config import REPO_ROOT, Cosyvoice2Config
 from voicebot.serving.lm_pool import LMPool
 from voicebot.tts.base import SAMPLE_RATE
@@ -73,38 +81,57 @@ class Reply:
     underrun_s: float
 
 
+class Listener:
+    """Plays a reply's audio in real time from its first piece on; counts where it ran out."""
+
+    def __init__(self) -> None:
+        self.began = time.monotonic()
+        self.first: float | None = None
+        self.playing_until = 0.0
+        self.samples, self.underruns, self.underrun_s = 0, 0, 0.0
+
+    def heard(self, samples: int) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first, self.playing_until = now - self.began, now
+        elif now > self.playing_until:  # the listener ran out of audio before this piece came
+            self.underruns += 1
+            self.underrun_s += now - self.playing_until
+            self.playing_until = now
+        self.playing_until += samples / SAMPLE_RATE
+        self.samples += samples
+
+    def reply(self) -> Reply:
+        return Reply(self.first or 0.0, self.samples / SAMPLE_RATE, time.monotonic() - self.began, self.underruns,
+                     self.underrun_s)
+
+
 async def speak(context, text: str) -> Reply:
     async def deltas():
         for i, word in enumerate(text.split(" ")):
             yield (" " if i else "") + word
             await asyncio.sleep(WORD_DELAY_S)
 
-    began = time.monotonic()
-    first = playing_until = None
-    samples, underruns, underrun_s = 0, 0, 0.0
+    listener = Listener()
     async for chunk in context.stream(deltas()):
-        now = time.monotonic()
-        if first is None:
-            first, playing_until = now - began, now
-        elif now > playing_until:  # the listener ran out of audio before this chunk came
-            underruns += 1
-            underrun_s += now - playing_until
-            playing_until = now
-        playing_until += len(chunk.audio) / SAMPLE_RATE
-        samples += len(chunk.audio)
-    return Reply(first or 0.0, samples / SAMPLE_RATE, time.monotonic() - began, underruns, underrun_s)
+        listener.heard(len(chunk.audio))
+    return listener.reply()
+
+
+async def converse(rng: random.Random, duty: float, until: float, replies: list[Reply], speak_one) -> None:
+    """Replies at `duty`: speak one, stay quiet for a while, until `until`."""
+    await asyncio.sleep(rng.uniform(0, min(2.0, (until - time.monotonic()) / 4)))  # not all on one step
+    while time.monotonic() < until:
+        reply = await speak_one(rng.choice(REPLIES))
+        replies.append(reply)
+        await asyncio.sleep(reply.audio_s * (1 - duty) / duty * rng.uniform(0.5, 1.5))
 
 
 async def session(synth: CosyVoice2Synthesizer, index: int, duty: float, until: float, replies: list[Reply]) -> None:
-    rng = random.Random(index)
     context = synth.open()
     context.generator.manual_seed(index)
     try:
-        await asyncio.sleep(rng.uniform(0, min(2.0, (until - time.monotonic()) / 4)))  # not all on one step
-        while time.monotonic() < until:
-            reply = await speak(context, rng.choice(REPLIES))
-            replies.append(reply)
-            await asyncio.sleep(reply.audio_s * (1 - duty) / duty * rng.uniform(0.5, 1.5))
+        await converse(random.Random(index), duty, until, replies, lambda text: speak(context, text))
     finally:
         await context.close()
 
@@ -113,43 +140,108 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def run_sessions(synth: CosyVoice2Synthesizer, n: int, duty: float, seconds: float, label: str) -> dict:
-    scheduler = synth.scheduler
-    batches_before, misses_before = Counter(scheduler.batch_sizes), scheduler.deadline_misses
-    renders_before = Counter(scheduler.render_sizes)
-    replies: list[Reply] = []
+async def run_all(tasks: list, seconds: float) -> None:
+    # Replies in flight at the end finish; a hard bound in case the device is far behind.
+    done, pending = await asyncio.wait([asyncio.ensure_future(t) for t in tasks], timeout=seconds * 4 + 120)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for task in done:
+        task.result()
 
-    async def run():
-        until = time.monotonic() + seconds
-        tasks = [asyncio.ensure_future(session(synth, i, duty, until, replies)) for i in range(n)]
-        # Replies in flight at the end finish; a hard bound in case the device is far behind.
-        done, pending = await asyncio.wait(tasks, timeout=seconds * 4 + 120)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        for task in done:
-            task.result()
 
-    began = time.monotonic()
-    asyncio.run(run())
-    wall = time.monotonic() - began
-    batches = Counter(scheduler.batch_sizes)
-    batches.subtract(batches_before)
+def summary(replies: list[Reply], wall: float) -> dict:
     firsts = [r.first_audio_s for r in replies]
-    row = {
+    return {
         "replies": len(replies),
         "first p50": pct(firsts, 50), "first p95": pct(firsts, 95),
         "underruns": sum(r.underruns for r in replies), "underrun s": sum(r.underrun_s for r in replies),
         "RTF/stream": statistics.mean(r.wall_s / r.audio_s for r in replies if r.audio_s) if replies else float("nan"),
         "speech s/s": sum(r.audio_s for r in replies) / wall,
-        "misses": scheduler.deadline_misses - misses_before,
     }
-    renders = Counter(scheduler.render_sizes)
-    renders.subtract(renders_before)
-    hist = " ".join(f"{b}:{c}" for b, c in sorted(batches.items()) if c)
-    hist += "  renders " + " ".join(f"{b}:{c}" for b, c in sorted(renders.items()) if c)
+
+
+def print_row(label: str, n: int, row: dict, tail: str) -> None:
     print(f"{label:10s} N={n:3d} " + " ".join(f"{k} {v:7.3f}" if isinstance(v, float) else f"{k} {v:4d}"
-                                            for k, v in row.items()) + f"  batches {hist}", flush=True)
+                                            for k, v in row.items()) + f"  {tail}", flush=True)
+
+
+def histogram(after: Counter, before: Counter) -> str:
+    return " ".join(f"{b}:{c - before.get(b, 0)}" for b, c in sorted(after.items()) if c > before.get(b, 0))
+
+
+def run_sessions(synth: CosyVoice2Synthesizer, n: int, duty: float, seconds: float, label: str) -> dict:
+    scheduler = synth.scheduler
+    batches_before, misses_before = Counter(scheduler.batch_sizes), scheduler.deadline_misses
+    renders_before = Counter(scheduler.render_sizes)
+    replies: list[Reply] = []
+    began = time.monotonic()
+    until = began + seconds
+    asyncio.run(run_all([session(synth, i, duty, until, replies) for i in range(n)], seconds))
+    row = summary(replies, time.monotonic() - began) | {"misses": scheduler.deadline_misses - misses_before}
+    print_row(label, n, row, f"batches {histogram(scheduler.batch_sizes, batches_before)}"
+                             f"  renders {histogram(scheduler.render_sizes, renders_before)}")
+    return row
+
+
+# --- end to end: the server over WebSockets
+
+
+async def say(ws, text: str) -> tuple[Reply, int]:
+    """One `say` spoken: the client's view of it, and the underruns the server's pacer counted."""
+    listener = Listener()
+    await ws.send(json.dumps({"type": "say", "text": text}))
+    while True:
+        message = await asyncio.wait_for(ws.recv(), 120)
+        if isinstance(message, bytes):
+            listener.heard(len(message) // 2)
+            continue
+        event = json.loads(message)
+        if event["type"] == "error":
+            raise RuntimeError(f"the server answered an error: {event}")
+        if event["type"] in ("audio.end", "audio.interrupted"):
+            return listener.reply(), event.get("timings", {}).get("underruns", 0)
+
+
+async def client(url: str, index: int, duty: float, until: float, replies: list[Reply], server_underruns: list[int],
+                 busy: list[dict]) -> None:
+    import websockets
+
+    async with websockets.connect(url, max_size=None) as ws:
+        await ws.send(json.dumps({"type": "session.start"}))
+        while (event := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] != "session.ready":
+            if event["type"] == "error":  # busy: the server is full (admission control)
+                busy.append(event)
+                return
+
+        async def speak_one(text: str) -> Reply:
+            reply, underruns = await say(ws, text)
+            server_underruns.append(underruns)
+            return reply
+
+        await converse(random.Random(index), duty, until, replies, speak_one)
+
+
+def run_server(root: Path, n: int, duty: float, seconds: float, slots: int) -> dict:
+    model_dir, voices = make_model_and_voice(root)
+    settings = make_settings(server={"max_sessions": max(20, n + 1)}, tts={
+        "engine": "cosyvoice2", "voice": "bench", "cosyvoice2": {
+            "model": str(model_dir), "voices_dir": str(voices), "voice_cache_dir": str(root / "cache"), "device": "cpu",
+            "batch_slots": slots, "kv_cache_tokens": 1024}})
+    replies: list[Reply] = []
+    server_underruns: list[int] = []
+    busy: list[dict] = []
+    with running_server(settings) as srv:
+        scheduler = srv.runtime.synthesizer.scheduler
+        batches_before, renders_before = Counter(scheduler.batch_sizes), Counter(scheduler.render_sizes)
+        began = time.monotonic()
+        until = began + seconds
+        asyncio.run(run_all([client(srv.ws_url, i, duty, until, replies, server_underruns, busy) for i in range(n)],
+                            seconds))
+        row = summary(replies, time.monotonic() - began) | {"server underruns": sum(server_underruns),
+                                                             "busy": len(busy)}
+        print_row("server", n, row, f"batches {histogram(scheduler.batch_sizes, batches_before)}"
+                                    f"  renders {histogram(scheduler.render_sizes, renders_before)}")
     return row
 
 
@@ -209,13 +301,19 @@ def print_lm_targets(lm: CosyVoice2LM, reps: int = 9) -> None:
 # --- the engine
 
 
-def build(size: str, device: str, dtype: str, root: Path, slots: int) -> CosyVoice2Synthesizer:
+def make_model_and_voice(root: Path) -> tuple[Path, Path]:
+    """The tiny fixture model's directory and a voices directory with the voice `bench`, under root."""
     model_dir = make_model_dir(root / "model", FIXTURES)
     voices = root / "voices"
     voices.mkdir()
     t = np.arange(6 * 24000) / 24000  # 6 s: 150 prompt tokens, the baseline's prompt
     sf.write(voices / "bench.wav", (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), 24000, subtype="FLOAT")
     (voices / "bench.txt").write_text("This is the voice of the stream, speaking clearly for the prompt.")
+    return model_dir, voices
+
+
+def build(size: str, device: str, dtype: str, root: Path, slots: int) -> CosyVoice2Synthesizer:
+    model_dir, voices = make_model_and_voice(root)
     config = Cosyvoice2Config(model=str(model_dir), voices_dir=voices, voice_cache_dir=root / "cache", device=device,
                               dtype=dtype, batch_slots=slots, kv_cache_tokens=1024)
     synth = CosyVoice2Synthesizer(config, default_voice="bench")
@@ -244,10 +342,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lm-targets", action="store_true", help="print the LM decode targets first")
     parser.add_argument("--no-unbatched", action="store_true", help="skip the runs with batching off")
+    parser.add_argument("--server", type=int, default=0, metavar="N",
+                        help="then N WebSocket clients through the real server at tiny size (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(n) for n in args.sessions.split(",") if n]
-    if not counts:  # the LM figures alone: no flow, HiFT or voice to build
+    if not counts and not args.server:  # the LM figures alone: no flow, HiFT or voice to build
         with tempfile.TemporaryDirectory() as tmp:
             device = torch.device(args.device)
             dtype = torch.float32 if args.dtype == "auto" and device.type == "cpu" else getattr(torch, args.dtype, torch.float16)
@@ -283,6 +383,11 @@ def main() -> None:
                   f"(render s per audio s {synth.scheduler.costs.render_per_audio_s})", flush=True)
         finally:
             synth.close()
+        if args.server:
+            print(f"\nend to end: the server (tiny CosyVoice 2, batched) and {args.server} WebSocket clients, "
+                  f"first audio after `say` (s)", flush=True)
+            (Path(tmp) / "server").mkdir()
+            run_server(Path(tmp) / "server", args.server, args.duty, args.seconds, slots=max([16, *counts]))
 
 
 if __name__ == "__main__":

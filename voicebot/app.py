@@ -76,8 +76,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         engines = [e.info() for e in (rt.recognizer, rt.synthesizer, *rt.responders.values()) if e is not None] if rt.ready else []
-        # At its session limit, or one more session would overload an engine (serving/capacity.py).
-        full = occupied() >= settings.server.max_sessions or bool(rt.admission and rt.admission.refuse(len(rt.sessions)))
+        # At its session limit, or one more session would be refused by admit(): it would overload a
+        # thread pool (serving/capacity.py) or slow the synthesizer's speaking sessions below real time.
+        full = (occupied() >= settings.server.max_sessions or bool(rt.admission and rt.admission.refuse(len(rt.sessions)))
+                or (rt.ready and rt.synthesizer.full() is not None))
         body = {
             # Load balancers and Kubernetes send new connections only where this is true.
             "ready": rt.ready and not rt.draining and not full,
@@ -89,6 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "active_sessions": len(rt.sessions),
             "max_sessions": settings.server.max_sessions,
             "capacity": rt.admission.report() if rt.admission else {},
+            "vad": rt.vad.stats(),  # the VAD batcher: requests waiting, rows per call
             "uptime_s": round(time.monotonic() - rt.started_at, 1),
             "cluster": None if rt.cluster is None else {"redis_up": rt.cluster.link.up},
         }

@@ -27,6 +27,8 @@ from voicebot.reply.base import Responder
 from voicebot.reply.resume import ConversationStore
 from voicebot.reply.safety import SpeechFilter
 from voicebot.serving.capacity import Admission
+from voicebot.serving.metrics import register_vad_metrics
+from voicebot.serving.vad import VadBatcher
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import Synthesizer
 
@@ -58,8 +60,10 @@ class Runtime:
     synthesizer: Synthesizer | None = None
     responders: dict[str, Responder] = field(default_factory=dict)
     default_responder: str = "echo"
-    # Gate and VAD for every session: small onnxruntime/numpy calls, kept off the event loop.
+    # Resampler, echo canceller and gate for every session: small numpy calls, kept off the event loop.
     audio_worker: Worker = field(default_factory=lambda: Worker("audio", threads=2))
+    # Silero VAD for every session: their windows in shared onnxruntime calls (voicebot/serving/vad.py).
+    vad: VadBatcher = field(default_factory=VadBatcher)
     # Smart Turn v3.2, shared by every session (endpoint.turn: smart); None: the silence rule.
     smart_turn: SmartTurn | None = None
     turn_problem: str | None = None  # why smart turn is not in use although configured
@@ -98,13 +102,12 @@ class Runtime:
         self.synthesizer = build_synthesizer(s)
         self.responders = build_responders(s)
         self.default_responder = s.reply.engine
-        from voicebot.audio.endpoint import silero_session
-
-        silero_session()
+        self.vad.start()
         for engine in (self.recognizer, self.synthesizer, *self.responders.values()):
             engine.load()
         self.synthesizer.register_metrics(self.metrics.registry)
-        pools = [self.audio_worker, *self.recognizer.workers(), *self.synthesizer.workers()]
+        register_vad_metrics(self.metrics.registry, self.vad)
+        pools = [self.audio_worker, self.vad, *self.recognizer.workers(), *self.synthesizer.workers()]
         self.admission = Admission(pools, s.limits.max_worker_load)
         if s.endpoint.turn == "smart":
             try:
@@ -135,6 +138,7 @@ class Runtime:
         for responder in self.responders.values():
             await responder.aclose()
         self.audio_worker.shutdown()
+        self.vad.stop()
         if self.smart_turn is not None:
             self.smart_turn.close()
 

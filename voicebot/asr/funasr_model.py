@@ -9,6 +9,17 @@ local directory (so the hub is never contacted).
 goes through that model's single-thread `Worker`; sessions share the model and keep their own
 caches. Methods named `*_blocking` run on that thread only.
 
+The streaming model runs one session's chunk per call: funasr 1.4.16's streaming Paraformer does
+not take a batch with per-row caches, so the sessions' chunks cannot share one call (issue 10).
+`ParaformerStreaming.inference` asserts one input ("batch_size must be set 1") and keeps one cache
+dict per call: one `encoder.start_idx` (the positional encoding's offset, the same for every row),
+one `tail_chunk` and `is_final` (sessions end utterances at different chunks); `init_cache` builds
+every tensor at batch 1; `WavFrontendOnline.forward` asserts batch 1; `CifPredictorV2.forward_chunk`
+writes the rows' carried-over alphas and hidden state as (1, B) and (1, B, H), the rows on the time
+axis, so a batch's next chunk fails (tests/serving/test_paraformer_batch.py); and `generate_chunk`
+returns the tokens of all rows in one flat list. Batching it means writing that streaming loop
+again around funasr's encoder, predictor and decoder modules.
+
 Confidence comes from the decoder: Paraformer's decoder returns log-softmax posteriors and the
 emitted token is their argmax, so exp(max) is the posterior of each emitted token. We wrap the
 decoder call of the model instance and collect those values; nothing is approximated.

@@ -2,7 +2,9 @@
 
 The model ships in the `silero-vad` wheel (silero_vad.onnx); one onnxruntime session is shared by
 every stream (`run` is thread-safe) and each stream keeps its own recurrent state and context.
-Audio is 16 kHz float32, judged in 32 ms windows (512 samples).
+Audio is 16 kHz float32, judged in 32 ms windows (512 samples). The graph takes a batch: `silero_step`
+judges one window of each of several streams in one call (voicebot/serving/vad.py batches the
+sessions' windows that way), each row reading and writing its own stream's state.
 
 An utterance starts once `min_speech_ms` of speech has been heard (so a click or a cough that
 slipped past the gate is not an utterance), and includes `pre_speech_ms` of audio before the first
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -27,6 +30,7 @@ SAMPLE_RATE = LISTEN_RATE  # Silero's 16 kHz graph
 WINDOW = 512
 CONTEXT = 64
 WINDOW_MS = WINDOW * 1000 / SAMPLE_RATE  # 32 ms
+_RATE = np.array(SAMPLE_RATE, dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,22 +49,28 @@ def silero_session():
 
 
 class SileroVad:
-    """Speech probability per 512-sample window, for one stream."""
+    """One stream's recurrent state and context; the speech probability of its windows."""
 
     def __init__(self) -> None:
-        self._session = silero_session()
-        self._rate = np.array(SAMPLE_RATE, dtype=np.int64)
-        self.reset()
+        self.state = np.zeros((2, 1, 128), np.float32)
+        self.context = np.zeros((1, CONTEXT), np.float32)
 
-    def reset(self) -> None:
-        self._state = np.zeros((2, 1, 128), np.float32)
-        self._context = np.zeros((1, CONTEXT), np.float32)
+    def probabilities(self, windows: np.ndarray) -> np.ndarray:
+        """The windows (k, WINDOW) of this stream in order, one call each (batch 1)."""
+        return np.array([silero_step([self], window[None])[0] for window in windows], np.float32)
 
-    def __call__(self, window: np.ndarray) -> float:
-        x = np.concatenate([self._context, window.reshape(1, WINDOW)], axis=1)
-        prob, self._state = self._session.run(None, {"input": x, "state": self._state, "sr": self._rate})
-        self._context = x[:, -CONTEXT:]
-        return float(prob[0, 0])
+
+def silero_step(vads: Sequence[SileroVad], windows: np.ndarray) -> np.ndarray:
+    """The next window (B, WINDOW) of each of B streams in one onnxruntime call; each stream's
+    state and context move on by that window. The rows do not mix: a row's probability equals
+    its stream's call alone (tests/serving/test_vad.py)."""
+    x = np.concatenate([np.concatenate([v.context for v in vads]), windows], axis=1)
+    state = np.concatenate([v.state for v in vads], axis=1)
+    prob, state = silero_session().run(None, {"input": x, "state": state, "sr": _RATE})
+    for i, vad in enumerate(vads):
+        vad.state = state[:, i : i + 1]
+        vad.context = x[i : i + 1, -CONTEXT:]
+    return prob[:, 0]
 
 
 class EventKind(Enum):
@@ -104,12 +114,23 @@ class Endpointer:
         self.config = self.config.model_copy(update={"endpoint_silence_ms": ms})
 
     def process(self, audio: np.ndarray) -> list[VadEvent]:
+        """Cut, judge (this stream's windows one call each) and decide, in one go."""
+        windows = self.cut(audio)
+        return self.decide(windows, self.vad.probabilities(windows))
+
+    def cut(self, audio: np.ndarray) -> np.ndarray:
+        """The whole windows (k, WINDOW) that `audio` completes; the rest waits for the next chunk."""
         data = np.concatenate([self._partial, np.asarray(audio, np.float32)])
         n = len(data) // WINDOW
-        events: list[VadEvent] = []
-        for i in range(n):
-            events.extend(self._window(data[i * WINDOW : (i + 1) * WINDOW]))
         self._partial = data[n * WINDOW :]
+        return data[: n * WINDOW].reshape(n, WINDOW)
+
+    def decide(self, windows: np.ndarray, probabilities: np.ndarray) -> list[VadEvent]:
+        """The endpoint rule over the windows `cut` returned and their speech probabilities
+        (a few comparisons per window: cheap enough for the event loop)."""
+        events: list[VadEvent] = []
+        for window, probability in zip(windows, probabilities):
+            events.extend(self._window(window, probability))
         return _merge_audio(events)
 
     def force_end(self) -> list[VadEvent]:
@@ -119,8 +140,8 @@ class Endpointer:
             return []
         return [self._end()]
 
-    def _window(self, window: np.ndarray) -> list[VadEvent]:
-        speech = self.vad(window) >= self.config.threshold
+    def _window(self, window: np.ndarray, probability: float) -> list[VadEvent]:
+        speech = probability >= self.config.threshold
         self.samples_seen += WINDOW
         self.speech_run_ms = self.speech_run_ms + WINDOW_MS if speech else 0.0
         if speech:

@@ -1,6 +1,8 @@
-"""Admission control for engines that cannot batch (pocketsphinx, espeak-ng, the gate and VAD).
+"""Admission control for the thread pools: engines that cannot batch (pocketsphinx, espeak-ng, the
+resampler and gate) and the VAD batcher.
 
-Such an engine runs on a `Worker`, a fixed pool of threads. Its load is the share of the pool's
+Such an engine runs on a `Worker`, a fixed pool of threads (the VAD batcher, one thread, counts its
+time the same way). Its load is the share of the pool's
 thread-time spent running calls, measured over a sliding window. A pool near saturation delays
 every session that uses it, all at once: the default config with 16 speakers gave no reply within
 10 s and told nobody. So a new session is refused with `busy` and a retry-after instead, when
@@ -19,9 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Callable, Sequence
-
-from voicebot.serving.worker import Worker
+from typing import Callable, Protocol, Sequence
 
 SAMPLE_S = 0.5
 WINDOW_S = 5.0
@@ -31,10 +31,20 @@ COST_EWMA = 0.025
 MIN_LOAD_TO_LEARN = 0.05
 
 
+class Pool(Protocol):
+    """What the load is read from: a Worker, or the VAD batcher."""
+
+    name: str
+    threads: int
+
+    @property
+    def busy_s(self) -> float: ...  # CPU seconds spent running calls since start
+
+
 class PoolLoad:
     """One worker pool's load: busy thread-seconds / (threads x elapsed), over the last WINDOW_S."""
 
-    def __init__(self, worker: Worker, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, worker: Pool, clock: Callable[[], float] = time.monotonic) -> None:
         self.worker = worker
         self._clock = clock
         self._samples: deque[tuple[float, float]] = deque(maxlen=int(WINDOW_S / SAMPLE_S) + 1)
@@ -57,7 +67,7 @@ class PoolLoad:
 
 
 class Admission:
-    def __init__(self, workers: Sequence[Worker], max_load: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, workers: Sequence[Pool], max_load: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.pools = [PoolLoad(w, clock) for w in workers]
         self.max_load = max_load
 

@@ -11,17 +11,27 @@ adds, labelled by scheduler name:
 - voicebot_scheduler_deadline_misses_total: chunks rendered after a listener that had audio ran out;
 - voicebot_scheduler_refused_total: sessions refused by admission control;
 - voicebot_scheduler_decode_step_seconds{batch_size}: the step cost admission uses (moving average).
+
+    register_vad_metrics(metrics.registry, runtime.vad)
+
+adds the VAD batcher's (voicebot/serving/vad.py):
+- voicebot_vad_queue_depth: streams with windows waiting or being judged;
+- voicebot_vad_calls_total{batch_size}: onnxruntime calls run, by rows in the call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from voicebot.serving.scheduler import Scheduler
+from voicebot.serving.vad import VadBatcher
+
+if TYPE_CHECKING:  # a type only: the default config's server never imports torch for its VAD metrics
+    from voicebot.serving.scheduler import Scheduler
 
 
 class SchedulerCollector(Collector):
@@ -61,5 +71,26 @@ class SchedulerCollector(Collector):
 
 def register_scheduler_metrics(registry: CollectorRegistry, scheduler: Scheduler) -> SchedulerCollector:
     collector = SchedulerCollector(scheduler)
+    registry.register(collector)
+    return collector
+
+
+class VadCollector(Collector):
+    def __init__(self, batcher: VadBatcher) -> None:
+        self.batcher = batcher
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("voicebot_vad_queue_depth", "Streams with VAD windows waiting or being judged")
+        depth.add_metric([], self.batcher.pending)
+        yield depth
+        calls = CounterMetricFamily("voicebot_vad_calls", "Silero VAD onnxruntime calls run, by rows in the call",
+                                    labels=["batch_size"])
+        for batch, count in sorted(self.batcher.batch_sizes.items()):
+            calls.add_metric([str(batch)], count)
+        yield calls
+
+
+def register_vad_metrics(registry: CollectorRegistry, batcher: VadBatcher) -> VadCollector:
+    collector = VadCollector(batcher)
     registry.register(collector)
     return collector

@@ -1,10 +1,11 @@
 """The listening stage: a session's audio in, utterances out.
 
-    AudioIn ─► FrontEnd (resample ─► echo canceller ─► gate ─► endpoint; on the audio worker) ─► VadEvents
+    AudioIn ─► FrontEnd (resample ─► echo canceller ─► gate, on the audio worker; Silero VAD, batched
+            with every session's windows (voicebot/serving/vad.py); endpoint rule) ─► VadEvents
             ─► Listening (recognizer stream; speech.started, asr.partial, asr.final) ─► Utterance
 
-`FrontEnd` is everything that runs on the worker thread: it owns its state and returns values,
-so nothing on that thread touches the session. `Listening` runs on the event loop and returns
+`FrontEnd` owns its state and returns values, so nothing on the worker's or the VAD batcher's
+thread touches the session. `Listening` runs on the event loop and returns
 the `Utterance` of each endpoint; what to do with it (today: queue a Turn) is the session's
 (Session._on_utterance), which is where a turn policy goes: an end-of-turn model asked at a short
 pause sits between the endpoint events `hear` returns and the turn queue, without changing this.
@@ -32,6 +33,7 @@ from voicebot.config import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn, Inbound, InputEnd, Utterance
 from voicebot.metrics import Metrics
 from voicebot.protocol import ErrorCode
+from voicebot.serving.vad import VadBatcher
 from voicebot.serving.worker import Worker
 from voicebot.session.outbox import Outbox
 
@@ -51,13 +53,15 @@ class FrontEndOutput:
 
 
 class FrontEnd:
-    """Resample, gate and endpoint one session's input (blocking: runs on the audio worker)."""
+    """Resample, gate and endpoint one session's input."""
 
-    def __init__(self, input_rate: int, gate: GateConfig, endpoint: EndpointConfig, echo: EchoCanceller | None = None) -> None:
+    def __init__(self, input_rate: int, gate: GateConfig, endpoint: EndpointConfig, echo: EchoCanceller | None = None,
+                 *, vad: VadBatcher) -> None:
         self.resampler = StreamResampler(input_rate, LISTEN_RATE)
         self.echo = echo  # the bot's own voice removed before anything listens (voicebot/audio/echo.py)
         self.gate = NoiseGate(gate, LISTEN_RATE) if gate.enabled else None
         self.endpointer = Endpointer(endpoint)
+        self.vad = vad
         self._samples_in = 0
         self._recent: deque[np.ndarray] = deque()  # the last TURN_AUDIO_S of what the endpointer heard
         self._recent_samples = 0
@@ -67,7 +71,19 @@ class FrontEnd:
         # even if the chunk waited in the session's input queue before it was processed.
         self._arrivals: deque[tuple[int, float]] = deque(maxlen=ARRIVALS_MAX)
 
-    def process(self, chunk: AudioIn) -> FrontEndOutput:
+    async def process(self, chunk: AudioIn, worker: Worker) -> FrontEndOutput:
+        """The signal path on the worker, its windows' speech probabilities on the VAD batcher, then
+        the endpoint rule here on the loop (a few comparisons per window)."""
+        windows, muted = await worker.run(self._prepare, chunk)
+        probabilities = await self.vad.probabilities(self.endpointer.vad, windows)
+        events = self.endpointer.decide(windows, probabilities)
+        for event in events:
+            if event.kind is EventKind.START:  # its audio runs to the last window processed
+                self.speech_start_sample = self.endpointer.samples_seen - len(event.audio)
+        return FrontEndOutput(events, muted)
+
+    def _prepare(self, chunk: AudioIn) -> tuple[np.ndarray, int]:
+        """Blocking (the audio worker): the chunk resampled, echo-cancelled and gated, cut in VAD windows."""
         audio = self.resampler.process(pcm16_to_float(chunk.pcm))
         if self.echo is not None:
             audio = self.echo.process(audio, chunk.arrived)
@@ -79,11 +95,7 @@ class FrontEnd:
             audio = self.gate.process(audio)
             muted = self.gate.muted_samples - muted_before
         self._keep(audio)
-        events = self.endpointer.process(audio)
-        for event in events:
-            if event.kind is EventKind.START:  # its audio runs to the last window processed
-                self.speech_start_sample = self.endpointer.samples_seen - len(event.audio)
-        return FrontEndOutput(events, muted)
+        return self.endpointer.cut(audio), muted
 
     def _keep(self, audio: np.ndarray) -> None:
         self._fed += len(audio)
@@ -151,7 +163,7 @@ class Listening:
         if isinstance(item, InputEnd):
             events = self.front_end.end()
         else:
-            out = await self._worker.run(self.front_end.process, item)
+            out = await self.front_end.process(item, self._worker)
             if out.muted_samples:
                 self._metrics.gate_muted.inc(out.muted_samples / LISTEN_RATE)
                 if self._open is not None:

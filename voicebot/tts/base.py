@@ -94,10 +94,14 @@ class Synthesizer(ABC):
     def open(self, voice: str | None = None) -> SynthesisContext:
         """Per-session state; `voice` None means the configured default. KeyError if unknown."""
 
-    def admit(self) -> float | None:
-        """Before open(): None when one more session fits, else the seconds after which to retry
-        (the caller answers `busy` with it). Engines without admission control always admit."""
+    def full(self) -> float | None:
+        """None when one more session fits, else the seconds after which to retry. Only asks
+        (/readyz reads it); engines without admission control always have room."""
         return None
+
+    def admit(self) -> float | None:
+        """Before open(): `full()`, counted as a refusal when it refuses (the caller answers `busy`)."""
+        return self.full()
 
     @abstractmethod
     def info(self) -> EngineInfo: ...

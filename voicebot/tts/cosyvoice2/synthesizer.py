@@ -126,16 +126,21 @@ class CosyVoice2Synthesizer(Synthesizer):
     def register_metrics(self, registry) -> None:
         register_scheduler_metrics(registry, self.scheduler)
 
-    def admit(self) -> float | None:
-        """None to admit one more session; else seconds after which to retry. A session is
-        admitted while the sessions open, each speaking `admission_duty` of the time, stay in real
-        time at the measured step costs; the first is always admitted (it slows nobody else)."""
+    def full(self) -> float | None:
+        """None while one more session fits; else seconds after which to retry. One more fits
+        while the sessions open, each speaking `admission_duty` of the time, stay in real time at
+        the measured step costs; the first always does (it slows nobody else)."""
         capacity = self.scheduler.capacity() if self.scheduler else None
         speaking = math.ceil((len(self.contexts) + 1) * self.config.admission_duty)
         if not self.contexts or capacity is None or speaking <= capacity:
             return None
-        self.scheduler.refused += 1
         return self._retry_after()
+
+    def admit(self) -> float | None:
+        retry_after = self.full()
+        if retry_after is not None:
+            self.scheduler.refused += 1
+        return retry_after
 
     def _retry_after(self) -> float:
         """Room comes back when a session closes: the median lifetime of closed sessions, less the

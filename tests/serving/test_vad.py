@@ -1,0 +1,136 @@
+"""The VAD batcher: every stream's windows in shared onnxruntime calls, each stream's probabilities
+as its own calls alone would give them."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import numpy as np
+import pytest
+
+from tests.audio import dbfs_gain, espeak_speech, fan_noise
+from voicebot.audio.endpoint import WINDOW, SileroVad
+from voicebot.serving.vad import VadBatcher, VadOverloaded
+
+PHRASES = ["what time does the show start", "turn the music down a little", "hello there", "who is the guest tonight"]
+
+
+@functools.cache
+def stream_audio(seed: int) -> np.ndarray:
+    """Speech over noise with pauses (both speech and silence windows), a different take per seed."""
+    rng = np.random.default_rng(seed)
+    speech = dbfs_gain(espeak_speech(PHRASES[seed % len(PHRASES)]), -20 - 3 * seed)
+    audio = fan_noise(len(speech) + 16000, rng, -50)
+    audio[8000 : 8000 + len(speech)] += speech
+    return audio[: len(audio) // WINDOW * WINDOW].reshape(-1, WINDOW)
+
+
+def chunks(windows: np.ndarray, seed: int) -> list[np.ndarray]:
+    """The windows in chunks of 0 to 7 (as clients' chunk sizes differ; 0: a chunk shorter than a window)."""
+    sizes = np.random.default_rng(100 + seed).integers(0, 8, len(windows))
+    cuts = np.cumsum(sizes)
+    return np.split(windows, cuts[cuts < len(windows)])
+
+
+@pytest.fixture
+def batcher():
+    b = VadBatcher(max_batch=4)
+    b.start()
+    yield b
+    b.stop()
+
+
+def test_a_stream_in_a_batch_gets_the_probabilities_of_its_calls_alone(batcher):
+    """Streams join (staggered first rounds) and leave (different lengths) while others are judged;
+    each round's chunks are submitted together, so steps hold several streams and, with max_batch 4
+    of 6 streams, some rows wait a step."""
+    streams = [stream_audio(seed) for seed in range(6)]
+    alone = [SileroVad().probabilities(w) for w in streams]
+    pieces = [[np.zeros((0, WINDOW), np.float32)] * (2 * seed) + chunks(w, seed) for seed, w in enumerate(streams)]
+    vads = [SileroVad() for _ in streams]
+    got: list[list[np.ndarray]] = [[] for _ in streams]
+    for round_ in range(max(map(len, pieces))):
+        live = [i for i in range(len(streams)) if round_ < len(pieces[i])]
+        with batcher._cond:  # hold the thread until the round is in, so it is batched as one
+            futures = {i: batcher.submit(vads[i], pieces[i][round_]) for i in live}
+        for i, future in futures.items():
+            got[i].append(future.result(timeout=30))
+    for i, expected in enumerate(alone):
+        np.testing.assert_allclose(np.concatenate(got[i]), expected, rtol=0, atol=1e-6)
+    assert max(batcher.batch_sizes) == 4 and len(batcher.batch_sizes) > 1
+    assert all(a.max() > 0.5 and a.min() < 0.1 for a in alone)  # speech and silence both judged
+    assert batcher.pending == 0
+
+
+def test_concurrent_sessions_on_the_event_loop(batcher):
+    streams = [stream_audio(seed) for seed in range(3)]
+
+    async def session(seed: int, windows: np.ndarray) -> np.ndarray:
+        vad, out = SileroVad(), []
+        await asyncio.sleep(0.01 * seed)  # join at different times
+        for chunk in chunks(windows, seed):
+            out.append(await batcher.probabilities(vad, chunk))
+        return np.concatenate(out)
+
+    async def main():
+        return await asyncio.gather(*(session(seed, w) for seed, w in enumerate(streams)))
+
+    for got, windows in zip(asyncio.run(main()), streams):
+        np.testing.assert_allclose(got, SileroVad().probabilities(windows), rtol=0, atol=1e-6)
+
+
+def test_bounds_one_request_per_stream_and_max_pending():
+    batcher = VadBatcher(max_pending=2)  # not started: requests stay waiting
+    windows = np.zeros((3, WINDOW), np.float32)
+    vad = SileroVad()
+    batcher.submit(vad, windows)
+    with pytest.raises(RuntimeError, match="one request per stream"):
+        batcher.submit(vad, windows)
+    batcher.submit(SileroVad(), windows)
+    with pytest.raises(VadOverloaded):
+        batcher.submit(SileroVad(), windows)
+    assert batcher.pending == 2
+
+
+def test_waiting_requests_fail_when_it_stops():
+    batcher = VadBatcher()
+    batcher.start()
+    with batcher._cond:
+        future = batcher.submit(SileroVad(), np.zeros((2, WINDOW), np.float32))
+        batcher._stopping = True
+        batcher._cond.notify()
+    with pytest.raises(RuntimeError, match="stopped"):
+        future.result(timeout=5)
+
+
+def test_metrics_count_calls_by_rows(batcher):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from voicebot.serving.metrics import register_vad_metrics
+
+    registry = CollectorRegistry()
+    register_vad_metrics(registry, batcher)
+    vads = [SileroVad(), SileroVad()]
+    with batcher._cond:
+        futures = [batcher.submit(v, np.zeros((2, WINDOW), np.float32)) for v in vads]
+    for future in futures:
+        future.result(timeout=30)
+    text = generate_latest(registry).decode()
+    assert 'voicebot_vad_calls_total{batch_size="2"} 2.0' in text and "voicebot_vad_queue_depth 0.0" in text
+
+
+def test_a_session_that_goes_away_mid_chunk_leaves_the_others_judged(batcher):
+    """Its task is cancelled while its windows wait (asyncio passes the cancel on to the request)."""
+    windows = stream_audio(0)[:6]
+
+    async def main():
+        with batcher._cond:  # the thread cannot take it before the cancel
+            gone = asyncio.ensure_future(batcher.probabilities(SileroVad(), windows))
+            await asyncio.sleep(0)
+            gone.cancel()
+            await asyncio.sleep(0)
+        return await asyncio.wait_for(batcher.probabilities(SileroVad(), windows), 30)
+
+    np.testing.assert_allclose(asyncio.run(main()), SileroVad().probabilities(windows), rtol=0, atol=1e-6)
+    assert batcher.pending == 0 and batcher._thread.is_alive()
