@@ -21,8 +21,8 @@ against frames received, lost audio (frames promised and never received, plus th
 `frames_dropped{overload}` and dropped input) and session deaths without an error event (a socket
 the server closed without a documented code after an `error`, a ping never answered, a reply or
 transcript that never came). Both must stay 0; the exit status is 1 if either is not, if the
-server died or logged a traceback. The last line is a JSON summary. Queue depths are not exposed
-by the server yet (see the report's note).
+server died or logged a traceback. Queue depths (the VAD batcher's, the device scheduler's) and
+the busiest engine pool's load are sampled at each report. The last line is a JSON summary.
 """
 
 from __future__ import annotations
@@ -334,7 +334,7 @@ async def run(url: str, probe: ServerProbe, process: subprocess.Popen, args) -> 
     print(f"{args.sessions} sessions ({', '.join(ROLES)} in turn) + an idle socket + a fuzzing client; "
           f"reset every {args.reset_s:g} s; a report every {args.report_s:g} s")
     print(f"{'min':>5} {'RSS MB':>7} {'fds':>5} {'thr':>4} {'tasks':>6} {'lag ms':>7} {'lag max':>7} {'replies':>7} {'cut':>4} "
-          f"{'1st p50':>7} {'p95':>6} {'promised':>9} {'received':>9} {'lost':>5} {'deaths':>6} {'resumed':>8} {'fuzz':>6}", flush=True)
+          f"{'1st p50':>7} {'p95':>6} {'promised':>9} {'received':>9} {'lost':>5} {'deaths':>6} {'resumed':>8} {'fuzz':>6} {'vadq':>4} {'schq':>4} {'load':>5}", flush=True)
     rows = []
     while (now := time.monotonic()) < deadline and process.poll() is None:
         await asyncio.sleep(min(args.report_s, deadline - now))
@@ -370,12 +370,17 @@ def report(probe: ServerProbe, m: dict[str, float], tally: Tally, start: float) 
            "first_audio_p50": pct(tally.first_audio_ms, 50), "first_audio_p95": pct(tally.first_audio_ms, 95),
            "promised": tally.frames_promised, "received": tally.frames_received,
            "lost": tally.frames_promised - tally.frames_received + server_lost,
-           "deaths": len(tally.deaths), "resumed": f"{tally.resumed}/{tally.reconnects}", "fuzz": tally.fuzz_messages}
+           "deaths": len(tally.deaths), "resumed": f"{tally.resumed}/{tally.reconnects}", "fuzz": tally.fuzz_messages,
+           # Sampled at the report: streams waiting for the VAD batcher, requests waiting for the
+           # device scheduler (CosyVoice 2 configs), and the busiest engine pool's share of its time.
+           "vad_queue": m.get("voicebot_vad_queue_depth", 0), "scheduler_queue": m.get("voicebot_scheduler_queue_depth", 0),
+           "pool_load": max((v for k, v in m.items() if k.startswith("voicebot_worker_load")), default=0.0)}
     tally.first_audio_ms = []
     print(f"{row['min']:>5.1f} {row['rss_mb']:>7.0f} {row['fds']:>5} {row['threads']:>4} {row['tasks']:>6.0f} "
           f"{row['lag_ms']:>7.2f} {row['lag_max_ms']:>7.0f} {row['replies']:>7} {row['interrupted']:>4} "
           f"{row['first_audio_p50']:>7.0f} {row['first_audio_p95']:>6.0f} {row['promised']:>9} {row['received']:>9} "
-          f"{row['lost']:>5.0f} {row['deaths']:>6} {row['resumed']:>8} {row['fuzz']:>6}", flush=True)
+          f"{row['lost']:>5.0f} {row['deaths']:>6} {row['resumed']:>8} {row['fuzz']:>6} "
+          f"{row['vad_queue']:>4.0f} {row['scheduler_queue']:>4.0f} {row['pool_load']:>5.2f}", flush=True)
     return row
 
 
@@ -426,7 +431,6 @@ def main() -> int:
             crashes = [line for line in log.read().splitlines() if "Traceback" in line or "Exception in ASGI" in line]
             log.close()
         summary["server_tracebacks"] = len(crashes)
-    print("note: queue depths are not exposed by the server yet (issue 12, phase 2)")
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
     ok = summary["lost_frames"] == 0 and summary["deaths"] == 0 and summary["server_alive"] and not crashes
     return 0 if ok else 1
