@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -385,6 +386,9 @@ def report(probe: ServerProbe, m: dict[str, float], tally: Tally, start: float) 
 
 
 def main() -> int:
+    # A soak stopped with SIGTERM (kill, a CI timeout) must stop its server too: exit through the
+    # `finally` below instead of dying at once and leaving the server running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     parser.add_argument("--sessions", type=int, default=20)
