@@ -103,6 +103,7 @@ class Runtime:
         self.synthesizer.register_metrics(self.metrics.registry)
         pools = [self.audio_worker, *self.recognizer.workers(), *self.synthesizer.workers()]
         self.admission = Admission(pools, s.limits.max_worker_load)
+        self.metrics.watch_workers(pools)
         if s.endpoint.turn == "smart":
             try:
                 self.smart_turn = SmartTurn()
