@@ -306,6 +306,9 @@ class OpenAICompatConfig(Section):
     connect_timeout_s: float = Field(3.0, gt=0)
     # Request sent to first content delta, per attempt: past it the attempt is retried.
     first_token_timeout_s: float = Field(5.0, gt=0)
+    # After the first delta, the longest wait for the next: past it the stream is closed and the
+    # reply ends with what was said (a stalled server otherwise holds the reply to total_timeout_s).
+    idle_timeout_s: float = Field(10.0, gt=0)
     # Whole reply, retries included.
     total_timeout_s: float = Field(30.0, gt=0)
     # Retries happen only before the first delta: after that the listener has heard words.
