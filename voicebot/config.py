@@ -369,6 +369,10 @@ class ClusterConfig(Section):
     resume_wait_s: float = Field(3.0, ge=0)
     # While Redis is lost, a reconnection is tried this often.
     reconnect_interval_s: float = Field(1.0, gt=0)
+    # A channel's owner key ({prefix}owner:NAME) expires this long after its server last renewed
+    # it (every third of it, while the speaker is connected): a crashed server's channels are free
+    # again after this long, and so are those of a server cut off from Redis for longer.
+    channel_owner_ttl_s: float = Field(10.0, gt=0)
 
 
 class Settings(BaseSettings):
