@@ -7,6 +7,7 @@ the speaking client reconnects. While a channel's speaker is connected, it owns 
 session takes it over only by resuming the speaker's conversation (the same client, reconnected
 before its old socket was seen closed; only it knows the resume token), so no stranger can make an
 overlay on stream speak. Once the speaker has gone, the next session to claim the channel speaks.
+With `cluster.redis_url` the same holds across servers (voicebot/cluster/channels.py: `claim` asks Redis).
 
 Listeners must never slow the session they follow: `mirror` only offers each message to a
 listener's own bounded queue and never waits. A listener whose queue is full has fallen behind
