@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+from tests.cluster.processes import RedisServer, free_port
 from voicebot.channels import ChannelRefused, Listener
 from voicebot.cluster import CLUSTER_UNAVAILABLE, Cluster, ClusterUnavailable
 from voicebot.config import load_settings
 from voicebot.metrics import Metrics
-from tests.cluster.processes import RedisServer, free_port
 
 
 def settings_for(url: str, owner_ttl_s: float = 10.0, **reply):

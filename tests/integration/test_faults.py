@@ -16,7 +16,14 @@ import threading
 
 import pytest
 
-from tests.conftest import TEST_PHRASES, RunningServer, VoiceClient, make_settings, running_server, speech_pcm
+from tests.conftest import (
+    TEST_PHRASES,
+    RunningServer,
+    VoiceClient,
+    make_settings,
+    running_server,
+    speech_pcm,
+)
 from tests.reply.sse_server import Behaviour, SSEServer
 
 FIRST, SECOND = TEST_PHRASES[1], TEST_PHRASES[2]
@@ -219,10 +226,10 @@ def test_a_recognizer_failing_mid_utterance_loses_only_that_utterance(voice, met
             await asyncio.sleep(1.5)  # the rest of that utterance, and whatever it would cause
             lost = (list(c.events), history(voice, c))
             await next_turn_works(c, ends_before=0)
-            return c, error, lost, history(voice, c)
+            return error, lost, history(voice, c)
 
     with swapped(voice, recognizer=flaky):
-        c, error, (events_after_fault, history_after_fault), messages = asyncio.run(scenario())
+        error, (events_after_fault, history_after_fault), messages = asyncio.run(scenario())
     assert flaky.trigger.fired
     assert error["code"] == "engine_error" and error["engine"] == "asr"
     # The failed utterance is lost, and said to be: no transcript, no reply, nothing in the history.

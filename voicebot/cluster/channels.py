@@ -207,19 +207,19 @@ class ClusterChannelHub(ChannelHub):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._keep_now.wait(), self.owner_ttl_s / 3)
             self._keep_now.clear()
-            owned = list(self._owned.items())
-            if not owned or not self.link.up:
-                continue
-            keys, args = [self._owner_key(name) for name, _ in owned], [mine for _, mine in owned]
-            try:
-                kept = await self.link.call("keep", lambda r: self._keep(keys=keys, args=[*args, int(self.owner_ttl_s * 1000)], client=r))
-            except RedisLost:
-                continue  # renewed once Redis is back
-            for (name, mine), ok in zip(owned, kept):
-                if self._owned.get(name) != mine:
-                    self._release_later(name, mine)  # its speaker left while we renewed it
-                elif not ok:
-                    self._lose(name)
+            if self._owned and self.link.up:
+                with contextlib.suppress(RedisLost):  # renewed once Redis is back
+                    await self._renew(list(self._owned.items()))
+
+    async def _renew(self, owned: list[tuple[str, str]]) -> None:
+        keys = [self._owner_key(name) for name, _ in owned]
+        args = [*(mine for _, mine in owned), int(self.owner_ttl_s * 1000)]
+        kept = await self.link.call("keep", lambda r: self._keep(keys=keys, args=args, client=r))
+        for (name, mine), ok in zip(owned, kept):
+            if self._owned.get(name) != mine:
+                self._release_later(name, mine)  # its speaker left while we renewed it
+            elif not ok:
+                self._lose(name)
 
     def _lose(self, name: str) -> None:
         """Another session owns our speaker's channel now (ours was cut off from Redis past the TTL)."""

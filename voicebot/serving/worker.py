@@ -60,7 +60,7 @@ class _Job:
         start = time.thread_time()
         try:
             result = self.call()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- the caller's to handle, in its coroutine
             self.future.set_exception(exc)
         except BaseException as exc:  # noqa: BLE001 -- must never reach the event loop
             self.future.set_exception(JobAborted(f"{type(exc).__name__}: {exc}"))
@@ -146,9 +146,8 @@ class Worker:
     def _lost(self, job: _Job | None) -> None:
         """This thread is dying (called on it): replace it, and settle the call it had."""
         log.error("worker %s lost a thread (%s); starting another", self.name, threading.current_thread().name)
-        if job is not None and not job.future.done():
-            if job.begun:
-                job.future.set_exception(WorkerThreadLost(f"worker {self.name}'s thread died during this call"))
+        if job is not None and job.begun and not job.future.done():
+            job.future.set_exception(WorkerThreadLost(f"worker {self.name}'s thread died during this call"))
         with self._lock:
             if job is not None and not job.begun and job not in self._jobs:
                 self._jobs.appendleft(job)  # taken, never begun: first in line again
