@@ -121,10 +121,11 @@ class Worker:
             thread.start()
 
     def _serve(self) -> None:
-        job = None
+        job, busy = None, 0.0
         try:
             while True:
                 with self._ready:
+                    self._busy_s += busy  # the last call's, counted with the lock this takes anyway
                     while not self._jobs:
                         self._ready.wait()
                     # Looked at, then taken: a thread that dies between the two leaves it queued.
@@ -133,8 +134,6 @@ class Worker:
                 if job is None:
                     return
                 busy = job.run()
-                with self._lock:
-                    self._busy_s += busy
                 job = None
         finally:
             with self._lock:
