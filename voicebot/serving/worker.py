@@ -148,11 +148,15 @@ class Worker:
         if job is not None and job.begun and not job.future.done():
             job.future.set_exception(WorkerThreadLost(f"worker {self.name}'s thread died during this call"))
         with self._lock:
-            if job is not None and not job.begun and job not in self._jobs:
-                self._jobs.appendleft(job)  # taken, never begun: first in line again
             self.threads_lost += 1
+            requeue = job is not None and not job.begun and job not in self._jobs
             if not self._closed:
+                if requeue:
+                    self._jobs.appendleft(job)  # taken, never begun: first in line again
                 self._start_threads()
+                return
+        if requeue:
+            job.future.cancel()  # shut down meanwhile: as every queued call
 
     def _done(self, _future: concurrent.futures.Future) -> None:
         with self._lock:
