@@ -167,11 +167,11 @@ def test_a_listener_on_one_server_hears_the_speaker_on_another(redis_server):
 
 def test_a_channel_has_one_owner_across_servers_and_only_its_resume_takes_it_over(redis_server):
     async def run():
-        a, metrics_a = await started(redis_server.url, owner_ttl_s=0.3)
-        b, metrics_b = await started(redis_server.url, owner_ttl_s=0.3)
+        a, metrics_a = await started(redis_server.url, owner_ttl_s=1.5)
+        b, metrics_b = await started(redis_server.url, owner_ttl_s=1.5)
         try:
             await a.channels.claim("show", "host", owner="host-token")
-            await asyncio.sleep(1.0)  # past the owner key's TTL: a renews it while its speaker is connected
+            await asyncio.sleep(2.0)  # past the owner key's TTL: a renews it while its speaker is connected
             with pytest.raises(ChannelRefused) as stranger:
                 await b.channels.claim("show", "stranger", owner="stranger-token")
             still_a = a.channels._speaking.copy()
@@ -222,8 +222,8 @@ def test_without_redis_no_one_claims_a_channel_and_speakers_keep_theirs(tmp_path
     redis = RedisServer(tmp_path).start()
 
     async def run():
-        a, metrics_a = await started(redis.url, owner_ttl_s=0.5)
-        b, _ = await started(redis.url, owner_ttl_s=0.5)
+        a, metrics_a = await started(redis.url, owner_ttl_s=2.0)
+        b, _ = await started(redis.url, owner_ttl_s=2.0)
         try:
             await a.channels.claim("show", "host", owner="host-token")
             redis.stop()

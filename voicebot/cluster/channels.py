@@ -137,10 +137,12 @@ class ClusterChannelHub(ChannelHub):
 
     async def close(self) -> None:
         await self.flush_releases()
-        tasks = [t for t in (self._publisher, self._keeper) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in (t for t in (self._publisher, self._keeper) if t is not None):
+            # Cancelled until done: on Python 3.11 asyncio.wait_for (inside link.call) can swallow a
+            # cancellation that comes as its call completes, and the task would wait on for ever.
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.1)
 
     # ---- the speaker's side ----------------------------------------------------------------------
 
