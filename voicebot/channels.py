@@ -7,6 +7,7 @@ the speaking client reconnects. While a channel's speaker is connected, it owns 
 session takes it over only by resuming the speaker's conversation (the same client, reconnected
 before its old socket was seen closed; only it knows the resume token), so no stranger can make an
 overlay on stream speak. Once the speaker has gone, the next session to claim the channel speaks.
+With `cluster.redis_url` the same holds across servers (voicebot/cluster/channels.py: `claim` asks Redis).
 
 Listeners must never slow the session they follow: `mirror` only offers each message to a
 listener's own bounded queue and never waits. A listener whose queue is full has fallen behind
@@ -65,6 +66,15 @@ class Listener:
                 await self._send_text(item)
 
 
+class ChannelRefused(Exception):
+    """A session may not speak on the channel it named; `code` is the error event's."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 @dataclass
 class Channel:
     speaker: str | None = None  # session id
@@ -83,18 +93,28 @@ class ChannelHub:
 
     # ---- speaking sessions ---------------------------------------------------------------------
 
+    async def claim(self, name: str, session_id: str, owner: str, resumed_from: str | None = None) -> None:
+        """What a session asks: make it the channel's speaker (see `speak`), or raise ChannelRefused."""
+        if not self.speak(name, session_id, owner, resumed_from):
+            raise ChannelRefused(ErrorCode.CHANNEL_TAKEN, taken_message(name))
+
     def speak(self, name: str, session_id: str, owner: str | None = None, resumed_from: str | None = None) -> bool:
         """Make this session the channel's speaker, replacing one whose conversation it resumed
         (`resumed_from`, the resume token it came back with); False when another owns the channel."""
-        channel = self._channels.setdefault(name, Channel())
-        if channel.speaker is not None and channel.owner is not None and channel.owner != resumed_from:
+        if self.held_against(name, resumed_from):
             return False
+        channel = self._channels.setdefault(name, Channel())
         if channel.speaker is not None:
             self._speaking.pop(channel.speaker, None)
         channel.speaker, channel.owner = session_id, owner
         self._speaking[session_id] = name
         self._notify(name, protocol.event("channel.speaker", channel=name, speaking=True))
         return True
+
+    def held_against(self, name: str, resumed_from: str | None) -> bool:
+        """Whether a speaker here owns the channel and `resumed_from` is not its resume token."""
+        channel = self._channels.get(name)
+        return channel is not None and channel.speaker is not None and channel.owner not in (None, resumed_from)
 
     def leave(self, session_id: str) -> None:
         name = self._speaking.pop(session_id, None)
@@ -161,6 +181,11 @@ class ChannelHub:
         channel = self._channels.get(name)
         if channel is not None and channel.speaker is None and not channel.listeners:
             del self._channels[name]
+
+
+def taken_message(name: str) -> str:
+    return (f"channel {name!r} has a speaker; this session goes on without it (only the speaker's own client, "
+            "resuming, can take a channel over)")
 
 
 async def run_listener(ws: WebSocket, hub: ChannelHub, name: str) -> None:

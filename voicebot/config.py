@@ -306,6 +306,9 @@ class OpenAICompatConfig(Section):
     connect_timeout_s: float = Field(3.0, gt=0)
     # Request sent to first content delta, per attempt: past it the attempt is retried.
     first_token_timeout_s: float = Field(5.0, gt=0)
+    # After the first delta, the longest wait for the next: past it the stream is closed and the
+    # reply ends with what was said (a stalled server otherwise holds the reply to total_timeout_s).
+    idle_timeout_s: float = Field(10.0, gt=0)
     # Whole reply, retries included.
     total_timeout_s: float = Field(30.0, gt=0)
     # Retries happen only before the first delta: after that the listener has heard words.
@@ -366,6 +369,10 @@ class ClusterConfig(Section):
     resume_wait_s: float = Field(3.0, ge=0)
     # While Redis is lost, a reconnection is tried this often.
     reconnect_interval_s: float = Field(1.0, gt=0)
+    # A channel's owner key ({prefix}owner:NAME) expires this long after its server last renewed
+    # it (every third of it, while the speaker is connected): a crashed server's channels are free
+    # again after this long, and so are those of a server cut off from Redis for longer.
+    channel_owner_ttl_s: float = Field(10.0, gt=0)
 
 
 class Settings(BaseSettings):

@@ -10,9 +10,14 @@ import asyncio
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 # voicebot.reply.base.ResponderError kinds, exported as 0 from the start so alerts can rate() them.
-REPLY_ERROR_KINDS = ("connect", "status", "server_error", "first_token_timeout", "total_timeout", "dropped", "malformed", "internal")
+REPLY_ERROR_KINDS = ("connect", "status", "server_error", "first_token_timeout", "idle_timeout", "total_timeout", "dropped",
+                     "malformed", "internal")
+# (engine, stage) of voicebot_engine_failures_total, exported as 0 from the start.
+ENGINE_FAILURES = (("asr", "feed"), ("asr", "finish"), ("responder", "stream"), ("tts", "synthesis"))
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
@@ -55,6 +60,9 @@ class Metrics:
         self.audio_api_seconds = Counter("voicebot_audio_api_audio_seconds_total", "Audio synthesized by /v1/audio/speech or uploaded to /v1/audio/transcriptions, in seconds", ["route"], registry=r)
         self.audio_api_active = Gauge("voicebot_audio_api_active", "/v1/audio/* requests running now (they count toward server.max_sessions)", registry=r)
         self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop runs a timer", buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
+        self.engine_failures = Counter("voicebot_engine_failures_total", "Engine calls that failed in a session, by engine (asr, responder, tts) and stage (feed, finish, stream, synthesis)", ["engine", "stage"], registry=r)
+        for engine, stage in ENGINE_FAILURES:
+            self.engine_failures.labels(engine, stage)
         for kind in REPLY_ERROR_KINDS:
             self.reply_errors.labels(kind)
         for outcome in ("kept", "user_went_on", "changed"):
@@ -62,9 +70,26 @@ class Metrics:
         for reason in ("interrupted", "client_gone", "overload", "preemptive"):
             self.frames_dropped.labels(reason)  # exported as 0 from the start: overload must stay 0
 
+    def watch_workers(self, workers) -> None:
+        """Export voicebot_worker_threads_lost_total for these voicebot.serving.worker.Workers."""
+        self.registry.register(_ThreadsLost(workers))
+
     async def watch_loop_lag(self, interval: float = 0.25) -> None:
         while True:
             start = time.perf_counter()
             await asyncio.sleep(interval)
             self.loop_lag.observe(max(0.0, time.perf_counter() - start - interval))
             self.asyncio_tasks.set(len(asyncio.all_tasks()))
+
+
+class _ThreadsLost(Collector):
+    """Worker threads that died (and were replaced), read from the workers at scrape time."""
+
+    def __init__(self, workers) -> None:
+        self.workers = list(workers)
+
+    def collect(self):
+        family = CounterMetricFamily("voicebot_worker_threads_lost", "Engine worker threads that died and were replaced", labels=["worker"])
+        for worker in self.workers:
+            family.add_metric([worker.name], worker.threads_lost)
+        yield family

@@ -109,6 +109,7 @@ class Runtime:
         register_vad_metrics(self.metrics.registry, self.vad)
         pools = [self.audio_worker, self.vad, *self.recognizer.workers(), *self.synthesizer.workers()]
         self.admission = Admission(pools, s.limits.max_worker_load)
+        self.metrics.watch_workers(pools)
         if s.endpoint.turn == "smart":
             try:
                 self.smart_turn = SmartTurn()

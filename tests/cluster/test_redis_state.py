@@ -7,15 +7,16 @@ import json
 
 import pytest
 
-from voicebot.channels import Listener
+from tests.cluster.processes import RedisServer, free_port
+from voicebot.channels import ChannelRefused, Listener
 from voicebot.cluster import CLUSTER_UNAVAILABLE, Cluster, ClusterUnavailable
 from voicebot.config import load_settings
 from voicebot.metrics import Metrics
-from tests.cluster.processes import RedisServer, free_port
 
 
-def settings_for(url: str, **reply):
-    return load_settings(None, cluster={"redis_url": url, "reconnect_interval_s": 0.1, "resume_wait_s": 1.0},
+def settings_for(url: str, owner_ttl_s: float = 10.0, **reply):
+    return load_settings(None, cluster={"redis_url": url, "reconnect_interval_s": 0.1, "resume_wait_s": 1.0,
+                                        "channel_owner_ttl_s": owner_ttl_s},
                          reply={"max_history_turns": 5, **reply})
 
 
@@ -23,9 +24,9 @@ def sample(metrics: Metrics, name: str, **labels) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-async def started(url: str, **reply) -> tuple[Cluster, Metrics]:
+async def started(url: str, owner_ttl_s: float = 10.0, **reply) -> tuple[Cluster, Metrics]:
     metrics = Metrics()
-    cluster = Cluster(settings_for(url, **reply), metrics)
+    cluster = Cluster(settings_for(url, owner_ttl_s, **reply), metrics)
     await cluster.start()
     return cluster, metrics
 
@@ -142,7 +143,7 @@ def test_a_listener_on_one_server_hears_the_speaker_on_another(redis_server):
             assert b.channels.add_listener("show", listener)
             sender = asyncio.create_task(listener.run_sender())
             await asyncio.sleep(0.2)  # the subscription is made in the background
-            a.channels.speak("show", "speaker-1")
+            await a.channels.claim("show", "speaker-1", owner="token-1")
             a.channels.mirror("speaker-1", json.dumps({"type": "reply.delta", "text": "hi"}))
             a.channels.mirror("speaker-1", b"\x01\x02" * 4800)
             await eventually(lambda: len(received) >= 4)
@@ -164,21 +165,98 @@ def test_a_listener_on_one_server_hears_the_speaker_on_another(redis_server):
     assert relayed_in == 4
 
 
-def test_the_newest_speaker_wins_across_servers(redis_server):
+def test_a_channel_has_one_owner_across_servers_and_only_its_resume_takes_it_over(redis_server):
     async def run():
-        a, _ = await started(redis_server.url)
-        b, _ = await started(redis_server.url)
+        a, metrics_a = await started(redis_server.url, owner_ttl_s=1.5)
+        b, metrics_b = await started(redis_server.url, owner_ttl_s=1.5)
         try:
-            a.channels.speak("show", "old")
-            await asyncio.sleep(0.1)
-            b.channels.speak("show", "new")
+            await a.channels.claim("show", "host", owner="host-token")
+            await asyncio.sleep(2.0)  # past the owner key's TTL: a renews it while its speaker is connected
+            with pytest.raises(ChannelRefused) as stranger:
+                await b.channels.claim("show", "stranger", owner="stranger-token")
+            still_a = a.channels._speaking.copy()
+            # The host's client reconnects to b before a has seen its old socket close.
+            await b.channels.claim("show", "host-again", owner="host-token-2", resumed_from="host-token")
             await eventually(lambda: not a.channels._speaking)
-            return a.channels.is_speaking("show")
+            a.channels.leave("host")  # the old socket closes at last: that frees nothing
+            await a.channels.flush_releases()
+            with pytest.raises(ChannelRefused):
+                await a.channels.claim("show", "stranger", owner="stranger-token")
+            b.channels.leave("host-again")  # the owner has gone: the next claim speaks
+            await b.channels.flush_releases()
+            await a.channels.claim("show", "next", owner="next-token")
+            return (stranger.value.code, still_a, a.channels._speaking.copy(),
+                    sample(metrics_b, "voicebot_cluster_channel_claims_total", outcome="taken"),
+                    sample(metrics_a, "voicebot_cluster_channel_claims_total", outcome="granted"))
         finally:
             await a.close()
             await b.close()
 
-    assert asyncio.run(run())  # a knows the channel still has a speaker: b's
+    refused, still_a, now_a, taken_b, granted_a = asyncio.run(run())
+    assert refused == "channel_taken"
+    assert still_a == {"host": "show"}
+    assert now_a == {"next": "show"}
+    assert taken_b == 1 and granted_a == 2
+
+
+def test_a_crashed_servers_channel_is_free_after_the_owner_ttl(redis_server):
+    async def run():
+        a, _ = await started(redis_server.url, owner_ttl_s=2.0)
+        b, _ = await started(redis_server.url, owner_ttl_s=2.0)
+        try:
+            await a.channels.claim("show", "host", owner="host-token")
+            await a.channels.close()  # a stops renewing, as a crashed server would, its speaker never leaving
+            with pytest.raises(ChannelRefused):
+                await b.channels.claim("show", "stranger", owner="stranger-token")
+            await asyncio.sleep(2.5)
+            await b.channels.claim("show", "stranger", owner="stranger-token")
+            return b.channels._speaking.copy()
+        finally:
+            await a.close()
+            await b.close()
+
+    assert asyncio.run(run()) == {"stranger": "show"}
+
+
+def test_without_redis_no_one_claims_a_channel_and_speakers_keep_theirs(tmp_path):
+    redis = RedisServer(tmp_path).start()
+
+    async def run():
+        a, metrics_a = await started(redis.url, owner_ttl_s=2.0)
+        b, _ = await started(redis.url, owner_ttl_s=2.0)
+        try:
+            await a.channels.claim("show", "host", owner="host-token")
+            redis.stop()
+            with pytest.raises(ChannelRefused) as lost:
+                await b.channels.claim("show", "stranger", owner="stranger-token")
+            await eventually(lambda: not a.link.up and not b.link.up)
+            with pytest.raises(ChannelRefused) as also_lost:
+                await b.channels.claim("other", "someone", owner="someone-token")
+            kept = a.channels._speaking.copy()
+            redis.start()  # empty: every key was lost with it
+            await eventually(lambda: a.link.up and b.link.up, timeout_s=10)
+            owner = None
+            for _ in range(100):  # a takes its speaker's key again
+                if (owner := await a.link.redis.get(a.link.key("owner", "show"))) is not None:
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(ChannelRefused) as after:
+                await b.channels.claim("show", "stranger", owner="stranger-token")
+            return (lost.value.code, also_lost.value.code, kept, owner, after.value.code,
+                    sample(metrics_a, "voicebot_cluster_channel_claims_total", outcome="lost"))
+        finally:
+            await a.close()
+            await b.close()
+
+    try:
+        lost, also_lost, kept, owner, after, lost_claims = asyncio.run(run())
+    finally:
+        redis.stop()
+    assert lost == also_lost == CLUSTER_UNAVAILABLE
+    assert kept == {"host": "show"}  # its speaker goes on, heard by a's own listeners
+    assert owner is not None
+    assert after == "channel_taken"
+    assert lost_claims == 0
 
 
 def test_redis_going_away_degrades_to_local_then_recovers(tmp_path):
@@ -197,8 +275,9 @@ def test_redis_going_away_degrades_to_local_then_recovers(tmp_path):
             sender = asyncio.create_task(listener.run_sender())
             changes: list[bool] = []
             a.link.on_change(changes.append)
+            await a.channels.claim("show", "speaker", owner="token")
             redis.stop()
-            a.channels.speak("show", "speaker")  # publishing fails: the link goes down
+            a.channels.mirror("speaker", json.dumps({"type": "reply.delta", "text": "hi"}))  # publishing fails: the link goes down
             a.channels.mirror("speaker", b"\x00\x01" * 4800)
             await eventually(lambda: changes == [False])
             # Local-only: the listener here still hears the speaker here; conversations stay here.
@@ -228,3 +307,23 @@ def test_redis_going_away_degrades_to_local_then_recovers(tmp_path):
     assert down == 0 and up == 1
     assert dropped >= 1
     assert stored == 1
+
+
+def test_a_speaker_whose_channel_was_taken_while_its_server_was_cut_off_stops_speaking(redis_server):
+    async def run():
+        a, metrics_a = await started(redis_server.url, owner_ttl_s=0.3)
+        try:
+            await a.channels.claim("show", "host", owner="host-token")
+            # What Redis holds after a was cut off past the TTL and another server's session claimed it.
+            await a.link.redis.set(a.link.key("owner", "show"), "0" * 32)
+            await eventually(lambda: not a.channels._speaking)  # found at its next renewal
+            a.channels.leave("host")
+            await a.channels.flush_releases()
+            return (await a.link.redis.get(a.link.key("owner", "show")),
+                    sample(metrics_a, "voicebot_cluster_channel_claims_total", outcome="lost"))
+        finally:
+            await a.close()
+
+    owner, lost = asyncio.run(run())
+    assert owner == b"0" * 32  # the new owner's key stays
+    assert lost == 1

@@ -21,7 +21,8 @@ class Cluster:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         reply = settings.reply
         self.link = RedisLink(settings.cluster, metrics.registry)
-        self.channels = ClusterChannelHub(metrics, settings.server.max_listeners, self.link)
+        self.channels = ClusterChannelHub(metrics, settings.server.max_listeners, self.link,
+                                          settings.cluster.channel_owner_ttl_s)
         self.conversations = RedisConversationStore(
             self.link, reply.resume_ttl_s, reply.resume_max_conversations, settings.cluster.resume_wait_s,
             lambda: Conversation(reply.max_history_turns, reply.max_history_tokens))

@@ -5,9 +5,9 @@ vLLM, Ollama, LM Studio, DashScope's compatible mode and OpenAI all take
 `data: {"choices": [{"delta": {"content": "..."}}]}` lines, ended by `data: [DONE]`.
 
 httpx, not the openai SDK: httpx is already a dependency, and a voice reply needs control the SDK
-does not give: a first-token deadline apart from the total one (the SDK has per-read timeouts),
-retries only until the first delta (after it, the listener has heard words, so a retry would
-repeat them), a bounded line buffer, and tolerance of what compatible servers add (keep-alive
+does not give: a first-token deadline, an idle one between deltas and a total one (the SDK has
+per-read timeouts), retries only until the first delta (after it, the listener has heard words,
+so a retry would repeat them), a bounded line buffer, and tolerance of what compatible servers add (keep-alive
 comments, `reasoning_content` deltas, an `error` object in mid-stream). Closing the generator
 (barge-in cancels the reply) closes the HTTP response at once, so the server stops generating.
 """
@@ -111,13 +111,17 @@ class OpenAICompatResponder(Responder):
         spoke = False
 
         async def before_deadline(awaitable):
-            limit = deadline if spoke else first_by
+            c = self.config
+            if spoke:  # a stream that stalls after its first words: no retry, the listener heard them
+                limit, kind, message = loop.time() + c.idle_timeout_s, "idle_timeout", f"no more reply text for {c.idle_timeout_s:g} s"
+            else:
+                limit, kind, message = first_by, "first_token_timeout", f"no reply text within {c.first_token_timeout_s:g} s"
+            if limit >= deadline:
+                limit, kind, message = deadline, "total_timeout", f"no complete reply within {c.total_timeout_s:g} s"
             try:
                 return await asyncio.wait_for(awaitable, max(0.0, limit - loop.time()))
             except asyncio.TimeoutError:
-                if limit == deadline:
-                    raise _AttemptFailed("total_timeout", f"no complete reply within {self.config.total_timeout_s:g} s", False) from None
-                raise _AttemptFailed("first_token_timeout", f"no reply text within {self.config.first_token_timeout_s:g} s") from None
+                raise _AttemptFailed(kind, message, retryable=kind == "first_token_timeout") from None
 
         client = self._client
         request = client.build_request("POST", self.url, json=payload, headers=self._headers)

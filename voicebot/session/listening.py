@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from voicebot import protocol
-from voicebot.asr.base import RecognizerStream
+from voicebot.asr.base import Hypothesis, RecognizerStream
 from voicebot.audio.echo import EchoCanceller
 from voicebot.audio.endpoint import Endpointer, EventKind, VadEvent
 from voicebot.audio.gate import NoiseGate
@@ -132,6 +132,11 @@ class FrontEnd:
 class _OpenUtterance:
     id: str
     muted_samples: int = 0
+    failed: bool = False  # the recognizer failed on it: it is lost
+
+
+# What a lost utterance hands the turn policy: no words.
+LOST = Hypothesis("", None, "lost")
 
 
 class Listening:
@@ -187,34 +192,50 @@ class Listening:
             if self.on_endpoint is not None:
                 self.on_endpoint()  # before the recognizer's finish, so what waits on the pause overlaps it
             return await self._finish(event, opened)
+        if self._open.failed:
+            return None  # the rest of a lost utterance: the recognizer starts afresh at the next
         try:
             partial = await self.asr.accept(event.audio)
         except Exception as exc:  # a model failing on this input must not end the session
-            log.exception("recognizer failed")
-            await self._outbox.error(ErrorCode.ENGINE_ERROR, f"recognizer failed: {exc}")
+            await self._failed("feed", exc, self._open)
             return None
         if partial is not None:
             await self._outbox.emit(protocol.event("asr.partial", utterance_id=self._open.id, text=partial))
         return None
 
-    async def _finish(self, event: VadEvent, opened: _OpenUtterance) -> Utterance | None:
+    async def _failed(self, stage: str, exc: Exception, opened: _OpenUtterance) -> None:
+        """The recognizer failed on this utterance: it is lost (no transcript, no turn), the client
+        is told, and the stream is rebuilt, so the next utterance starts on a clean one."""
+        log.error("recognizer failed (%s) in session %s, utterance %s", stage, self._session_id, opened.id, exc_info=exc)
+        opened.failed = True
+        self._metrics.engine_failures.labels("asr", stage).inc()
+        await self._outbox.error(ErrorCode.ENGINE_ERROR, f"the recognizer failed; utterance {opened.id} is lost: {exc}",
+                                 engine="asr", stage=stage, utterance_id=opened.id)
+        try:
+            await self.asr.reset()
+        except Exception:
+            log.exception("the recognizer could not be reset after a failure; the next utterance tries it as it is")
+
+    async def _finish(self, event: VadEvent, opened: _OpenUtterance) -> Utterance:
         endpoint_at = time.monotonic()
         speech_end = self.front_end.time_of_sample(event.speech_end_sample) if event.speech_end_sample else endpoint_at
-        try:
-            hyp = await self.asr.finish()
-        except Exception as exc:
-            log.exception("recognizer failed")
-            await self._outbox.error(ErrorCode.ENGINE_ERROR, f"recognizer failed: {exc}")
-            return None
+        hyp = None
+        if not opened.failed:
+            try:
+                hyp = await self.asr.finish()
+            except Exception as exc:
+                await self._failed("finish", exc, opened)
         utterance = Utterance(
             id=opened.id,
-            hypothesis=hyp,
+            hypothesis=hyp or LOST,
             speech_end=speech_end,
             speech_ms=event.speech_ms,
             gate_muted_ms=round(opened.muted_samples * 1000 / LISTEN_RATE),
             endpoint_delay_s=endpoint_at - speech_end,
             asr_final_s=time.monotonic() - endpoint_at,
         )
+        if hyp is None:
+            return utterance  # empty: the turn policy takes it for noise; the error said it was lost
         self._observe(utterance)
         await self._outbox.emit(
             protocol.event(

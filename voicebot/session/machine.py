@@ -21,6 +21,7 @@ from voicebot.asr.base import RecognizerStream
 from voicebot.audio.echo import EchoCanceller
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import pcm16_to_float
+from voicebot.channels import ChannelRefused
 from voicebot.messages import AudioFrame, AudioIn, Event, Inbound, InputEnd, Turn
 from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
@@ -256,16 +257,14 @@ class Session:
         self._set_turn(message.endpointing)
         self._enter(State.LISTENING)
         resumed = await self._resume(message.resume)
-        speaks = not message.channel or self.rt.channels.speak(
-            message.channel, self.id, owner=self.resume_token, resumed_from=message.resume if resumed else None)
+        refused = await self._claim(message.channel, message.resume if resumed else None)
         self.replies = Replying(self.tts, self.conversation, self.outbox, self.rt.metrics, self.rt.speech_filter,
                                  self.settings.reply, self.settings.pacing)
         self.engine_reset = EngineReset(self.settings.reset.interval_s, self.asr, self.tts, self.rt.metrics, self.outbox)
         await self.outbox.emit(protocol.session_ready(self.id, self.resume_token, self.sample_rate, self.tts.voice, self.choices.responder,
                                                              resumed=resumed))
-        if not speaks:
-            await self.outbox.error(ErrorCode.CHANNEL_TAKEN, f"channel {message.channel!r} has a speaker; this session goes on "
-                             "without it (only the speaker's own client, resuming, can take a channel over)")
+        if refused is not None:
+            await self.outbox.error(refused.code, refused.message)
         self._tasks = [
             asyncio.create_task(self._listen(), name=f"listen-{self.id[:8]}"),
             asyncio.create_task(self._speak(), name=f"speak-{self.id[:8]}"),
@@ -282,6 +281,16 @@ class Session:
             self.conversation = conversation
         self.rt.conversations.register(self.resume_token, self.conversation)
         return conversation is not None
+
+    async def _claim(self, channel: str | None, resumed_from: str | None) -> ChannelRefused | None:
+        """Speak on the channel named in session.start, if any; why not, when the session may not."""
+        if not channel:
+            return None
+        try:
+            await self.rt.channels.claim(channel, self.id, owner=self.resume_token, resumed_from=resumed_from)
+        except ChannelRefused as exc:
+            return exc
+        return None
 
     def _apply_choices(self, message: protocol.SessionStart | protocol.SessionUpdate) -> None:
         self.choices.apply(message.voice, message.responder, message.language, message.endpointing,

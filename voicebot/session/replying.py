@@ -139,9 +139,13 @@ class Reply:
                 await producer
             raise
         except Exception as exc:
-            log.exception("reply failed")
-            producer.cancel()
-            await self.stage.outbox.error(ErrorCode.ENGINE_ERROR, f"reply failed: {exc}", reply_id=self.id)
+            # Everything synthesized before the failure was sent (the producer flushed it and put
+            # its end marker): the reply ends there, and the conversation keeps what was heard.
+            log.error("synthesis failed in reply %s", self.id, exc_info=exc)
+            self.stage.metrics.engine_failures.labels("tts", "synthesis").inc()
+            await self.stage.outbox.error(ErrorCode.ENGINE_ERROR, f"synthesis failed; the reply ends here: {exc}",
+                                          reply_id=self.id, engine="tts", stage="synthesis")
+            self._remember(self._heard_before_failure())
         await self._finished()
 
     async def cancel(self, reason: str) -> None:
@@ -194,6 +198,13 @@ class Reply:
         self._remember(heard)
         return heard
 
+    def _heard_before_failure(self) -> str:
+        """What the listener hears of a reply whose synthesis failed: all that was sent, but
+        nothing of the sentence being synthesized (its audio stops at a point no text marks)."""
+        segments = self.heard.segments
+        complete = segments[-1].start if segments else 0
+        return self.heard.heard(min(self.pacer.samples_sent, complete))
+
     # ---- producing: responder ─► TTS ─► framer ─► frames ----------------------------------------
 
     def _texts(self) -> AsyncIterator[str]:
@@ -209,6 +220,7 @@ class Reply:
     async def _responder_failed(self, exc: ResponderError) -> None:
         self.failed = True
         self.stage.metrics.reply_errors.labels(exc.kind).inc()
+        self.stage.metrics.engine_failures.labels("responder", "stream").inc()
         log.warning("responder %s failed (%s): %s", self.responder_name, exc.kind, exc)
         await self._emit(protocol.error(ErrorCode.REPLY_FAILED, f"the responder failed ({exc.kind}): {exc}",
                                         reply_id=self.id, failure=exc.kind))
@@ -241,15 +253,23 @@ class Reply:
 
     async def _produce(self) -> None:
         """Synthesize into frames, then put the end marker. The marker is awaited like every frame:
-        with a full queue (synthesis ahead of playback) it waits for room instead of being lost."""
+        with a full queue (synthesis ahead of playback) it waits for room instead of being lost.
+        A synthesis failure ends the reply the same way, after what was synthesized before it,
+        and is re-raised for play() to report. Cancelled (barge-in, close): no marker, the pacer
+        is cancelled with us."""
+        failure = None
         try:
             await self._synthesize()
         except asyncio.CancelledError:
-            raise  # barge-in or close: the pacer is cancelled with us and reads no marker
-        except Exception:
-            await self.frames.put(None)  # the pacer sends what came before; play() reports the failure
             raise
+        except Exception as exc:
+            failure = exc
+        last = self.framer.flush()
+        if last is not None:
+            await self._put_frames([last])
         await self.frames.put(None)
+        if failure is not None:
+            raise failure
 
     async def _synthesize(self) -> None:
         deltas = self._text_deltas()
@@ -262,9 +282,6 @@ class Reply:
                     self.heard.add(chunk.text, chunk.segment, self._produced_samples, len(chunk.audio))
                     self._produced_samples += len(chunk.audio)
                     await self._put_frames(self.framer.push(chunk.audio))
-            last = self.framer.flush()
-            if last is not None:
-                await self._put_frames([last])
         finally:
             # Close the text source now, not when it is garbage collected: on barge-in the
             # responder's HTTP stream must close at once.
