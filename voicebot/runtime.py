@@ -109,7 +109,9 @@ class Runtime:
         register_vad_metrics(self.metrics.registry, self.vad)
         pools = [self.audio_worker, self.vad, *self.recognizer.workers(), *self.synthesizer.workers()]
         self.admission = Admission(pools, s.limits.max_worker_load)
-        self.metrics.watch_workers(pools)
+        # The VAD batcher is one thread of its own that outlives a failing batch; threads that die
+        # and are replaced are the Workers' (voicebot/serving/worker.py).
+        self.metrics.watch_workers([pool for pool in pools if isinstance(pool, Worker)])
         if s.endpoint.turn == "smart":
             try:
                 self.smart_turn = SmartTurn()
