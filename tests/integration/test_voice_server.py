@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import numpy as np
 import pytest
 import websockets
 
@@ -212,6 +213,26 @@ def test_flooding_closes_with_the_documented_code(server):
 
     closed = run(flood())
     assert closed.rcvd.code == CloseCode.FLOODING and "flooding" in closed.rcvd.reason
+
+
+def test_audio_flooding_closes_and_counts_the_audio_it_refused(server):
+    """Audio far faster than real time: closed as flooding, and the refused audio is counted."""
+    before = server.metric("voicebot_input_dropped_seconds_total", 'reason="flooding"')
+    second = np.zeros(16000, np.int16).tobytes()  # 1 s at 16 kHz, the largest message allowed
+
+    async def flood():
+        async with websockets.connect(server.ws_url) as ws:
+            await ws.send(json.dumps({"type": "session.start"}))
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                for _ in range(200):  # 200 s of audio at once
+                    await ws.send(second)
+                while True:
+                    await ws.recv()
+            return closed.value
+
+    closed = run(flood())
+    assert closed.rcvd.code == CloseCode.FLOODING
+    assert server.metric("voicebot_input_dropped_seconds_total", 'reason="flooding"') >= before + 1.0
 
 
 def test_max_sessions_refuses_the_next_session_and_keeps_the_others():

@@ -193,12 +193,20 @@ class Session:
         await self.audio_in.put(AudioIn(data, time.monotonic()))
 
     def _flooding(self, audio_bytes: int) -> bool:
+        """True: this message is refused (it floods, or the session is closing). Its audio is
+        counted as dropped, as every piece of input the server does not hear is."""
         if self.close_request:
+            self._drop_input(audio_bytes, "closing")
             return True
         reason = self.flood.check(audio_bytes, self.sample_rate)
         if reason:
+            self._drop_input(audio_bytes, "flooding")
             self.request_close(CloseCode.FLOODING, ErrorCode.FLOODING, f"flooding: {reason}")
         return reason is not None
+
+    def _drop_input(self, audio_bytes: int, reason: str) -> None:
+        if audio_bytes:
+            self.rt.metrics.input_dropped.labels(reason).inc(audio_bytes / (2 * self.sample_rate))
 
     def request_close(self, close_code: int, error_code: str, reason: str) -> None:
         """Ask the connection's owner (voicebot.app.run_session) to send the error and close."""
