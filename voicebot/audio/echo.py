@@ -17,6 +17,14 @@ session's queue), and the echo would seem later by that wait, past AEC3's range.
 (GCC-PHAT on the last second of both ends, while the bot speaks) and holds the far end back by
 the estimate less a margin, which keeps a long path (an OBS mix with buffering) inside that range.
 
+No echo path (headphones; an OBS mix without desktop audio): AEC3 cancels with a linear filter
+that converges on the echo, and until it has converged its suppressor takes the echo to be as loud
+as the reply (its default echo-path gain). With no echo there is nothing to converge on, so that
+lasts: a user talking over the reply lost 20-65 dB in most 200 ms windows, and barge-in took
+about 2 s instead of 0.5 s (bench/echo.py). So the tracker also says when the reply played and
+nothing of it came back (`DelayTracker.echo_absent`); AEC3 is then given no reference, which leaves
+the input untouched. The first echo found gives it the reference again, for the rest of the session.
+
 Bounds: unplayed far end at most `MAX_FAR_S` (more is dropped oldest first and counted); the
 tracker keeps `HISTORY_S` of each end; the input waits at most one 10 ms block.
 """
@@ -61,6 +69,8 @@ class DelayTracker:
         self._recent: deque[float] = deque(maxlen=5)
         self.delay_s: float | None = None
         self.estimates = 0
+        # The reply played over a whole window and no echo of it came back; never once one was found.
+        self.echo_absent = False
 
     def add(self, near_block: np.ndarray, far_block: np.ndarray) -> None:
         self._near.append(near_block)
@@ -75,7 +85,12 @@ class DelayTracker:
         max_lag = round(MAX_DELAY_S * SAMPLE_RATE)
         near = np.concatenate(self._near)[-window:]
         far = np.concatenate(self._far)[-(window + max_lag):]
-        if np.sqrt(np.mean(far**2)) < FAR_ACTIVE_RMS or np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:
+        # The bot spoke in both halves of the far history, the part an echo of up to MAX_DELAY_S
+        # would come back from into the near window, and not only in the part a late echo misses.
+        if min(np.sqrt(np.mean(half**2)) for half in np.array_split(far, 2)) < FAR_ACTIVE_RMS:
+            return
+        if np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:  # nothing came back at all
+            self.echo_absent = self.delay_s is None
             return
         n = 1 << int(np.ceil(np.log2(len(far) + window)))
         cross = np.fft.rfft(far, n) * np.conj(np.fft.rfft(near, n))
@@ -85,7 +100,9 @@ class DelayTracker:
         peak = int(np.argmax(lags))
         # A clear peak only: music or a noisy room gives a flat correlation, and a guess would misalign.
         if lags[peak] < 8 * np.median(np.abs(lags)):
+            self.echo_absent = self.delay_s is None
             return
+        self.echo_absent = False
         self._recent.append(peak / SAMPLE_RATE)
         self.delay_s = float(np.median(self._recent))
         self.estimates += 1
@@ -209,6 +226,8 @@ class EchoCanceller:
             self._follow_delay()
             self._held.append(far_block)
             reference = self._held.popleft() if len(self._held) > self._hold_blocks else np.zeros(BLOCK, np.float32)
+            if self.tracker.echo_absent:
+                reference = np.zeros(BLOCK, np.float32)
             self._apm.process_reverse_stream(_pcm16(reference))
             cleaned = np.frombuffer(self._apm.process_stream(_pcm16(near_block)), "<i2").astype(np.float32) / 32768.0
             out[start : start + BLOCK] = cleaned
