@@ -75,6 +75,7 @@ def test_echo_is_removed(reply_24k, delay_ms, gain_db):
     assert second >= 20, f"only {second:.1f} dB of echo removed once converged"
     assert first >= 6, f"only {first:.1f} dB of echo removed during the first reply"
     assert canceller.delay_ms is not None and abs(canceller.delay_ms - delay_ms) <= 10
+    assert canceller.tracker.echo_confirmed and not canceller.tracker.echo_absent
 
 
 def test_input_waiting_to_be_processed_does_not_shift_the_echo(reply_24k):
@@ -122,7 +123,7 @@ def test_speech_over_a_reply_with_no_echo_path_is_kept(reply_24k):
     # reply, removed 20-65 dB of the user's speech: barge-in took ~2 s instead of ~0.5 s.
     speech = espeak_speech(BARGE_IN, "en-gb") * 0.7
     speech_at_s = 2.0  # into the first reply, the canceller cold: bench/echo.py's barge-in
-    _, _, voice, out = run_case(reply_24k, 0, None, speech, speech_at_s=speech_at_s)
+    canceller, _, voice, out = run_case(reply_24k, 0, None, speech, speech_at_s=speech_at_s)
     start = int(speech_at_s * 16000)
     kept = []
     for w in range(0, 16000, 3200):  # each 200 ms frame of the first second of speech
@@ -135,6 +136,7 @@ def test_speech_over_a_reply_with_no_echo_path_is_kept(reply_24k):
     # more than the 3 dB the test above allows is where it started missing them.
     assert min(kept) >= -3, f"speech over the reply lost {-min(kept):.1f} dB in a 200 ms frame"
     assert heard is not None and heard <= heard_raw + 200, "the barge-in was heard more than a frame late"
+    assert canceller.tracker.echo_absent and not canceller.tracker.echo_confirmed  # the voice is no echo
 
 
 @pytest.mark.parametrize("speech_at_s", [2.0, 3.0])

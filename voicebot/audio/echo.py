@@ -23,7 +23,7 @@ as the reply (its default echo-path gain). With no echo there is nothing to conv
 lasts: a user talking over the reply lost 20-65 dB in most 200 ms windows, and barge-in took
 about 2 s instead of 0.5 s (bench/echo.py). So the tracker also says when the reply played and
 nothing of it came back (`DelayTracker.echo_absent`); AEC3 is then given no reference, which leaves
-the input untouched. The first echo found gives it the reference again, for the rest of the session.
+the input untouched. The first echo confirmed gives it the reference again, for the rest of the session.
 
 Double talk while AEC3 is new: for its first 2.5 s of reply audio (its "initial state", restarted
 by every echo-path change it detects) AEC3 suppresses more, and a user talking over the first
@@ -60,6 +60,9 @@ MIN_HOLD_CHANGE_S = 0.06  # AEC3 re-converges after every shift: only follow rea
 # playout (the client ran dry). Not less: the resampler holds back ~21 ms of each frame until the next.
 PLAYOUT_GAP_S = 0.05
 FAR_ACTIVE_RMS = 1e-3  # about -60 dBFS: below it the bot is silent and there is nothing to measure
+# An echo comes back at the same delay second after second (playout jitter is a few ms); a voice
+# over the reply correlates with it by chance, at another lag each time (0.20, 0.24, 0.50 s here).
+ECHO_CONFIRM_S = 0.02
 AEC3_FIELD_TRIALS = b"WebRTC-Aec3UseZeroInitialStateDuration/Enabled/"
 
 _field_trials_lock = threading.Lock()
@@ -99,8 +102,11 @@ class DelayTracker:
         self._recent: deque[float] = deque(maxlen=5)
         self.delay_s: float | None = None
         self.estimates = 0
-        # The reply played over a whole window and no echo of it came back; never once one was found.
+        # The reply played over a whole window and no echo of it came back, and no echo has been
+        # confirmed (two estimates in a row at one delay) in this session.
         self.echo_absent = False
+        self.echo_confirmed = False
+        self._last_peak_s: float | None = None
 
     def add(self, near_block: np.ndarray, far_block: np.ndarray) -> None:
         self._near.append(near_block)
@@ -115,12 +121,13 @@ class DelayTracker:
         max_lag = round(MAX_DELAY_S * SAMPLE_RATE)
         near = np.concatenate(self._near)[-window:]
         far = np.concatenate(self._far)[-(window + max_lag):]
-        # The bot spoke in both halves of the far history, the part an echo of up to MAX_DELAY_S
-        # would come back from into the near window, and not only in the part a late echo misses.
-        if min(np.sqrt(np.mean(half**2)) for half in np.array_split(far, 2)) < FAR_ACTIVE_RMS:
+        if np.sqrt(np.mean(far**2)) < FAR_ACTIVE_RMS:
             return
+        # No echo means none of any delay up to MAX_DELAY_S: only when the bot spoke in both halves
+        # of the far history, not only in the part that a late echo has not come back from yet.
+        no_echo = not self.echo_confirmed and min(np.sqrt(np.mean(h**2)) for h in np.array_split(far, 2)) >= FAR_ACTIVE_RMS
         if np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:  # nothing came back at all
-            self.echo_absent = self.delay_s is None
+            self.echo_absent |= no_echo
             return
         n = 1 << int(np.ceil(np.log2(len(far) + window)))
         cross = np.fft.rfft(far, n) * np.conj(np.fft.rfft(near, n))
@@ -130,9 +137,14 @@ class DelayTracker:
         peak = int(np.argmax(lags))
         # A clear peak only: music or a noisy room gives a flat correlation, and a guess would misalign.
         if lags[peak] < 8 * np.median(np.abs(lags)):
-            self.echo_absent = self.delay_s is None
+            self.echo_absent |= no_echo
+            self._last_peak_s = None
             return
-        self.echo_absent = False
+        last, self._last_peak_s = self._last_peak_s, peak / SAMPLE_RATE
+        if last is not None and abs(peak / SAMPLE_RATE - last) <= ECHO_CONFIRM_S:
+            self.echo_confirmed, self.echo_absent = True, False
+        if not self.echo_confirmed:
+            return  # one peak alone may be a voice over the reply: no delay from it
         self._recent.append(peak / SAMPLE_RATE)
         self.delay_s = float(np.median(self._recent))
         self.estimates += 1
