@@ -21,9 +21,10 @@ No echo path (headphones; an OBS mix without desktop audio): AEC3 cancels with a
 that converges on the echo, and until it has converged its suppressor takes the echo to be as loud
 as the reply (its default echo-path gain). With no echo there is nothing to converge on, so that
 lasts: a user talking over the reply lost 20-65 dB in most 200 ms windows, and barge-in took
-about 2 s instead of 0.5 s (bench/echo.py). So the tracker also says when the reply played and
-nothing of it came back (`DelayTracker.echo_absent`); AEC3 is then given no reference, which leaves
-the input untouched. The first echo confirmed gives it the reference again, for the rest of the session.
+about 2 s instead of 0.5 s (bench/echo.py). So the tracker also says when the reply played over a
+whole window and nothing came back at all, the input under -80 dBFS (`DelayTracker.echo_absent`;
+an OBS mix without desktop audio, a muted or gated headset mic); AEC3 is then given no reference,
+which leaves the input untouched. The first echo confirmed gives it the reference again, for the rest of the session.
 
 Double talk while AEC3 is new: for its first 2.5 s of reply audio (its "initial state", restarted
 by every echo-path change it detects) AEC3 suppresses more, and a user talking over the first
@@ -102,7 +103,7 @@ class DelayTracker:
         self._recent: deque[float] = deque(maxlen=5)
         self.delay_s: float | None = None
         self.estimates = 0
-        # The reply played over a whole window and no echo of it came back, and no echo has been
+        # The reply played over a whole window and nothing came back, and no echo has been
         # confirmed (two estimates in a row at one delay) in this session.
         self.echo_absent = False
         self.echo_confirmed = False
@@ -137,7 +138,8 @@ class DelayTracker:
         peak = int(np.argmax(lags))
         # A clear peak only: music or a noisy room gives a flat correlation, and a guess would misalign.
         if lags[peak] < 8 * np.median(np.abs(lags)):
-            self.echo_absent |= no_echo
+            # Not taken for no echo: a real echo in a noisy room, or under music, can miss the peak
+            # (bench/echo.py: a 300 ms -20 dB echo once did, and without a reference it barged in).
             self._last_peak_s = None
             return
         last, self._last_peak_s = self._last_peak_s, peak / SAMPLE_RATE
