@@ -26,21 +26,12 @@ whole window and nothing came back at all, the input under -80 dBFS (`DelayTrack
 an OBS mix without desktop audio, a muted or gated headset mic); AEC3 is then given no reference,
 which leaves the input untouched. The first echo confirmed gives it the reference again, for the rest of the session.
 
-Double talk while AEC3 is new: for its first 2.5 s of reply audio (its "initial state", restarted
-by every echo-path change it detects) AEC3 suppresses more, and a user talking over the first
-sentence of a reply lost 10-40 dB in some 200 ms frames: barge-in came up to 1.2 s late. Its
-linear filter has converged well before then (24-48 dB off the first reply's echo), so WebRTC's own
-configuration override (a field trial, read when an AEC3 is made) turns that state off: over
-50-300 ms paths and barge-ins 1-3 s into a reply, the slowest came 350 ms late instead of 1.2 s,
-and the echo removed is the same (tests/unit/test_echo.py).
-
 Bounds: unplayed far end at most `MAX_FAR_S` (more is dropped oldest first and counted); the
 tracker keeps `HISTORY_S` of each end; the input waits at most one 10 ms block.
 """
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from collections import deque
@@ -64,27 +55,6 @@ FAR_ACTIVE_RMS = 1e-3  # about -60 dBFS: below it the bot is silent and there is
 # An echo comes back at the same delay second after second (playout jitter is a few ms); a voice
 # over the reply correlates with it by chance, at another lag each time (0.20, 0.24, 0.50 s here).
 ECHO_CONFIRM_S = 0.02
-AEC3_FIELD_TRIALS = b"WebRTC-Aec3UseZeroInitialStateDuration/Enabled/"
-
-_field_trials_lock = threading.Lock()
-_field_trials: ctypes.Array | None = None  # WebRTC keeps the pointer, not a copy: it lives as long as the process
-
-
-def _configure_aec3() -> None:
-    """Set AEC3_FIELD_TRIALS, process-wide, before the first AEC3 is made."""
-    global _field_trials
-    from aec_audio_processing import lib
-
-    with _field_trials_lock:
-        if _field_trials is not None:
-            return
-        try:
-            init = lib._ZN6webrtc11field_trial25InitFieldTrialsFromStringEPKc  # webrtc::field_trial::InitFieldTrialsFromString
-        except AttributeError as exc:
-            raise RuntimeError("this aec-audio-processing's WebRTC library cannot be configured (no "
-                               "InitFieldTrialsFromString): talking over a reply would be suppressed") from exc
-        _field_trials = ctypes.create_string_buffer(AEC3_FIELD_TRIALS)
-        init(_field_trials)
 
 
 def _pcm16(audio: np.ndarray) -> bytes:
@@ -162,7 +132,6 @@ class EchoCanceller:
     def __init__(self, reply_rate: int = 24000) -> None:
         from aec_audio_processing import AudioProcessor
 
-        _configure_aec3()
         self._apm = AudioProcessor(enable_aec=True, enable_ns=False, enable_agc=False, enable_vad=False)
         self._apm.set_stream_format(SAMPLE_RATE, 1)
         self._apm.set_reverse_stream_format(SAMPLE_RATE, 1)
