@@ -17,6 +17,15 @@ session's queue), and the echo would seem later by that wait, past AEC3's range.
 (GCC-PHAT on the last second of both ends, while the bot speaks) and holds the far end back by
 the estimate less a margin, which keeps a long path (an OBS mix with buffering) inside that range.
 
+No echo path (headphones; an OBS mix without desktop audio): AEC3 cancels with a linear filter
+that converges on the echo, and until it has converged its suppressor takes the echo to be as loud
+as the reply (its default echo-path gain). With no echo there is nothing to converge on, so that
+lasts: a user talking over the reply lost 20-65 dB in most 200 ms windows, and barge-in took
+about 2 s instead of 0.5 s (bench/echo.py). So the tracker also says when the reply played over a
+whole window and nothing came back at all, the input under -80 dBFS (`DelayTracker.echo_absent`;
+an OBS mix without desktop audio, a muted or gated headset mic); AEC3 is then given no reference,
+which leaves the input untouched. The first echo confirmed gives it the reference again, for the rest of the session.
+
 Bounds: unplayed far end at most `MAX_FAR_S` (more is dropped oldest first and counted); the
 tracker keeps `HISTORY_S` of each end; the input waits at most one 10 ms block.
 """
@@ -43,6 +52,9 @@ MIN_HOLD_CHANGE_S = 0.06  # AEC3 re-converges after every shift: only follow rea
 # playout (the client ran dry). Not less: the resampler holds back ~21 ms of each frame until the next.
 PLAYOUT_GAP_S = 0.05
 FAR_ACTIVE_RMS = 1e-3  # about -60 dBFS: below it the bot is silent and there is nothing to measure
+# An echo comes back at the same delay second after second (playout jitter is a few ms); a voice
+# over the reply correlates with it by chance, at another lag each time (0.20, 0.24, 0.50 s here).
+ECHO_CONFIRM_S = 0.02
 
 
 def _pcm16(audio: np.ndarray) -> bytes:
@@ -61,6 +73,11 @@ class DelayTracker:
         self._recent: deque[float] = deque(maxlen=5)
         self.delay_s: float | None = None
         self.estimates = 0
+        # The reply played over a whole window and nothing came back, and no echo has been
+        # confirmed (two estimates in a row at one delay) in this session.
+        self.echo_absent = False
+        self.echo_confirmed = False
+        self._last_peak_s: float | None = None
 
     def add(self, near_block: np.ndarray, far_block: np.ndarray) -> None:
         self._near.append(near_block)
@@ -75,7 +92,13 @@ class DelayTracker:
         max_lag = round(MAX_DELAY_S * SAMPLE_RATE)
         near = np.concatenate(self._near)[-window:]
         far = np.concatenate(self._far)[-(window + max_lag):]
-        if np.sqrt(np.mean(far**2)) < FAR_ACTIVE_RMS or np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:
+        if np.sqrt(np.mean(far**2)) < FAR_ACTIVE_RMS:
+            return
+        # No echo means none of any delay up to MAX_DELAY_S: only when the bot spoke in both halves
+        # of the far history, not only in the part that a late echo has not come back from yet.
+        no_echo = not self.echo_confirmed and min(np.sqrt(np.mean(h**2)) for h in np.array_split(far, 2)) >= FAR_ACTIVE_RMS
+        if np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:  # nothing came back at all
+            self.echo_absent |= no_echo
             return
         n = 1 << int(np.ceil(np.log2(len(far) + window)))
         cross = np.fft.rfft(far, n) * np.conj(np.fft.rfft(near, n))
@@ -85,7 +108,15 @@ class DelayTracker:
         peak = int(np.argmax(lags))
         # A clear peak only: music or a noisy room gives a flat correlation, and a guess would misalign.
         if lags[peak] < 8 * np.median(np.abs(lags)):
+            # Not taken for no echo: a real echo in a noisy room, or under music, can miss the peak
+            # (bench/echo.py: a 300 ms -20 dB echo once did, and without a reference it barged in).
+            self._last_peak_s = None
             return
+        last, self._last_peak_s = self._last_peak_s, peak / SAMPLE_RATE
+        if last is not None and abs(peak / SAMPLE_RATE - last) <= ECHO_CONFIRM_S:
+            self.echo_confirmed, self.echo_absent = True, False
+        if not self.echo_confirmed:
+            return  # one peak alone may be a voice over the reply: no delay from it
         self._recent.append(peak / SAMPLE_RATE)
         self.delay_s = float(np.median(self._recent))
         self.estimates += 1
@@ -209,6 +240,8 @@ class EchoCanceller:
             self._follow_delay()
             self._held.append(far_block)
             reference = self._held.popleft() if len(self._held) > self._hold_blocks else np.zeros(BLOCK, np.float32)
+            if self.tracker.echo_absent:
+                reference = np.zeros(BLOCK, np.float32)
             self._apm.process_reverse_stream(_pcm16(reference))
             cleaned = np.frombuffer(self._apm.process_stream(_pcm16(near_block)), "<i2").astype(np.float32) / 32768.0
             out[start : start + BLOCK] = cleaned
