@@ -183,10 +183,10 @@ def test_obs_audio_cancels_echo_by_default(server):
             await ws.send(HEADER.pack(0, 48000, 1, 16, 0, 0) + bytes(2 * 1024))
             for _ in range(400):  # 20 s: a loaded box may take seconds to start the session
                 echo = server.on_loop(lambda: [s.echo is not None for i, s in server.runtime.sessions.items() if i not in before])
-                if echo:
+                if echo == [True]:  # registered first, its canceller set once session.start is handled
                     return echo
                 await asyncio.sleep(0.05)
-            return []
+            return echo
 
     started = time.monotonic()
     assert asyncio.run(run()) == [True], f"no /obs/audio session with echo cancellation after {time.monotonic() - started:.1f} s"
