@@ -14,7 +14,8 @@ clients on 127.0.0.1, each in a role, round robin:
 - and one idle socket (a started session that never speaks) and one fuzzing client (the hostile
   frames of tests/hostile.py, random bytes, then a `ping` that must be answered).
 
-Every report prints the server process's RSS, open file descriptors, threads, asyncio tasks,
+Every report prints the server process's RSS (the mean of a reading every second since the last
+report), open file descriptors, threads, asyncio tasks,
 event-loop lag (from /metrics), first-audio p50/p95 of the replies that ended in the interval
 (`audio.end` timings), reply frames promised (`audio.end.frames` + `audio.interrupted.frames_sent`)
 against frames received, lost audio (frames promised and never received, plus the server's
@@ -22,7 +23,9 @@ against frames received, lost audio (frames promised and never received, plus th
 the server closed without a documented code after an `error`, a ping never answered, a reply or
 transcript that never came). Both must stay 0; the exit status is 1 if either is not, if the
 server died or logged a traceback. Queue depths (the VAD batcher's, the device scheduler's) and
-the busiest engine pool's load are sampled at each report. The last line is a JSON summary.
+the busiest engine pool's load are sampled at each report. At the end, RSS by 10-minute block
+(`--block-min`) against the first block after the warm-up (`--warmup-min`): memory drift is judged
+on those means. The last line is a JSON summary.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from tests.conftest import TEST_PHRASES, free_port, speech_pcm  # noqa: E402
 from tests.hostile import HOSTILE_TEXT  # noqa: E402
 from voicebot.protocol import CloseCode, ErrorCode  # noqa: E402
 
+RSS_SAMPLE_S = 1.0
 ROLES = ("talker", "barger", "reconnector", "slow_reader")
 # Closes that follow an `error` event and are documented (docs/protocol.md).
 DOCUMENTED_CLOSES = {CloseCode.FLOODING, CloseCode.TRY_AGAIN_LATER, CloseCode.GOING_AWAY}
@@ -291,11 +295,29 @@ class ServerProbe:
     def __init__(self, pid: int, base: str) -> None:
         self.pid, self.base = pid, base
         self._lag_before: dict[str, float] = {}
+        # RSS read every RSS_SAMPLE_S between reports (one float each: 3,600 an hour), because one
+        # reading a minute lands on whatever is in flight at that instant (a reply's buffers, a
+        # decoder being built) and swings ±10 % with the load; a mean over the interval does not.
+        self.rss_samples: list[float] = []
+
+    def _status(self) -> dict[str, str]:
+        return dict(line.split(":", 1) for line in Path(f"/proc/{self.pid}/status").read_text().splitlines() if ":" in line)
+
+    def rss_mb(self) -> float:
+        return int(self._status()["VmRSS"].split()[0]) / 1024
+
+    async def sample_rss(self, until: float) -> None:
+        while time.monotonic() < until:
+            with contextlib.suppress(OSError, KeyError):  # the server gone: the report says so
+                self.rss_samples.append(self.rss_mb())
+            await asyncio.sleep(RSS_SAMPLE_S)
 
     def proc(self) -> dict:
-        status = dict(line.split(":", 1) for line in Path(f"/proc/{self.pid}/status").read_text().splitlines() if ":" in line)
-        return {"rss_mb": int(status["VmRSS"].split()[0]) / 1024, "threads": int(status["Threads"]),
-                "fds": len(os.listdir(f"/proc/{self.pid}/fd"))}
+        """The process now, and its RSS over the samples since the last call."""
+        status = self._status()
+        samples, self.rss_samples = self.rss_samples or [int(status["VmRSS"].split()[0]) / 1024], []
+        return {"rss_mb": float(np.mean(samples)), "rss_min_mb": min(samples), "rss_max_mb": max(samples),
+                "rss_samples": len(samples), "threads": int(status["Threads"]), "fds": len(os.listdir(f"/proc/{self.pid}/fd"))}
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.base + "/metrics", timeout=10).text
@@ -331,7 +353,8 @@ async def run(url: str, probe: ServerProbe, process: subprocess.Popen, args) -> 
     roles = {"talker": talker, "barger": barger, "reconnector": reconnector,
              "slow_reader": lambda *a: talker(*a, read_delay_s=0.3)}  # 200 ms frames read every 300 ms
     clients = [roles[ROLES[i % len(ROLES)]](url, tally, deadline, i) for i in range(args.sessions)]
-    tasks = [asyncio.create_task(c) for c in (*clients, idle_socket(url, tally, deadline), fuzzer(url, tally, deadline))]
+    tasks = [asyncio.create_task(c) for c in (*clients, idle_socket(url, tally, deadline), fuzzer(url, tally, deadline),
+                                              probe.sample_rss(deadline))]
     print(f"{args.sessions} sessions ({', '.join(ROLES)} in turn) + an idle socket + a fuzzing client; "
           f"reset every {args.reset_s:g} s; a report every {args.report_s:g} s")
     print(f"{'min':>5} {'RSS MB':>7} {'fds':>5} {'thr':>4} {'tasks':>6} {'lag ms':>7} {'lag max':>7} {'replies':>7} {'cut':>4} "
@@ -350,15 +373,40 @@ async def run(url: str, probe: ServerProbe, process: subprocess.Popen, args) -> 
     for death in tally.deaths[:20]:
         print("death:", death)
     lost = rows[-1]["lost"] if rows else 0
-    warm = rows[min(1, len(rows) - 1)] if rows else None  # the first report is the warm-up
-    drift = (rows[-1]["rss_mb"] - warm["rss_mb"]) / warm["rss_mb"] * 100 if warm else float("nan")
+    blocks = rss_blocks(rows, args.block_min, args.warmup_min)
+    if blocks:
+        print(f"RSS by {args.block_min:g}-minute block (mean of the {RSS_SAMPLE_S:g} s samples; drift against the first "
+              f"block after {args.warmup_min:g} min of warm-up):")
+        for b in blocks:
+            print(f"  {b['from']:>5g}-{b['to']:<5g} mean {b['mean_mb']:7.1f} MB  min {b['min_mb']:7.1f}  "
+                  f"max {b['max_mb']:7.1f}  drift {b['drift_pct']:+6.2f} %", flush=True)
+    drifts = [abs(b["drift_pct"]) for b in blocks if not b["warmup"]]
     return {"minutes": args.minutes, "sessions": args.sessions, "replies": tally.replies, "interrupted": tally.interrupted,
             "frames_promised": tally.frames_promised, "frames_received": tally.frames_received, "lost_frames": lost,
             "deaths": len(tally.deaths), "utterances_sent": tally.utterances_sent, "asr_finals": tally.utterances_heard,
             "resumed": tally.resumed, "reconnects": tally.reconnects, "fuzz_messages": tally.fuzz_messages,
             "idle_closes": tally.idle_closes,
             "rss_mb_first": rows[0]["rss_mb"] if rows else None, "rss_mb_last": rows[-1]["rss_mb"] if rows else None,
-            "rss_drift_pct_after_warmup": round(drift, 2), "server_alive": process.poll() is None, "rows": rows}
+            "rss_blocks": blocks, "rss_max_block_drift_pct": round(max(drifts), 2) if drifts else None,
+            "server_alive": process.poll() is None, "rows": rows}
+
+
+def rss_blocks(rows: list[dict], block_min: float, warmup_min: float) -> list[dict]:
+    """The reports' RSS means grouped into blocks of `block_min` minutes, each weighted by its
+    samples; drift is each block's mean against the first block that starts after the warm-up."""
+    grouped: dict[int, list[dict]] = {}
+    for row in rows:
+        grouped.setdefault(int((row["min"] - 1e-6) // block_min), []).append(row)
+    blocks = []
+    for index, members in sorted(grouped.items()):
+        weights = [r["rss_samples"] for r in members]
+        blocks.append({"from": index * block_min, "to": index * block_min + block_min, "warmup": index * block_min < warmup_min,
+                       "mean_mb": round(float(np.average([r["rss_mb"] for r in members], weights=weights)), 1),
+                       "min_mb": min(r["rss_min_mb"] for r in members), "max_mb": max(r["rss_max_mb"] for r in members)})
+    reference = next((b["mean_mb"] for b in blocks if not b["warmup"]), None)
+    for b in blocks:
+        b["drift_pct"] = round((b["mean_mb"] - reference) / reference * 100, 2) if reference else 0.0
+    return blocks
 
 
 def report(probe: ServerProbe, m: dict[str, float], tally: Tally, start: float) -> dict:
@@ -395,11 +443,13 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=60)
     parser.add_argument("--report-s", type=float, default=60)
     parser.add_argument("--reset-s", type=float, default=5)
+    parser.add_argument("--block-min", type=float, default=10, help="RSS drift is judged on means over blocks this long")
+    parser.add_argument("--warmup-min", type=float, default=10, help="blocks starting before this are warm-up")
     parser.add_argument("--short", action="store_true", help="~30 s, 6 sessions, a report every 10 s (for CI)")
     parser.add_argument("--server-log", type=Path, help="keep the server's output in this file (default: a temporary one)")
     args = parser.parse_args()
     if args.short:
-        args.sessions, args.minutes, args.report_s = 6, 0.5, 10
+        args.sessions, args.minutes, args.report_s, args.block_min, args.warmup_min = 6, 0.5, 10, 0.25, 0.25
 
     config = yaml.safe_load(Path(args.config).read_text()) or {}
     port = free_port()
