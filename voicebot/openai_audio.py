@@ -122,11 +122,12 @@ def _admit(request: Request, route: str):
             raise ApiError(401, "missing or wrong API key (the server's token)", code="invalid_api_key")
         if rt.draining or not rt.ready:
             raise ApiError(503, "the server is shutting down", code="shutting_down", kind="server_error")
+        # This address's own share first, as for WebSockets: it is the reason a retry would meet again.
+        if too_many := client_limits.refusal(request.scope, session=True):
+            raise ApiError(429, too_many, code="rate_limit_exceeded", kind="rate_limit_error", retry_after_s=5)
         if request.app.state.occupied() >= rt.settings.server.max_sessions:
             raise ApiError(503, f"the server is at its limit of {rt.settings.server.max_sessions} sessions",
                            code="busy", kind="server_error", retry_after_s=5)
-        if too_many := client_limits.refusal(request.scope, session=True):
-            raise ApiError(429, too_many, code="rate_limit_exceeded", kind="rate_limit_error", retry_after_s=5)
     except ApiError as exc:
         rt.metrics.audio_api_requests.labels(route, exc.outcome).inc()
         raise
