@@ -7,10 +7,11 @@ import asyncio
 import contextlib
 import json
 
+import pytest
 import websockets
 
 from tests.conftest import make_settings, speech_pcm
-from voicebot.channels import LISTENER_QUEUE_MAX, Listener
+from voicebot.channels import LISTENER_QUEUE_MAX, ChannelRefused, Listener
 from voicebot.messages import AudioFrame
 from voicebot.protocol import CloseCode
 from voicebot.runtime import Runtime
@@ -94,6 +95,39 @@ def test_speakers_come_and_go_listeners_stay():
     assert [e["speaking"] for e in sink.events("channel.speaker")] == [True, True, False]
     assert [e["text"] for e in sink.events("asr.final")] == ["from the new session"]
     assert hub.listener_count == 0 and not hub._channels  # nothing kept for an empty channel
+
+
+def test_a_speaker_that_loses_its_channel_is_told_and_no_longer_heard():
+    """The host's client comes back as a new session with its resume token: the old session is told
+    (`channel_lost`, on its own outbox) and from then on nothing it is sent reaches the listeners."""
+    async def scenario():
+        rt = Runtime(make_settings())
+        hub, sink = rt.channels, Sink()
+        listener = Listener(sink.send, sink.send)
+        host, back = Session(rt, sink.send, sink.send), Session(rt, sink.send, sink.send)
+        assert hub.add_listener("show", listener)
+        await hub.claim("show", host.id, owner="host-token", tell=host.outbox.error)
+        hub.mirror(host.id, b"host before")
+        await hub.claim("show", back.id, owner="back-token", resumed_from="host-token", tell=back.outbox.error)
+        told = await asyncio.wait_for(host.outbox.get(), 5)
+        hub.mirror(host.id, b"host after")  # its reply goes on, to its own client only
+        hub.mirror(back.id, b"back")
+        hub.leave(host.id)  # its old socket closes at last: the channel stays the new session's
+        with pytest.raises(ChannelRefused):  # nor can it take the channel back
+            await hub.claim("show", host.id, owner="host-token", tell=host.outbox.error)
+        while not listener.queue.empty():
+            await sink.send(listener.queue.get_nowait())
+        return rt, told.payload, back.outbox, sink
+
+    rt, told, back_outbox, sink = asyncio.run(scenario())
+    assert told["type"] == "error" and told["code"] == "channel_lost"
+    assert told["channel"] == "show" and told["reason"] == "resumed"
+    assert "resume token" in told["message"] and "close this one" in told["message"]
+    assert sink.frames == [b"host before", b"back"]
+    assert [e["speaking"] for e in sink.events("channel.speaker")] == [True, True]  # no "gone" while back speaks
+    assert back_outbox._queue.empty()  # the winner is told nothing
+    assert rt.metrics.registry.get_sample_value("voicebot_channel_speakers_lost_total", {"reason": "resumed"}) == 1
+    assert rt.metrics.registry.get_sample_value("voicebot_errors_total", {"code": "channel_lost"}) == 1
 
 
 def test_listener_over_the_socket(server):

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 
+import httpx
 import numpy as np
 import pytest
 import soundfile
@@ -110,6 +111,58 @@ def test_connections_per_client_address_count_every_route():
 
     with server(server={"max_connections_per_client": 2}) as url:
         assert refused_busy(*asyncio.run(scenario(url)))
+
+
+def test_audio_api_requests_are_sessions_of_their_client_address():
+    """A request holds its address's session place from admission to its end (here an upload still
+    arriving): another request from that address gets 429 in OpenAI's error shape, and a WebSocket
+    session `busy`; other addresses are served, and the place is free again once the request ends."""
+    speech = {"model": "tts-1", "voice": "en", "input": "Hello.", "response_format": "pcm"}
+    boundary = "limitsboundary"
+    upload_head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n"
+                   f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
+                   "Content-Type: audio/wav\r\n\r\n")
+
+    async def scenario(url: str):
+        http = url.replace("ws://", "http://")
+        a, b = {"X-Forwarded-For": "203.0.113.1"}, {"X-Forwarded-For": "203.0.113.2"}
+        rest_may_come = asyncio.Event()
+
+        async def slow_body():
+            yield upload_head.encode()
+            await rest_may_come.wait()
+            yield f"\r\n--{boundary}--\r\n".encode()
+
+        async with httpx.AsyncClient(base_url=http, timeout=30) as client:
+            held = asyncio.create_task(client.post(
+                "/v1/audio/transcriptions", content=slow_body(),
+                headers={**a, "Content-Type": f"multipart/form-data; boundary={boundary}"}))
+            for _ in range(100):  # until the server has admitted it (at most 10 s)
+                if "voicebot_audio_api_active 1.0" in (await client.get("/metrics")).text:
+                    break
+                await asyncio.sleep(0.1)
+            ws_refusal = await first_event_and_close(f"{url}/v1/voice", additional_headers=a)
+            again = await client.post("/v1/audio/speech", json=speech, headers=a)
+            upload = await client.post("/v1/audio/transcriptions", headers=a, data={"model": "m"},
+                                       files={"file": ("a.wav", b"RIFF", "audio/wav")})
+            other = await client.post("/v1/audio/speech", json=speech, headers=b)
+            rest_may_come.set()
+            await held
+            after = await client.post("/v1/audio/speech", json=speech, headers=a)
+            counted = await client.get("/metrics")
+        return again, upload, ws_refusal, other, after, counted.text
+
+    with server(server={"max_sessions_per_client": 1, "trusted_proxies": ["127.0.0.1"]}) as url:
+        again, upload, ws_refusal, other, after, metrics = asyncio.run(scenario(url))
+    assert refused_busy(*ws_refusal)
+    for refused in (again, upload):
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "5"
+        error = refused.json()["error"]
+        assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
+        assert "203.0.113.1" in error["message"]
+    assert other.status_code == 200 and after.status_code == 200  # the request's end gave its place back
+    assert 'voicebot_audio_api_requests_total{outcome="rate_limit_exceeded",route="speech"} 1.0' in metrics
+    assert 'voicebot_audio_api_requests_total{outcome="rate_limit_exceeded",route="transcriptions"} 1.0' in metrics
 
 
 # ---- idle timeout -------------------------------------------------------------------------------

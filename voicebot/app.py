@@ -66,7 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="voicebot", version=__version__, lifespan=lifespan)
     app.state.runtime = rt
     client_limits = limits.install(app, settings.server)  # connections and sessions per client address
-    app.state.audio_requests, app.state.occupied = audio_requests, occupied
+    app.state.audio_requests, app.state.occupied, app.state.client_limits = audio_requests, occupied, client_limits
     app.include_router(openai_audio.router)  # /v1/audio/speech, /v1/audio/transcriptions
 
     @app.get("/healthz")

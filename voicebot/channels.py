@@ -8,6 +8,10 @@ session takes it over only by resuming the speaker's conversation (the same clie
 before its old socket was seen closed; only it knows the resume token), so no stranger can make an
 overlay on stream speak. Once the speaker has gone, the next session to claim the channel speaks.
 With `cluster.redis_url` the same holds across servers (voicebot/cluster/channels.py: `claim` asks Redis).
+A speaker that loses its channel (another session took it over with its resume token, or, in a
+cluster, claimed it once its owner key had expired) is told so with `error {code: "channel_lost"}`
+through the `tell` it claimed with, counted in voicebot_channel_speakers_lost_total{reason}, and from
+that moment nothing it is sent reaches the channel's listeners; the session itself goes on.
 
 Listeners must never slow the session they follow: `mirror` only offers each message to a
 listener's own bounded queue and never waits. A listener whose queue is full has fallen behind
@@ -23,6 +27,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from prometheus_client import Counter
 from starlette.websockets import WebSocket
 
 from voicebot import PROTOCOL_VERSION, protocol
@@ -38,6 +43,17 @@ log = logging.getLogger("voicebot.channels")
 LISTENER_QUEUE_MAX = 64
 # A dropped listener gets this long to take its close frame before the connection is abandoned.
 CLOSE_TIMEOUT_S = 1.0
+CHANNEL_LOST = "channel_lost"  # the error code a speaker that lost its channel gets
+
+# How a speaker hears that it lost its channel: a session's outbox.error(code, message, **fields).
+Tell = Callable[..., Awaitable[None]]
+# Why a speaker lost its channel: what it is told, by reason (the label of the counter).
+LOST_BECAUSE = {
+    "resumed": "another session resumed this conversation with its resume token and speaks on the channel now",
+    "claimed_elsewhere": "a session on another server owns the channel now (it resumed this conversation with "
+                         "its resume token, or claimed the channel after this server could not renew its ownership "
+                         "in time)",
+}
 
 
 class Listener:
@@ -79,6 +95,7 @@ class ChannelRefused(Exception):
 class Channel:
     speaker: str | None = None  # session id
     owner: str | None = None  # the speaker's resume token (None: anyone may take the channel)
+    tell: Tell | None = None  # how to tell the speaker it lost the channel
     listeners: set[Listener] = field(default_factory=set)
 
 
@@ -90,23 +107,35 @@ class ChannelHub:
         self.max_listeners = max_listeners
         self._channels: dict[str, Channel] = {}
         self._speaking: dict[str, str] = {}  # session id -> channel name
+        # channel_lost events on their way to their sessions' outboxes: one per speaker that lost a channel.
+        self._notices: set[asyncio.Task] = set()
+        self.speakers_lost = Counter("voicebot_channel_speakers_lost_total",
+                                     "Speakers that lost their channel to another session while connected, by reason "
+                                     "(resumed: by its resume token, on this server; claimed_elsewhere: by a session "
+                                     "on another server, with the resume token or once the owner key had expired)",
+                                     ["reason"], registry=metrics.registry)
+        for reason in LOST_BECAUSE:
+            self.speakers_lost.labels(reason)
 
     # ---- speaking sessions ---------------------------------------------------------------------
 
-    async def claim(self, name: str, session_id: str, owner: str, resumed_from: str | None = None) -> None:
+    async def claim(self, name: str, session_id: str, owner: str, resumed_from: str | None = None,
+                    tell: Tell | None = None) -> None:
         """What a session asks: make it the channel's speaker (see `speak`), or raise ChannelRefused."""
-        if not self.speak(name, session_id, owner, resumed_from):
+        if not self.speak(name, session_id, owner, resumed_from, tell):
             raise ChannelRefused(ErrorCode.CHANNEL_TAKEN, taken_message(name))
 
-    def speak(self, name: str, session_id: str, owner: str | None = None, resumed_from: str | None = None) -> bool:
+    def speak(self, name: str, session_id: str, owner: str | None = None, resumed_from: str | None = None,
+              tell: Tell | None = None) -> bool:
         """Make this session the channel's speaker, replacing one whose conversation it resumed
-        (`resumed_from`, the resume token it came back with); False when another owns the channel."""
+        (`resumed_from`, the resume token it came back with), which is told; False when another
+        owns the channel. `tell` is how this session will hear that it lost the channel in turn."""
         if self.held_against(name, resumed_from):
             return False
         channel = self._channels.setdefault(name, Channel())
         if channel.speaker is not None:
-            self._speaking.pop(channel.speaker, None)
-        channel.speaker, channel.owner = session_id, owner
+            self._unseat(name, "resumed")
+        channel.speaker, channel.owner, channel.tell = session_id, owner, tell
         self._speaking[session_id] = name
         self._notify(name, protocol.event("channel.speaker", channel=name, speaking=True))
         return True
@@ -121,9 +150,23 @@ class ChannelHub:
         if name is None:
             return
         channel = self._channels[name]
-        channel.speaker = channel.owner = None
+        channel.speaker = channel.owner = channel.tell = None
         self._notify(name, protocol.event("channel.speaker", channel=name, speaking=False))
         self._forget_if_empty(name)
+
+    def _unseat(self, name: str, reason: str) -> None:
+        """The channel's speaker, still connected, has lost it to another session (`reason`, a key of
+        LOST_BECAUSE): from now on nothing it is sent reaches the listeners, and it is told so."""
+        channel = self._channels[name]
+        session_id, tell = channel.speaker, channel.tell
+        self._speaking.pop(session_id, None)
+        channel.speaker = channel.owner = channel.tell = None
+        self.speakers_lost.labels(reason).inc()
+        log.warning("channel %r: speaker %s lost it (%s)", name, session_id and session_id[:8], reason)
+        if tell is not None:
+            notice = asyncio.ensure_future(tell(CHANNEL_LOST, lost_message(name, reason), channel=name, reason=reason))
+            self._notices.add(notice)
+            notice.add_done_callback(self._notices.discard)
 
     def mirror(self, session_id: str, item: Wire) -> None:
         """Offer one outbound message of a session to its channel's listeners (never waits)."""
@@ -186,6 +229,12 @@ class ChannelHub:
 def taken_message(name: str) -> str:
     return (f"channel {name!r} has a speaker; this session goes on without it (only the speaker's own client, "
             "resuming, can take a channel over)")
+
+
+def lost_message(name: str, reason: str) -> str:
+    return (f"channel {name!r}: {LOST_BECAUSE[reason]}; this session goes on, but nothing it says reaches the channel's "
+            "listeners any more. If the other session is your own client, close this one; if not, your resume token "
+            "is known to someone else: start a new session without it")
 
 
 async def run_listener(ws: WebSocket, hub: ChannelHub, name: str) -> None:

@@ -308,6 +308,7 @@ class OpenAICompatConfig(Section):
     first_token_timeout_s: float = Field(5.0, gt=0)
     # After the first delta, the longest wait for the next: past it the stream is closed and the
     # reply ends with what was said (a stalled server otherwise holds the reply to total_timeout_s).
+    # This and total_timeout_s also bound every other responder (the reply stage's deadline).
     idle_timeout_s: float = Field(10.0, gt=0)
     # Whole reply, retries included.
     total_timeout_s: float = Field(30.0, gt=0)

@@ -5,7 +5,9 @@ The address is the ASGI scope's `client`: the socket's peer or, where the peer i
 ProxyHeadersMiddleware, which `install` puts in front; the header of any other peer is ignored).
 `CountConnections` counts every WebSocket for the whole time its route runs, whatever the route;
 `admit()` (voicebot/app.py) asks `refusal` whether one more is allowed and `hold_session` for
-each connection it admits as a session, released with the connection.
+each connection it admits as a session, released with the connection. An HTTP request that runs
+an engine (voicebot/openai_audio.py) is a session of its address too, from admission to its last
+byte: `refusal(scope, session=True)`, then `take_session` and `release_session`.
 """
 
 from __future__ import annotations
@@ -45,8 +47,18 @@ class ClientLimits:
         return None
 
     def hold_session(self, scope: Scope) -> None:
-        self.sessions[client_address(scope)] += 1
+        """Count a WebSocket as a session of its address until it closes."""
+        self.take_session(scope)
         scope[_HOLDS_SESSION] = True
+
+    def take_session(self, scope: Scope) -> str:
+        """Count one session for this address; its holder calls release_session(address) once."""
+        address = client_address(scope)
+        self.sessions[address] += 1
+        return address
+
+    def release_session(self, address: str) -> None:
+        _decrement(self.sessions, address)
 
     def opened(self, scope: Scope) -> None:
         self.connections[client_address(scope)] += 1

@@ -17,9 +17,11 @@ engine has none; `avg_logprob` is its log) and `model`.
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and status. With
 `server.token` set the token is required, as the API key (`Authorization: Bearer`). A request
 takes a place in `server.max_sessions` while it runs (a speech stream until its last byte): at the
-limit it gets 503 `busy` with Retry-After. voicebot_audio_api_requests_total{route, outcome} counts
-requests (outcome `ok` or the error code), voicebot_audio_api_audio_seconds_total{route} the audio
-synthesized or uploaded.
+limit it gets 503 `busy` with Retry-After. It is also a session of its client address
+(`server.max_sessions_per_client`, voicebot/limits.py), so one address cannot hold every place
+with requests: past that limit it gets 429 `rate_limit_exceeded` with Retry-After.
+voicebot_audio_api_requests_total{route, outcome} counts requests (outcome `ok` or the error code),
+voicebot_audio_api_audio_seconds_total{route} the audio synthesized or uploaded.
 Model work stays off the event loop: the engines run on their own workers, and the endpointer and
 the file decoder run in a thread.
 """
@@ -51,6 +53,7 @@ from voicebot.audio.endpoint import WINDOW, Endpointer, EventKind
 from voicebot.audio.files import SAMPLE_RATE as ASR_RATE
 from voicebot.audio.files import UndecodableAudio, decode_file
 from voicebot.audio.resample import float_to_pcm16
+from voicebot.limits import ClientLimits
 from voicebot.tts.base import SAMPLE_RATE as TTS_RATE
 
 log = logging.getLogger(__name__)
@@ -89,12 +92,14 @@ class AudioRequests:
 
 
 class _Place:
-    """One request's place in server.max_sessions, from admission to its last byte."""
+    """One request's place in server.max_sessions and among its address's sessions, from
+    admission to its last byte."""
 
-    def __init__(self, requests: AudioRequests, metrics, route: str) -> None:
-        self._requests, self._metrics, self._route = requests, metrics, route
+    def __init__(self, requests: AudioRequests, client_limits: ClientLimits, request: Request, metrics, route: str) -> None:
+        self._requests, self._client_limits, self._metrics, self._route = requests, client_limits, metrics, route
         self._held = True
         requests.running += 1
+        self._address = client_limits.take_session(request.scope)
         metrics.audio_api_active.inc()
 
     def release(self, outcome: str) -> None:
@@ -102,13 +107,14 @@ class _Place:
         if self._held:
             self._held = False
             self._requests.running -= 1
+            self._client_limits.release_session(self._address)
             self._metrics.audio_api_active.dec()
             self._metrics.audio_api_requests.labels(self._route, outcome).inc()
 
 
 def _admit(request: Request, route: str):
     """The runtime and the request's place, or an ApiError (counted) if it cannot be served now."""
-    rt = request.app.state.runtime
+    rt, client_limits = request.app.state.runtime, request.app.state.client_limits
     token = rt.settings.server.token
     presented = auth.presented_token(request)  # type: ignore[arg-type]  # an HTTP request has the same fields
     try:
@@ -116,13 +122,16 @@ def _admit(request: Request, route: str):
             raise ApiError(401, "missing or wrong API key (the server's token)", code="invalid_api_key")
         if rt.draining or not rt.ready:
             raise ApiError(503, "the server is shutting down", code="shutting_down", kind="server_error")
+        # This address's own share first, as for WebSockets: it is the reason a retry would meet again.
+        if too_many := client_limits.refusal(request.scope, session=True):
+            raise ApiError(429, too_many, code="rate_limit_exceeded", kind="rate_limit_error", retry_after_s=5)
         if request.app.state.occupied() >= rt.settings.server.max_sessions:
             raise ApiError(503, f"the server is at its limit of {rt.settings.server.max_sessions} sessions",
                            code="busy", kind="server_error", retry_after_s=5)
     except ApiError as exc:
         rt.metrics.audio_api_requests.labels(route, exc.outcome).inc()
         raise
-    return rt, _Place(request.app.state.audio_requests, rt.metrics, route)
+    return rt, _Place(request.app.state.audio_requests, client_limits, request, rt.metrics, route)
 
 
 # --- speech

@@ -60,6 +60,8 @@ def test_only_the_owner_speaks_on_a_channel_across_servers(servers):
             back = await stack.enter_async_context(VoiceClient.connect(two.ws_url, channel="show", resume=token))
             backs = await say(back, "I am back.", 1)
             await overlay.wait_for("audio.end", reply_id=backs["reply_id"])
+            lost = await host.wait_for("error", code="channel_lost")  # the old session is told
+            hosts_after = await say(host, "Still the old session.", 2)  # heard by its own client only
             await host.ws.close()  # the old socket closing frees nothing
             await asyncio.sleep(0.5)
             async with VoiceClient.connect(one.ws_url, channel="show") as late:
@@ -70,12 +72,15 @@ def test_only_the_owner_speaks_on_a_channel_across_servers(servers):
                 nexts = await say(next_host, "My turn now.", 1)
                 await overlay.wait_for("audio.end", reply_id=nexts["reply_id"])
                 next_errors = next_host.of_type("error")
-            return overlay, refused, strangers, back, next_errors
+            return overlay, refused, strangers, back, next_errors, lost, hosts_after
 
-    overlay, refused, strangers, back, next_errors = asyncio.run(run())
+    overlay, refused, strangers, back, next_errors, lost, hosts_after = asyncio.run(run())
     assert "has a speaker" in refused["message"]
-    assert not overlay.reply_frames(strangers["reply_id"])  # the overlay never played the stranger
-    assert not [e for e in overlay.events if e.get("reply_id") == strangers["reply_id"]]
+    for silenced in (strangers, hosts_after):  # the overlay never played the stranger, nor the old session
+        assert not overlay.reply_frames(silenced["reply_id"])
+        assert not [e for e in overlay.events if e.get("reply_id") == silenced["reply_id"]]
+    assert lost["channel"] == "show" and lost["reason"] == "claimed_elsewhere"
+    assert one.metric("voicebot_channel_speakers_lost_total", 'reason="claimed_elsewhere"') == 1
     assert back.of_type("session.ready")[0]["resumed"] is True and not back.of_type("error")
     assert next_errors == []
     assert two.metric("voicebot_cluster_channel_claims_total", 'outcome="taken"') == 1

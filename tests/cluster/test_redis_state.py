@@ -47,6 +47,16 @@ def conversation_of(cluster: Cluster, *turns: tuple[str, str]):
     return conversation
 
 
+class Told:
+    """A speaker's `tell`: the error events it was sent, as (code, fields)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    async def __call__(self, code: str, message: str, **fields) -> None:
+        self.events.append((code, {"message": message, **fields}))
+
+
 def test_a_conversation_released_on_one_server_is_taken_on_another_once(redis_server):
     async def run():
         a, _ = await started(redis_server.url)
@@ -170,7 +180,8 @@ def test_a_channel_has_one_owner_across_servers_and_only_its_resume_takes_it_ove
         a, metrics_a = await started(redis_server.url, owner_ttl_s=1.5)
         b, metrics_b = await started(redis_server.url, owner_ttl_s=1.5)
         try:
-            await a.channels.claim("show", "host", owner="host-token")
+            host_told = Told()
+            await a.channels.claim("show", "host", owner="host-token", tell=host_told)
             await asyncio.sleep(2.0)  # past the owner key's TTL: a renews it while its speaker is connected
             with pytest.raises(ChannelRefused) as stranger:
                 await b.channels.claim("show", "stranger", owner="stranger-token")
@@ -178,6 +189,7 @@ def test_a_channel_has_one_owner_across_servers_and_only_its_resume_takes_it_ove
             # The host's client reconnects to b before a has seen its old socket close.
             await b.channels.claim("show", "host-again", owner="host-token-2", resumed_from="host-token")
             await eventually(lambda: not a.channels._speaking)
+            await eventually(lambda: host_told.events)  # the old session is told it lost the channel
             a.channels.leave("host")  # the old socket closes at last: that frees nothing
             await a.channels.flush_releases()
             with pytest.raises(ChannelRefused):
@@ -187,12 +199,15 @@ def test_a_channel_has_one_owner_across_servers_and_only_its_resume_takes_it_ove
             await a.channels.claim("show", "next", owner="next-token")
             return (stranger.value.code, still_a, a.channels._speaking.copy(),
                     sample(metrics_b, "voicebot_cluster_channel_claims_total", outcome="taken"),
-                    sample(metrics_a, "voicebot_cluster_channel_claims_total", outcome="granted"))
+                    sample(metrics_a, "voicebot_cluster_channel_claims_total", outcome="granted"),
+                    host_told.events, sample(metrics_a, "voicebot_channel_speakers_lost_total", reason="claimed_elsewhere"))
         finally:
             await a.close()
             await b.close()
 
-    refused, still_a, now_a, taken_b, granted_a = asyncio.run(run())
+    refused, still_a, now_a, taken_b, granted_a, told, lost = asyncio.run(run())
+    assert [(code, fields["channel"], fields["reason"]) for code, fields in told] == [("channel_lost", "show", "claimed_elsewhere")]
+    assert lost == 1
     assert refused == "channel_taken"
     assert still_a == {"host": "show"}
     assert now_a == {"next": "show"}
@@ -313,17 +328,22 @@ def test_a_speaker_whose_channel_was_taken_while_its_server_was_cut_off_stops_sp
     async def run():
         a, metrics_a = await started(redis_server.url, owner_ttl_s=0.3)
         try:
-            await a.channels.claim("show", "host", owner="host-token")
+            host_told = Told()
+            await a.channels.claim("show", "host", owner="host-token", tell=host_told)
             # What Redis holds after a was cut off past the TTL and another server's session claimed it.
             await a.link.redis.set(a.link.key("owner", "show"), "0" * 32)
             await eventually(lambda: not a.channels._speaking)  # found at its next renewal
+            await eventually(lambda: host_told.events)
             a.channels.leave("host")
             await a.channels.flush_releases()
             return (await a.link.redis.get(a.link.key("owner", "show")),
-                    sample(metrics_a, "voicebot_cluster_channel_claims_total", outcome="lost"))
+                    sample(metrics_a, "voicebot_cluster_channel_claims_total", outcome="lost"),
+                    host_told.events, sample(metrics_a, "voicebot_channel_speakers_lost_total", reason="claimed_elsewhere"))
         finally:
             await a.close()
 
-    owner, lost = asyncio.run(run())
+    owner, lost, told, speakers_lost = asyncio.run(run())
     assert owner == b"0" * 32  # the new owner's key stays
     assert lost == 1
+    assert [(code, fields["reason"]) for code, fields in told] == [("channel_lost", "claimed_elsewhere")]
+    assert "could not renew" in told[0][1]["message"] and speakers_lost == 1

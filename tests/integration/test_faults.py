@@ -383,3 +383,50 @@ def test_a_responder_that_stops_sending_is_cut_off_and_the_next_turn_works(sse):
     assert messages[:2] == [{"role": "user", "content": FIRST}, {"role": "assistant", "content": "Hello there."}]
     assert messages[2:] == [{"role": "user", "content": SECOND}, {"role": "assistant", "content": "Fine."}]
     assert idle_failures == 1
+
+
+class Hanging:
+    """A responder (not the OpenAI one) that says `deltas`, then waits for ever; counts its cancellations."""
+
+    name = "echo"
+
+    def __init__(self, deltas: list[str]) -> None:
+        self.deltas = deltas
+        self.cancelled = 0
+
+    async def reply(self, history, text, voice=None):
+        for delta in self.deltas:
+            yield delta
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+@pytest.mark.parametrize("said, failure", [(["Hello there."], "idle_timeout"), ([], "total_timeout")],
+                         ids=["mid-reply", "before-any-text"])
+def test_any_responder_that_hangs_is_cut_off_by_the_reply_deadline_and_the_next_turn_works(said, failure):
+    settings = make_settings(endpoint={"turn": "silence"}, reply={"fallback_line": "Sorry?",
+                                                                  "openai": {"idle_timeout_s": 1.0, "total_timeout_s": 3.0}})
+    hanging = Hanging(said)
+    with running_server(settings) as voice:
+        counted = voice.metric("voicebot_reply_errors_total", f'kind="{failure}"')
+
+        async def scenario():
+            async with VoiceClient.connect(voice.ws_url) as c:
+                with swapped_responder(voice, "echo", hanging):
+                    end = await say_and_wait(c, FIRST, "audio.end")
+                await next_turn_works(c, ends_before=1)
+                return c, end, history(voice, c)
+
+        c, end, messages = asyncio.run(scenario())
+        counted_after = voice.metric("voicebot_reply_errors_total", f'kind="{failure}"')
+    error = c.of_type("error")[0]
+    assert error["code"] == "reply_failed" and error["failure"] == failure and error["reply_id"] == end["reply_id"]
+    assert hanging.cancelled == 1  # the responder's stream was closed, not left waiting
+    assert_reply_ended_properly(c, end["reply_id"])
+    heard = said[0] if said else "Sorry?"  # nothing said: the fallback line is spoken instead
+    assert messages[:2] == [{"role": "user", "content": FIRST}, {"role": "assistant", "content": heard}]
+    assert messages[2:] == [{"role": "user", "content": SECOND}, {"role": "assistant", "content": SECOND}]
+    assert counted_after == counted + 1

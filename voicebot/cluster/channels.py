@@ -13,7 +13,8 @@ Ownership is decided in Redis, atomically (CLAIM): a session speaks on a channel
 it, or it resumed the owner's conversation (as on one server: only the owner's client knows the resume
 token), and its server renews the key every third of its TTL while the speaker is connected (KEEP). A
 speaker whose key another took meanwhile (its server was cut off from Redis past the TTL) stops
-speaking on the channel. While Redis is lost no session can claim a channel (`cluster_unavailable`:
+speaking on the channel and is told (`channel_lost`), as is one whose channel a session on another
+server claimed. While Redis is lost no session can claim a channel (`cluster_unavailable`:
 no one can tell who owns it); speakers already speaking go on, heard by their own server's
 listeners, and their keys are renewed (taken again if they expired) once Redis is back.
 
@@ -37,7 +38,7 @@ from typing import Callable
 from prometheus_client import Counter
 
 from voicebot import protocol
-from voicebot.channels import ChannelHub, ChannelRefused, taken_message
+from voicebot.channels import ChannelHub, ChannelRefused, Tell, taken_message
 from voicebot.cluster.link import CLUSTER_UNAVAILABLE, RedisLink, RedisLost
 from voicebot.metrics import Metrics
 from voicebot.protocol import ErrorCode
@@ -146,7 +147,8 @@ class ClusterChannelHub(ChannelHub):
 
     # ---- the speaker's side ----------------------------------------------------------------------
 
-    async def claim(self, name: str, session_id: str, owner: str, resumed_from: str | None = None) -> None:
+    async def claim(self, name: str, session_id: str, owner: str, resumed_from: str | None = None,
+                    tell: Tell | None = None) -> None:
         if self.held_against(name, resumed_from):  # a speaker here owns it: no need to ask Redis
             self.claims.labels("taken").inc()
             raise ChannelRefused(ErrorCode.CHANNEL_TAKEN, taken_message(name))
@@ -159,7 +161,7 @@ class ClusterChannelHub(ChannelHub):
             raise ChannelRefused(CLUSTER_UNAVAILABLE, f"lost the cluster's Redis: no one can tell who owns channel {name!r} "
                                  "now; this session goes on without it (reconnect to claim it once Redis is back)") from None
         # Asked again after the wait: a session here may have taken it meanwhile.
-        if not granted or not self.speak(name, session_id, owner, resumed_from):
+        if not granted or not self.speak(name, session_id, owner, resumed_from, tell):
             if granted:
                 self._release_later(name, mine)
             self.claims.labels("taken").inc()
@@ -231,8 +233,7 @@ class ClusterChannelHub(ChannelHub):
         self._owned.pop(name, None)
         channel = self._channels.get(name)
         if channel is not None and channel.speaker is not None:
-            self._speaking.pop(channel.speaker, None)
-            channel.speaker = channel.owner = None
+            self._unseat(name, "claimed_elsewhere")
             self._forget_if_empty(name)
 
     def _announce(self, name: str, speaking: bool) -> None:
@@ -295,13 +296,12 @@ class ClusterChannelHub(ChannelHub):
             return
         if claim["speaking"]:
             self._remote_speakers[name] = instance
-            # A newer session speaks on another server: ours stops speaking here, quietly (its
-            # listeners hear the new speaker's channel.speaker event instead).
+            # A newer session speaks on another server: ours stops speaking here and is told (its
+            # listeners hear the new speaker's channel.speaker event).
             channel = self._channels.get(name)
             if channel is not None and channel.speaker is not None:
-                self._speaking.pop(channel.speaker, None)
                 self._owned.pop(name, None)  # the owner key is the new speaker's
-                channel.speaker = channel.owner = None
+                self._unseat(name, "claimed_elsewhere")
                 self._forget_if_empty(name)
         elif self._remote_speakers.get(name) == instance:
             del self._remote_speakers[name]

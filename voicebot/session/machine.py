@@ -295,7 +295,8 @@ class Session:
         if not channel:
             return None
         try:
-            await self.rt.channels.claim(channel, self.id, owner=self.resume_token, resumed_from=resumed_from)
+            await self.rt.channels.claim(channel, self.id, owner=self.resume_token, resumed_from=resumed_from,
+                                         tell=self.outbox.error)
         except ChannelRefused as exc:
             return exc
         return None

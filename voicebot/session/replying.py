@@ -34,6 +34,7 @@ from voicebot.metrics import Metrics
 from voicebot.pacing import HeardText, Pacer
 from voicebot.protocol import ErrorCode
 from voicebot.reply.base import Responder, ResponderError
+from voicebot.reply.deadline import within_deadline
 from voicebot.reply.history import Conversation
 from voicebot.reply.safety import SpeechFilter
 from voicebot.reply.spoken import spoken
@@ -214,7 +215,9 @@ class Reply:
         history = self._history
         if stage.conversation.instructions:  # the client's system prompt, in place of the persona
             history = [{"role": "system", "content": stage.conversation.instructions}, *history]
-        deltas = self.responder.reply(history, self.turn.text, voice=stage.tts.voice)
+        limits = stage.reply_config.openai  # the reply timeouts, for every responder (voicebot/reply/deadline.py)
+        deltas = within_deadline(self.responder.reply(history, self.turn.text, voice=stage.tts.voice),
+                                 limits.idle_timeout_s, limits.total_timeout_s)
         return spoken(deltas, stage.speech_filter, stage.reply_config.fallback_line, self._responder_failed)
 
     async def _responder_failed(self, exc: ResponderError) -> None:
