@@ -43,7 +43,6 @@ log = logging.getLogger("voicebot.channels")
 LISTENER_QUEUE_MAX = 64
 # A dropped listener gets this long to take its close frame before the connection is abandoned.
 CLOSE_TIMEOUT_S = 1.0
-CHANNEL_LOST = "channel_lost"  # the error code a speaker that lost its channel gets
 
 # How a speaker hears that it lost its channel: a session's outbox.error(code, message, **fields).
 Tell = Callable[..., Awaitable[None]]
@@ -164,7 +163,7 @@ class ChannelHub:
         self.speakers_lost.labels(reason).inc()
         log.warning("channel %r: speaker %s lost it (%s)", name, session_id and session_id[:8], reason)
         if tell is not None:
-            notice = asyncio.ensure_future(tell(CHANNEL_LOST, lost_message(name, reason), channel=name, reason=reason))
+            notice = asyncio.ensure_future(tell(ErrorCode.CHANNEL_LOST, lost_message(name, reason), channel=name, reason=reason))
             self._notices.add(notice)
             notice.add_done_callback(self._notices.discard)
 

@@ -71,6 +71,7 @@ class ErrorCode:
     START_TIMEOUT = "start_timeout"  # no session.start within server.start_timeout_s; then CloseCode.POLICY
     IDLE_TIMEOUT = "idle_timeout"  # nothing from the client for server.idle_timeout_s; then CloseCode.POLICY
     CHANNEL_TAKEN = "channel_taken"  # session.start named a channel another session speaks on
+    CHANNEL_LOST = "channel_lost"  # a speaker whose channel another session took (its resume token, or the cluster)
     READ_ONLY = "read_only"  # a listener sent something other than ping
 
 
