@@ -58,6 +58,7 @@ HOLD_MARGIN_S = 0.25  # the far end is held back by the estimate less this: AEC3
 # AEC3 finds a path this long by itself (over a reply's first 3 s, -6 dB: 500 ms cancelled 44 dB, 600 ms
 # 11 dB). Within it the far end is never shifted: AEC3 converges again after every shift, and a
 # 326-500 ms path, cancelled 40 dB until the tracker's hold moved the reference, leaked and barged in.
+# Beyond it the first reply still leaks until the path is confirmed (~3 s; 600-700 ms barged in).
 AEC3_REACH_S = 0.55
 MIN_HOLD_CHANGE_S = 0.06  # AEC3 re-converges after every shift: only follow real changes
 # A frame sent this long after the audio before it should have finished playing starts a new
