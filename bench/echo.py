@@ -188,6 +188,8 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     parser.add_argument("--delays", type=int, nargs="+", default=[50, 150, 300])
     parser.add_argument("--gains", type=int, nargs="+", default=[-6, -20])
+    parser.add_argument("--cancel", choices=["off", "on"], nargs="+", default=["off", "on"],
+                        help="cancellation off, on, or both (the default, side by side)")
     args = parser.parse_args()
 
     barge_speech = espeak_speech(BARGE_IN, "en-gb") * 0.7  # another voice than the bot's
@@ -201,8 +203,9 @@ def main() -> None:
     url = base.replace("http", "ws") + "/v1/voice"
     results = []
     try:
-        cases = [(aec, 0, None, True) for aec in (False, True)]
-        cases += itertools.product((False, True), args.delays, args.gains, (False, True))
+        cancel = [mode == "on" for mode in args.cancel]
+        cases = [(aec, 0, None, True) for aec in cancel]
+        cases += itertools.product(cancel, args.delays, args.gains, (False, True))
         for aec, delay_ms, gain_db, barge in cases:
             before = echo_attenuation(base)
             case = asyncio.run(run_case(url, CaseResult(aec, delay_ms, gain_db, barge), barge_speech))

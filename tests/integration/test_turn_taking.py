@@ -124,8 +124,12 @@ def test_silence_rule_and_input_end(server, sse):
     assert by_client["by"] == "input.end"
 
 
-def echo_case(server, cancel: bool) -> dict:
-    """A question, then the reply's own audio fed back into the input 150 ms late at -10 dB."""
+BARGE_IN_AT_S = 1.5  # into the reply: a cold canceller, in AEC3's first seconds
+
+
+def echo_case(server, cancel: bool, barge_in: np.ndarray | None = None) -> dict:
+    """A question, then the reply's own audio fed back into the input 150 ms late at -10 dB, and
+    `barge_in` spoken over it from BARGE_IN_AT_S into the reply."""
 
     async def run():
         async with VoiceClient.connect(server.ws_url, echo_cancellation=cancel, endpointing={"turn": "silence"}) as client:
@@ -133,7 +137,9 @@ def echo_case(server, cancel: bool) -> dict:
             resampler = StreamResampler(24000, 16000)
             delay = [pause(150)]
             sent_frames = 0
-            for _ in range(int(6 / 0.02)):  # 6 s of "microphone": the reply as the room returns it
+            user = barge_in if barge_in is not None else pause(0)
+            user_at = None  # the chunk the user starts talking in
+            for i in range(int(8 / 0.02)):  # 8 s of "microphone": the reply as the room returns it
                 while sent_frames < len(client.frames):
                     pcm = np.frombuffer(client.frames[sent_frames][1], "<i2").astype(np.float32) / 32768
                     delay.append(resampler.process(pcm) * 10 ** (-10 / 20))
@@ -141,10 +147,18 @@ def echo_case(server, cancel: bool) -> dict:
                 buffered = np.concatenate(delay) if delay else pause(0)
                 chunk = buffered[:320] if len(buffered) >= 320 else np.concatenate([buffered, pause(20)])[:320]
                 delay = [buffered[320:]]
+                if user_at is None and client.frames:
+                    user_at = i + round(BARGE_IN_AT_S / 0.02)
+                if user_at is not None and i >= user_at:
+                    said = user[(i - user_at) * 320 : (i - user_at + 1) * 320]
+                    chunk = chunk + np.concatenate([said, pause(20)])[:320]
                 await client.ws.send(to_pcm16(chunk))
                 await asyncio.sleep(0.02)
-                if client.of_type("audio.end") or client.of_type("audio.interrupted"):
+                user_done = barge_in is None or (user_at is not None and (i - user_at) * 320 >= len(user))
+                if (client.of_type("audio.end") or client.of_type("audio.interrupted")) and user_done:
                     break
+            if barge_in is not None:
+                await client.stream(to_pcm16(pause(1000)), chunk_ms=20)  # the end of the user's turn
             await asyncio.sleep(0.5)
             return {"interrupted": client.of_type("audio.interrupted"), "finals": client.of_type("asr.final"),
                     "ended": client.of_type("audio.end")}
@@ -164,6 +178,28 @@ def test_the_bot_does_not_hear_itself(server, sse):
     assert without["interrupted"], "the echo never reached the bot: this test would prove nothing"
     assert not with_aec["interrupted"] and with_aec["ended"]
     assert len(with_aec["finals"]) == 1  # the question only: no transcript of the echo
+
+
+def barge_in_over_echo(server, sse) -> dict:
+    sse.reset(default=Behaviour(chunks=["Here is a long answer that goes on for a while, about the weather ",
+                                        "and the show and everything else you might want to know."]))
+    return echo_case(server, cancel=True, barge_in=espeak_speech(TEST_PHRASES[2]) * 0.7)
+
+
+def test_speech_over_the_bots_echo_barges_in(server, sse):
+    # The user talks over a reply that is echoing back: the canceller removes the echo, not the
+    # user, so the reply is cut by the user (barge_in), and the echo is never transcribed.
+    result = barge_in_over_echo(server, sse)
+    assert [e["reason"] for e in result["interrupted"]] == ["barge_in"]
+    assert len(result["finals"]) == 2, [e["text"] for e in result["finals"]]  # the question, the barge-in
+
+
+@pytest.mark.xfail(strict=True, reason="open: the barge-in over a new reply's echo is heard and cuts the reply, but "
+                   "pocketsphinx makes '' of it (before and after the 0.6 s initial state; with no echo it is heard)")
+def test_speech_over_the_bots_echo_is_transcribed(server, sse):
+    result = barge_in_over_echo(server, sse)
+    texts = [e["text"] for e in result["finals"]]
+    assert len(texts) == 2 and texts[1], texts
 
 
 def test_obs_audio_cancels_echo_by_default(server):

@@ -14,8 +14,15 @@ first frame is matched with the input that arrived when it was sent, not with th
 audio worker happens to be processing then: under load that input is older (it waited in the
 session's queue), and the echo would seem later by that wait, past AEC3's range. AEC3 finds and follows that delay itself within its search range
 (about 0.5 s here: 500 ms cancelled 59 dB, 800 ms only 13 dB), so `DelayTracker` measures it too
-(GCC-PHAT on the last second of both ends, while the bot speaks) and holds the far end back by
-the estimate less a margin, which keeps a long path (an OBS mix with buffering) inside that range.
+(GCC-PHAT on the last second of both ends, while the bot speaks) and, for a path beyond that
+range only (an OBS mix with buffering), holds the far end back by the estimate less a margin. A
+path AEC3 reaches is left alone: every shift of its reference makes it converge again, and the
+echo leaks meanwhile.
+
+Double talk: AEC3's first seconds of reply audio are its "initial state", where it suppresses
+hardest when the user talks over the bot; it is shortened to 0.6 s (`AEC3_FIELD_TRIALS`, WebRTC's
+own configuration override, process-wide), so a barge-in over a new reply's echo is heard about
+as soon as one with no echo (bench/echo.py).
 
 No echo path (headphones; an OBS mix without desktop audio): AEC3 cancels with a linear filter
 that converges on the echo, and until it has converged its suppressor takes the echo to be as loud
@@ -32,6 +39,7 @@ tracker keeps `HISTORY_S` of each end; the input waits at most one 10 ms block.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections import deque
@@ -47,6 +55,11 @@ MAX_DELAY_S = 1.0  # longest echo path the tracker looks for
 HISTORY_S = 2.0  # near: the last second; far: that second plus the longest delay
 ESTIMATE_EVERY_S = 1.0
 HOLD_MARGIN_S = 0.25  # the far end is held back by the estimate less this: AEC3 then finds the rest itself
+# AEC3 finds a path this long by itself (over a reply's first 3 s, -6 dB: 500 ms cancelled 44 dB, 600 ms
+# 11 dB). Within it the far end is never shifted: AEC3 converges again after every shift, and a
+# 326-500 ms path, cancelled 40 dB until the tracker's hold moved the reference, leaked and barged in.
+# Beyond it the first reply still leaks until the path is confirmed (~3 s; 600-700 ms barged in).
+AEC3_REACH_S = 0.55
 MIN_HOLD_CHANGE_S = 0.06  # AEC3 re-converges after every shift: only follow real changes
 # A frame sent this long after the audio before it should have finished playing starts a new
 # playout (the client ran dry). Not less: the resampler holds back ~21 ms of each frame until the next.
@@ -55,6 +68,32 @@ FAR_ACTIVE_RMS = 1e-3  # about -60 dBFS: below it the bot is silent and there is
 # An echo comes back at the same delay second after second (playout jitter is a few ms); a voice
 # over the reply correlates with it by chance, at another lag each time (0.20, 0.24, 0.50 s here).
 ECHO_CONFIRM_S = 0.02
+# AEC3's "initial state" (2.5 s of reply audio, restarted when it detects an echo path change)
+# suppresses far more during double talk: a user talking over the first seconds of a reply lost
+# the start of the words, and barge-in came 0.5-1.7 s later than with no echo (bench/echo.py).
+# 0.6 s of it: no later than a frame. None at all let a "300 ms" echo barge in live last time,
+# perhaps the hold shift that AEC3_REACH_S now avoids (that path measures 304-348 ms); not tried again.
+AEC3_FIELD_TRIALS = b"WebRTC-Aec3UseDot6SecondsInitialStateDuration/Enabled/"
+
+_field_trials_lock = threading.Lock()
+_field_trials: ctypes.Array | None = None  # WebRTC keeps the pointer, not a copy: it lives as long as the process
+
+
+def _configure_aec3() -> None:
+    """Set AEC3_FIELD_TRIALS, process-wide, before the first AEC3 is made."""
+    global _field_trials
+    from aec_audio_processing import lib
+
+    with _field_trials_lock:
+        if _field_trials is not None:
+            return
+        try:
+            init = lib._ZN6webrtc11field_trial25InitFieldTrialsFromStringEPKc  # webrtc::field_trial::InitFieldTrialsFromString
+        except AttributeError as exc:
+            raise RuntimeError("this aec-audio-processing's WebRTC library cannot be configured (no "
+                               "InitFieldTrialsFromString): talking over a reply would be suppressed") from exc
+        _field_trials = ctypes.create_string_buffer(AEC3_FIELD_TRIALS)
+        init(_field_trials)
 
 
 def _pcm16(audio: np.ndarray) -> bytes:
@@ -132,6 +171,7 @@ class EchoCanceller:
     def __init__(self, reply_rate: int = 24000) -> None:
         from aec_audio_processing import AudioProcessor
 
+        _configure_aec3()
         self._apm = AudioProcessor(enable_aec=True, enable_ns=False, enable_agc=False, enable_vad=False)
         self._apm.set_stream_format(SAMPLE_RATE, 1)
         self._apm.set_reverse_stream_format(SAMPLE_RATE, 1)
@@ -220,7 +260,7 @@ class EchoCanceller:
     def _follow_delay(self) -> None:
         if self.tracker.delay_s is None:
             return
-        hold_s = max(0.0, self.tracker.delay_s - HOLD_MARGIN_S)
+        hold_s = self.tracker.delay_s - HOLD_MARGIN_S if self.tracker.delay_s > AEC3_REACH_S else 0.0
         if abs(hold_s - self._hold_blocks * BLOCK / SAMPLE_RATE) >= MIN_HOLD_CHANGE_S:
             self._hold_blocks = round(hold_s * SAMPLE_RATE / BLOCK)
             while len(self._held) > self._hold_blocks:
