@@ -174,6 +174,15 @@ def pointwise(conv: nn.Conv1d, x: Tensor) -> Tensor:
     return F.linear(x, conv.weight[:, :, 0], conv.bias)
 
 
+def add_linear(residual: Tensor, weight: Tensor, bias: Tensor, x: Tensor) -> Tensor:
+    """residual + x @ weightᵀ + bias, the GEMM accumulating into residual + bias.
+
+    One pass over the (R, C') output fewer than `residual + F.linear(x, weight, bias)`, which
+    first copies the bias into a new output and then adds the residual to it in another.
+    """
+    return (residual + bias).addmm_(x, weight.t())
+
+
 class CausalConv1d(nn.Conv1d):
     """Conv1d that pads only on the left, so output frame t sees inputs ≤ t."""
 
@@ -224,8 +233,8 @@ class CausalResnetBlock1D(nn.Module):
 
     def forward(self, x: Tensor, temb: Tensor, call: PackedCall) -> Tensor:
         """x (R, C), temb (1, E): every row of a call is at the same flow time."""
-        h = self.block1(x, call) + self.mlp(temb)
-        return self.block2(h, call) + pointwise(self.res_conv, x)
+        h = self.block1(x, call).add_(self.mlp(temb))
+        return add_linear(self.block2(h, call), self.res_conv.weight[:, :, 0], self.res_conv.bias, x)
 
 
 class Attention(nn.Module):
@@ -259,10 +268,11 @@ class Attention(nn.Module):
             self._qkv = fused, tuple((p.weight.data_ptr(), p.weight._version) for p in projs)
         return self._qkv[0]
 
-    def forward(self, x: Tensor, call: PackedCall) -> Tensor:
-        """(R, C) -> (R, C); a cached segment's rows attend to its cached frames too."""
+    def heads_out(self, x: Tensor, call: PackedCall) -> Tensor:
+        """(R, C) -> (R, inner): the heads' outputs before to_out (TransformerBlock adds that
+        projection to its residual); a cached segment's rows attend to its cached frames too."""
         qkv = F.linear(x, self.qkv_weight())  # (R, 3·inner)
-        out = x.new_empty(x.shape[0], self.heads * self.head_dim)
+        outs = []
         for seg, rows, bias in zip(call.segments, call.rows, call.biases):
             shape = (2, seg.n_new, 3, self.heads, self.head_dim)
             q, k, v = qkv[rows].view(shape).permute(2, 0, 3, 1, 4)  # each (2, H, n_new, d)
@@ -270,8 +280,9 @@ class Attention(nn.Module):
                 o = attend(q, k, v, bias)
             else:
                 o = attend_blocks(q, seg.cache.extend_kv(self.cache_slot, k, v), bias)
-            out[rows].view(2, seg.n_new, self.heads, self.head_dim).copy_(o.transpose(1, 2))
-        return self.to_out[0](out)
+            # a view, no copy, where SDPA wrote (2, n_new, H, d) (its CPU flash kernel does)
+            outs.append(o.transpose(1, 2).reshape(2 * seg.n_new, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class GELUProjection(nn.Module):
@@ -289,8 +300,10 @@ class FeedForward(nn.Module):
         # indices are checkpoint keys: net.0.proj and net.2; slot 1 was dropout
         self.net = nn.Sequential(GELUProjection(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
+    def hidden(self, x: Tensor) -> Tensor:
+        """(R, C) -> (R, mult·C): everything before the output projection net.2 (TransformerBlock
+        adds that to its residual)."""
+        return self.net[0](x)
 
 
 class TransformerBlock(nn.Module):
@@ -304,8 +317,10 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(dim)
 
     def forward(self, x: Tensor, call: PackedCall) -> Tensor:  # (R, C)
-        x = x + self.attn1(self.norm1(x), call)
-        return x + self.ff(self.norm3(x))
+        out_proj, ff_proj = self.attn1.to_out[0], self.ff.net[2]
+        x = add_linear(x, out_proj.weight, out_proj.bias, self.attn1.heads_out(self.norm1(x), call))
+        # x is this block's own tensor now: the second residual accumulates into it in place
+        return x.add_(ff_proj.bias).addmm_(self.ff.hidden(self.norm3(x)), ff_proj.weight.t())
 
 
 class TimestepEmbedding(nn.Module):
