@@ -319,8 +319,9 @@ class TransformerBlock(nn.Module):
     def forward(self, x: Tensor, call: PackedCall) -> Tensor:  # (R, C)
         out_proj, ff_proj = self.attn1.to_out[0], self.ff.net[2]
         x = add_linear(x, out_proj.weight, out_proj.bias, self.attn1.heads_out(self.norm1(x), call))
-        # x is this block's own tensor now: the second residual accumulates into it in place
-        return x.add_(ff_proj.bias).addmm_(self.ff.hidden(self.norm3(x)), ff_proj.weight.t())
+        hidden = self.ff.hidden(self.norm3(x))  # before x changes: the residual below is in place
+        # x is this block's own tensor now: the second residual accumulates into it
+        return x.add_(ff_proj.bias).addmm_(hidden, ff_proj.weight.t())
 
 
 class TimestepEmbedding(nn.Module):
