@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from pathlib import Path
 import torch
 
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
-from bench.cosyvoice2 import FIXTURES, released_hparams
+from bench.cosyvoice2 import FIXTURES, OFFICIAL_CPU, cpu_model, released_hparams
 from voicebot.config import REPO_ROOT
 from voicebot.tts.cosyvoice2 import estimator as packed
 from voicebot.tts.cosyvoice2.flow import FlowRequest, build_flow
@@ -49,20 +48,12 @@ from voicebot.tts.cosyvoice2.hift import HiFTStream, SourceNoise, build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.loader import cpu_weight_layout
 
-BASELINE_REV = "c6fc78b"  # main before the estimator's fused residual GEMMs
+BASELINE_REV = "c6fc78b"  # main before this branch: residuals outside the GEMMs, cached attention block by block
 N_PROMPT, HOP = 150, 50  # prompt tokens; the chunk's hop in tokens (100 mel frames)
 NONSTREAM_FRAMES = 550  # 150 prompt + 125 target tokens, non-streaming
 SESSIONS = (1, 2, 4, 8)
-# shared/specs/cosyvoice2-cpu-baseline.md, "2026-12-01: official and ours side by side"
-OFFICIAL_CPU = "AMD EPYC Zen 4 (AVX-512), 2 threads, 2026-12-01"
+# shared/specs/cosyvoice2-cpu-baseline.md, "2026-12-01: official and ours side by side" (on OFFICIAL_CPU)
 OFFICIAL = {"non-streaming flow, 5 s (s)": (16.28, 17.91), "HiFT, 1 s of mel (s)": (0.22, 0.228)}
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def baseline_estimator_module():
@@ -248,7 +239,8 @@ def hift_batch(hift, reps: int) -> None:
             show(f"{n} window(s) of ~{window} frames in one decode", med["batched"],
                  f"one at a time {med['one at a time']}: {med['one at a time'].ratio(med['batched'])}")
     official, before = OFFICIAL["HiFT, 1 s of mel (s)"]
-    print(f"  official HiFT, 1 s of mel: {official} s vs before {before} s on {OFFICIAL_CPU}", flush=True)
+    print(f"  official HiFT, 1 s of mel: {official} s vs before {before} s on {OFFICIAL_CPU} (this run's CPU: "
+          f"{cpu_model()})", flush=True)
 
 
 def main() -> None:
