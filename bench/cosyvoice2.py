@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import platform
 import re
 import resource
 import statistics
@@ -53,21 +54,31 @@ N_PROMPT_TEXT, N_TEXT, N_PROMPT_SPEECH, N_GENERATED = 30, 20, 150, 125
 SAMPLES_PER_TOKEN = 960
 AUDIO_SECONDS = N_GENERATED * SAMPLES_PER_TOKEN / 24000
 
-# From the baseline file (official code, same machine kind, another day): median or single values.
+# The official code's figures from the baseline file's last section, measured on another machine
+# on another day: every print of them names OFFICIAL_CPU beside this run's CPU, since a ratio
+# across CPUs is not a speed-up (the older Zen 3 figures, 30.5 s and RTF 15, overstated ours).
+OFFICIAL_CPU = "AMD EPYC Zen 4 (AVX-512), 2 threads, 2026-12-01"
 OFFICIAL = {
-    "LM prefill, L=202 (s)": 1.65,
-    "LM decode step (ms)": 130.0,
-    "first chunk step (s)": 12.4 + 0.36,  # flow chunk 1 + HiFT 1 s, as ours
-    "HiFT, 1 s of mel (s)": 0.36,
-    "streaming: first audio (s)": 30.5,
-    "streaming: RTF": 15.0,
-    "non-streaming flow, 5 s (s)": 24.2,
-    "peak RSS (GB)": 4.92,
+    "LM prefill, L=202 (s)": 1.46,
+    "LM decode step (ms)": 151.6,
+    "first chunk step (s)": 10.8,  # ≈: flow chunk 1 + HiFT 1 s, as ours
+    "HiFT, 1 s of mel (s)": 0.22,
+    "streaming: first audio (s)": 23.9,
+    "streaming: RTF": 10.99,
+    "non-streaming flow, 5 s (s)": 16.28,
+    "peak RSS (GB)": 5.04,
 }
 # Issue 7's targets on this 2-core CPU, fp32 unless int8: (column, row) -> bound.
 TARGETS = {(f"{mode}{ovl}", row): bound for ovl in ("", "+ovl") for mode, row, bound in [
     ("exact", "first audio (s)", 7.0), ("fast", "RTF", 5.0), ("exact+int8", "first audio (s)", 4.5),
     ("fast+int8", "first audio (s)", 4.5), ("fast+int8", "RTF", 3.5)]}
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
 
 
 def released_hparams(fixtures: Path, qwen_dir: Path) -> dict:
@@ -92,7 +103,9 @@ class Rows(dict):
     def __init__(self, released: bool) -> None:
         super().__init__()
         self.released = released
-        print(f"\n{'measurement':50s} {'ours':>10s} {'official':>10s} {'ratio':>7s}", flush=True)
+        print(f"\nours: {cpu_model()}, this run; official: {OFFICIAL_CPU}; ratio = official there / ours here",
+              flush=True)
+        print(f"{'measurement':50s} {'ours':>10s} {'official':>10s} {'ratio':>7s}", flush=True)
 
     def __setitem__(self, name: str, value: float) -> None:
         super().__setitem__(name, value)
@@ -361,8 +374,9 @@ def main() -> None:
     rows["flow prompt states held (GB)"] = sum(token2wav.prompt_state_bytes().values()) / 1e9
 
     scheduler.stop()
-    print("\nratio = official / ours (higher is faster). Official figures: shared/specs/cosyvoice2-cpu-baseline.md,"
-          " measured on another day; the cores here may be shared.")
+    print(f"\nratio = official / ours (higher is faster). Official figures: shared/specs/cosyvoice2-cpu-baseline.md,"
+          f" measured on {OFFICIAL_CPU}; ours on {cpu_model()} in this run, whose cores may be shared: a ratio"
+          f" across two CPUs is not a speed-up.")
     print_side_by_side(streams, args.size == "released")
 
 
@@ -371,7 +385,8 @@ def print_side_by_side(streams: dict[str, tuple[float, float, float]], released:
     official = {"first audio (s)": OFFICIAL["streaming: first audio (s)"], "RTF": OFFICIAL["streaming: RTF"],
                 "first chunk step (s)": OFFICIAL["first chunk step (s)"]}
     names = list(official)
-    print(f"\n{'streaming, 5 s of speech':24s} {'official':>9s}" + "".join(f" {c:>14s}" for c in streams))
+    print(f"\nstreaming, 5 s of speech; official: {OFFICIAL_CPU}; ours: {cpu_model()}")
+    print(f"{'':24s} {'official':>9s}" + "".join(f" {c:>14s}" for c in streams))
     for i, name in enumerate(names):
         cells = "".join(f" {v[i]:14.2f}" for v in streams.values())
         print(f"{name:24s} {official[name]:9.2f}{cells}")

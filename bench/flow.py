@@ -12,8 +12,9 @@ ones to compare; with more threads CPU time also counts threads spinning at barr
 1. One estimator call (one Euler step, CFG batch 2), ours against the estimator of BASELINE_REV
    (the code before this work, loaded from git, given the same weights): a cached streaming chunk
    (100 new frames after 250) and the non-streaming call of 5 s of speech (550 frames, full
-   attention). The official code's figures were measured on another CPU on another day; they are
-   printed with that CPU's name, never as a ratio against this run.
+   attention). With --profile, one call of each side under torch.profiler: its top ops, and its
+   time by block. The official code's figures were measured on another CPU on another day; they
+   are printed with that CPU's name, never as a ratio against this run.
 2. One flow chunk (encoder + 10 Euler steps) for 1, 2, 4, 8 sessions in one `Flow.render`, against
    the same sessions one at a time (N × one session's chunk, measured alternately with it).
    Target on CPU at released size: 8 sessions in one call at most 4x one session's chunk.
@@ -22,13 +23,13 @@ ones to compare; with more threads CPU time also counts threads spinning at barr
 
     python -m bench.flow                      # released sizes: a few minutes of 2 busy cores
     python -m bench.flow --size tiny          # the fixture sizes: seconds (tests run this)
+    python -m bench.flow --only estimator --threads 1 --profile   # the estimator A/B and its profile
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
-from bench.cosyvoice2 import FIXTURES, released_hparams
+from bench.cosyvoice2 import FIXTURES, OFFICIAL_CPU, cpu_model, released_hparams
 from voicebot.config import REPO_ROOT
 from voicebot.tts.cosyvoice2 import estimator as packed
 from voicebot.tts.cosyvoice2.flow import FlowRequest, build_flow
@@ -47,20 +48,12 @@ from voicebot.tts.cosyvoice2.hift import HiFTStream, SourceNoise, build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.loader import cpu_weight_layout
 
-BASELINE_REV = "6fa6830"  # main before the packed estimator
+BASELINE_REV = "c6fc78b"  # main before this branch: residuals outside the GEMMs, cached attention block by block
 N_PROMPT, HOP = 150, 50  # prompt tokens; the chunk's hop in tokens (100 mel frames)
 NONSTREAM_FRAMES = 550  # 150 prompt + 125 target tokens, non-streaming
 SESSIONS = (1, 2, 4, 8)
-# shared/specs/cosyvoice2-cpu-baseline.md, "2026-12-01: official and ours side by side"
-OFFICIAL_CPU = "AMD EPYC Zen 4 (AVX-512), 2 threads, 2026-12-01"
+# shared/specs/cosyvoice2-cpu-baseline.md, "2026-12-01: official and ours side by side" (on OFFICIAL_CPU)
 OFFICIAL = {"non-streaming flow, 5 s (s)": (16.28, 17.91), "HiFT, 1 s of mel (s)": (0.22, 0.228)}
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def baseline_estimator_module():
@@ -71,6 +64,7 @@ def baseline_estimator_module():
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("baseline_estimator", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -116,53 +110,90 @@ def show(name: str, value: Timing, note: str = "") -> None:
     print(f"  {name:54s} {value} {note}", flush=True)
 
 
-def estimator_ab(est: packed.CausalConditionalDecoder, hp: dict, reps: int) -> None:
+def profile_call(name: str, module, fn) -> None:
+    """One call of `fn` under torch.profiler: its top ops by self time, and its time by block
+    (`record_function` around each resnet, transformer block and causal conv of `module`)."""
+    kinds = tuple(getattr(module, k) for k in ("CausalResnetBlock1D", "TransformerBlock", "CausalConv1d"))
+    scopes, handles = [], []
+    for m in fn.estimator.modules():
+        if isinstance(m, kinds):
+            def enter(mod, args, label=type(m).__name__):
+                scopes.append(torch.profiler.record_function(label))
+                scopes[-1].__enter__()
+
+            def leave(mod, args, out):
+                scopes.pop().__exit__(None, None, None)
+
+            handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+    finally:
+        for h in handles:
+            h.remove()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    blocks = sorted((e for e in events if e.key in {k.__name__ for k in kinds}), key=lambda e: -e.cpu_time_total)
+    ops = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)[:10]
+    print(f"  profile of one call, {name}: {total / 1e6:.3f} s; by block: " + ", ".join(
+        f"{e.key} {e.cpu_time_total / total:.0%} ({e.count})" for e in blocks), flush=True)
+    for e in ops:
+        print(f"    {e.key:52s} {e.self_cpu_time_total / total:6.1%} {e.self_cpu_time_total / 1e6:8.3f} s "
+              f"{e.count:5d} calls", flush=True)
+
+
+def estimator_ab(est: packed.CausalConditionalDecoder, hp: dict, reps: int, profile: bool) -> None:
     print("\n1. one estimator call (one Euler step, CFG pair), ours vs the estimator of " + BASELINE_REV, flush=True)
-    old = baseline_estimator_module().build_estimator(hp["flow"]["decoder"]["estimator"]).eval()
-    old.load_state_dict(est.state_dict())
-    cpu_weight_layout(old)
+    base = baseline_estimator_module()
+    with torch.inference_mode(False):  # parameters made under inference mode cannot be written later
+        old = base.build_estimator(hp["flow"]["decoder"]["estimator"]).eval()
+        old.load_state_dict(est.state_dict())
+        cpu_weight_layout(old)
     g = torch.Generator().manual_seed(1)
     prompt_frames = (N_PROMPT - 3) // 25 * 50  # the voice's prompt state (as Flow.prompt_cache)
     t = torch.tensor(0.5)
 
-    def inputs(n: int) -> tuple[torch.Tensor, ...]:  # x, mu, cond (2, 80, n); spks (2, 80)
-        return (*(torch.randn(2, 80, n, generator=g) for _ in range(3)), torch.randn(2, 80, generator=g))
+    def inputs(n: int) -> tuple[torch.Tensor, ...]:  # x, mu, spks, cond: the packed (2n, 80) rows
+        spks = torch.randn(2, 80, generator=g).repeat_interleave(n, 0)
+        x, mu, cond = (torch.randn(2 * n, 80, generator=g) for _ in range(3))
+        return x, mu, spks, cond
 
-    def rows(a: torch.Tensor) -> torch.Tensor:  # (2, 80, n) -> the packed (2n, 80)
-        return a.transpose(1, 2).reshape(-1, 80)
+    def call(module, estimator, n: int, streaming: bool, prompt_cache):
+        """One call of `estimator` (built by `module`) on n new frames, after a fork of its
+        prompt cache when given."""
+        args = inputs(n)
 
-    def calls(n: int, streaming: bool, cached: bool):
-        x, mu, cond, spks = inputs(n)
-        old_base, new_base = old.new_cache(), est.new_cache()
-        if cached:  # the voice's prompt frames, computed once; each timed call forks them
-            px, pmu, pcond, _ = inputs(prompt_frames)
-            old(px, torch.ones(2, 1, prompt_frames), pmu, t.expand(2), spks, pcond, True, old_base)
-            est(rows(px), rows(pmu), spks.repeat_interleave(prompt_frames, 0), rows(pcond), t,
-                [packed.Segment(prompt_frames, new_base)])
-        ones, spks_rows = torch.ones(2, 1, n), spks.repeat_interleave(n, 0)
+        def run() -> torch.Tensor:
+            cache = None if prompt_cache is None else prompt_cache.fork()
+            return estimator(*args, t, [module.Segment(n, cache, streaming)])
 
-        def before() -> torch.Tensor:
-            return old(x, ones, mu, t.expand(2), spks, cond, streaming, old_base.fork() if cached else None)
+        run.estimator = estimator
+        return run
 
-        def ours() -> torch.Tensor:
-            segment = packed.Segment(n, new_base.fork() if cached else None, streaming)
-            return est(rows(x), rows(mu), spks_rows, rows(cond), t, [segment])
-
-        err = (rows(before()) - ours()).abs().max().item()
-        return {"before": before, "ours": ours}, err
+    def prompt_state(module, estimator):  # the voice's prompt frames, computed once; each timed call forks them
+        cache = estimator.new_cache()
+        estimator(*inputs(prompt_frames), t, [module.Segment(prompt_frames, cache)])
+        return cache
 
     for label, n, streaming, cached in [
         (f"cached chunk: {2 * HOP} new frames after {prompt_frames}", 2 * HOP, True, True),
         (f"non-streaming: {NONSTREAM_FRAMES} frames, full attention", NONSTREAM_FRAMES, False, False),
     ]:
-        fns, err = calls(n, streaming, cached)
-        med = alternate(fns, reps)
+        g.manual_seed(n)  # the same inputs on both sides
+        before = call(base, old, n, streaming, prompt_state(base, old) if cached else None)
+        g.manual_seed(n)
+        ours = call(packed, est, n, streaming, prompt_state(packed, est) if cached else None)
+        err = (before() - ours()).abs().max().item()
+        med = alternate({"before": before, "ours": ours}, reps)
         print(f"  {label} (max abs difference {err:.1e})", flush=True)
         show("before", med["before"])
         show("ours", med["ours"], f"before / ours {med['before'].ratio(med['ours'])}")
-    official, before = OFFICIAL["non-streaming flow, 5 s (s)"]
-    print(f"  official non-streaming flow, 5 s: {official} s vs before {before} s on {OFFICIAL_CPU}: official / "
-          f"before {official / before:.2f}x there (this run's CPU: {cpu_model()})", flush=True)
+        if profile:
+            profile_call("before", base, before)
+            profile_call("ours", packed, ours)
+    official, before_figure = OFFICIAL["non-streaming flow, 5 s (s)"]
+    print(f"  official non-streaming flow, 5 s: {official} s vs ours {before_figure} s (then) on {OFFICIAL_CPU}: "
+          f"official / before {official / before_figure:.2f}x there (this run's CPU: {cpu_model()})", flush=True)
 
 
 def flow_batch(flow, reps: int) -> None:
@@ -208,7 +239,8 @@ def hift_batch(hift, reps: int) -> None:
             show(f"{n} window(s) of ~{window} frames in one decode", med["batched"],
                  f"one at a time {med['one at a time']}: {med['one at a time'].ratio(med['batched'])}")
     official, before = OFFICIAL["HiFT, 1 s of mel (s)"]
-    print(f"  official HiFT, 1 s of mel: {official} s vs before {before} s on {OFFICIAL_CPU}", flush=True)
+    print(f"  official HiFT, 1 s of mel: {official} s vs before {before} s on {OFFICIAL_CPU} (this run's CPU: "
+          f"{cpu_model()})", flush=True)
 
 
 def main() -> None:
@@ -219,6 +251,7 @@ def main() -> None:
     parser.add_argument("--fixtures", type=Path, default=FIXTURES)
     parser.add_argument("--only", default="estimator,flow,hift", help="sections to run")
     parser.add_argument("--no-warmup", action="store_true", help="time the first run too (saves minutes)")
+    parser.add_argument("--profile", action="store_true", help="profile one estimator call of each side")
     args = parser.parse_args()
     global WARMUP
     WARMUP = not args.no_warmup
@@ -232,7 +265,7 @@ def main() -> None:
     sections = args.only.split(",")
     with torch.inference_mode():
         if "estimator" in sections:
-            estimator_ab(flow.decoder.estimator, hp, args.reps)
+            estimator_ab(flow.decoder.estimator, hp, args.reps, args.profile)
         if "flow" in sections:
             flow_batch(flow, args.reps)
     if "hift" in sections:

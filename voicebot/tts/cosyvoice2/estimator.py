@@ -50,7 +50,8 @@ class EstimatorCache:
     keys/values for this cache's frames; `conv[i]` holds causal conv i's last kernel−1 input frames,
     (B, kernel−1, C) time-major.
     A request's cache is a `fork` of its voice's prompt state: the prompt's frames come first, read
-    from the shared state and never written or copied (about 1.2 GB per voice at released size, fp32).
+    from the shared state and never written (about 1.2 GB per voice at released size, fp32); an
+    attention layer copies its keys/values into one transient tensor for its SDPA call only.
     """
 
     def __init__(self, n_attn: int, n_conv: int, base: EstimatorCache | None = None) -> None:
@@ -109,22 +110,18 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def attend_blocks(q: Tensor, blocks: list[tuple[Tensor, Tensor]], bias: Tensor | None) -> Tensor:
-    """`attend` over keys/values given as consecutive blocks along the frame axis, without
-    concatenating them (that would copy the voice's shared prompt keys at every call); `bias` is
-    additive, (T, all frames)."""
+    """`attend` over keys/values given as consecutive blocks along the frame axis (the voice's
+    shared prompt frames, then the request's own); `bias` is additive, (T, all frames).
+
+    The blocks are concatenated for one SDPA call: a transient copy of one layer's keys/values,
+    freed at once, never written to the shared state. Attending block by block (scores per block,
+    one softmax, one product per block) avoided that copy but took 1.4-2.4x as long as copy + SDPA
+    at the streaming chunks' sizes (bench/flow.py, cached chunk).
+    """
     if len(blocks) == 1:
         return attend(q, *blocks[0], bias)
-    q = q * q.shape[-1] ** -0.5
-    scores = torch.cat([q @ k.transpose(-1, -2) for k, _ in blocks], dim=-1)  # (B, H, T, all frames)
-    if bias is not None:
-        scores += bias
-    weights = scores.float().softmax(-1).to(q.dtype)  # fp32 softmax: fp16 sums of exps overflow
-    out, start = None, 0
-    for k, v in blocks:
-        part = weights[..., start : start + k.shape[2]] @ v
-        out = part if out is None else out.add_(part)
-        start += k.shape[2]
-    return out
+    keys, values = (torch.cat(parts, dim=2) for parts in zip(*blocks))
+    return attend(q, keys, values, bias)
 
 
 @dataclass
@@ -172,6 +169,15 @@ def _attention_bias(seg: Segment, chunk_size: int, like: Tensor) -> Tensor | Non
 def pointwise(conv: nn.Conv1d, x: Tensor) -> Tensor:
     """A kernel-1 Conv1d on packed rows (R, C) -> (R, C'): a linear layer."""
     return F.linear(x, conv.weight[:, :, 0], conv.bias)
+
+
+def add_linear(residual: Tensor, weight: Tensor, bias: Tensor, x: Tensor) -> Tensor:
+    """residual + x @ weightᵀ + bias, the GEMM accumulating into residual + bias.
+
+    One pass over the (R, C') output fewer than `residual + F.linear(x, weight, bias)`, which
+    first copies the bias into a new output and then adds the residual to it in another.
+    """
+    return (residual + bias).addmm_(x, weight.t())
 
 
 class CausalConv1d(nn.Conv1d):
@@ -224,8 +230,8 @@ class CausalResnetBlock1D(nn.Module):
 
     def forward(self, x: Tensor, temb: Tensor, call: PackedCall) -> Tensor:
         """x (R, C), temb (1, E): every row of a call is at the same flow time."""
-        h = self.block1(x, call) + self.mlp(temb)
-        return self.block2(h, call) + pointwise(self.res_conv, x)
+        h = self.block1(x, call).add_(self.mlp(temb))
+        return add_linear(self.block2(h, call), self.res_conv.weight[:, :, 0], self.res_conv.bias, x)
 
 
 class Attention(nn.Module):
@@ -259,10 +265,11 @@ class Attention(nn.Module):
             self._qkv = fused, tuple((p.weight.data_ptr(), p.weight._version) for p in projs)
         return self._qkv[0]
 
-    def forward(self, x: Tensor, call: PackedCall) -> Tensor:
-        """(R, C) -> (R, C); a cached segment's rows attend to its cached frames too."""
+    def heads_out(self, x: Tensor, call: PackedCall) -> Tensor:
+        """(R, C) -> (R, inner): the heads' outputs before to_out (TransformerBlock adds that
+        projection to its residual); a cached segment's rows attend to its cached frames too."""
         qkv = F.linear(x, self.qkv_weight())  # (R, 3·inner)
-        out = x.new_empty(x.shape[0], self.heads * self.head_dim)
+        outs = []
         for seg, rows, bias in zip(call.segments, call.rows, call.biases):
             shape = (2, seg.n_new, 3, self.heads, self.head_dim)
             q, k, v = qkv[rows].view(shape).permute(2, 0, 3, 1, 4)  # each (2, H, n_new, d)
@@ -270,8 +277,9 @@ class Attention(nn.Module):
                 o = attend(q, k, v, bias)
             else:
                 o = attend_blocks(q, seg.cache.extend_kv(self.cache_slot, k, v), bias)
-            out[rows].view(2, seg.n_new, self.heads, self.head_dim).copy_(o.transpose(1, 2))
-        return self.to_out[0](out)
+            # a view, no copy, where SDPA wrote (2, n_new, H, d) (its CPU flash kernel does)
+            outs.append(o.transpose(1, 2).reshape(2 * seg.n_new, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class GELUProjection(nn.Module):
@@ -289,8 +297,10 @@ class FeedForward(nn.Module):
         # indices are checkpoint keys: net.0.proj and net.2; slot 1 was dropout
         self.net = nn.Sequential(GELUProjection(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
+    def hidden(self, x: Tensor) -> Tensor:
+        """(R, C) -> (R, mult·C): everything before the output projection net.2 (TransformerBlock
+        adds that to its residual)."""
+        return self.net[0](x)
 
 
 class TransformerBlock(nn.Module):
@@ -304,8 +314,11 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(dim)
 
     def forward(self, x: Tensor, call: PackedCall) -> Tensor:  # (R, C)
-        x = x + self.attn1(self.norm1(x), call)
-        return x + self.ff(self.norm3(x))
+        out_proj, ff_proj = self.attn1.to_out[0], self.ff.net[2]
+        x = add_linear(x, out_proj.weight, out_proj.bias, self.attn1.heads_out(self.norm1(x), call))
+        hidden = self.ff.hidden(self.norm3(x))  # before x changes: the residual below is in place
+        # x is this block's own tensor now: the second residual accumulates into it
+        return x.add_(ff_proj.bias).addmm_(hidden, ff_proj.weight.t())
 
 
 class TimestepEmbedding(nn.Module):
