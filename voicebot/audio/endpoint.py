@@ -12,12 +12,14 @@ speech window. It ends after `endpoint_silence_ms` of silence, or at `max_uttera
 Memory bound: the pre-speech buffer plus one window.
 
 Silero's recurrent state carries speech into the silence after it: the one to three windows after
-the last word still score above the threshold (the last speech window ended 53 ms after the true
-end at the median of tests/turn_set.py, 87 ms at p95; bench/turn_offline.py). Counted as speech,
-they delayed every pause by that much. A speech window no louder than the room (within
-QUIET_MARGIN_DB of the level of the recent non-speech windows) has no speech energy of its own:
-when silence follows, the silence is counted from the first of those, at most HANGOVER_WINDOWS_MAX
-back. Inside a word the next loud window resets the count, so mid-word dips gain nothing from it.
+the last word still score above the threshold. Counted as speech, they delayed every pause by
+that much (the last speech window ended 54 ms after the true end at the median of
+tests/turn_set.py, 87 ms at p95). A speech window no louder than the room (within QUIET_MARGIN_DB
+of the level of the recent non-speech windows) has no speech energy of its own: when silence
+follows, the silence is counted from the first of those, at most HANGOVER_WINDOWS_MAX back (now
+12 / 26 ms after the true end). A dip inside a word still needs Silero to hear the rest of the
+pause as silence: on the set, in digital silence and in room noise, no more mid-word ends than
+before (bench/turn_offline.py, which measures both).
 """
 
 from __future__ import annotations
