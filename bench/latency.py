@@ -28,6 +28,11 @@ share the machine's monotonic clock:
 - answer -> turn.end: waiting for the transcript of the segment (by: smart);
 - turn.end -> first frame: responder, synthesis, prebuffer (nothing left to do if prepared and kept).
 And each false cut-in, with what decided it, to tell a policy's mistakes from load noise.
+
+A turn with no reply audio after its end is told by what the server sent during it (`fate`): an
+empty transcript (pocketsphinx heard no phrase of its grammar: no reply by design) is counted
+apart; "no reply" counts the rest, each listed with what happened (no speech heard, no turn.end,
+empty reply text, an error, a reply later than REPLY_WAIT_S, answered before the end).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ POLICIES = {
     "prepared": {"turn": "smart", "prepare_replies": True},
 }
 TARGET_P50_MS, TARGET_P95_MS = 250, 400
+EMPTY_TRANSCRIPT = "empty transcript"
 
 
 @dataclass
@@ -79,6 +85,11 @@ class TurnResult:
     timings: dict = field(default_factory=dict)  # the server's, of the turn.end that ended it
     turn_end_ms: float | None = None  # when that turn.end arrived, from the end of the turn
     cut_ins: list[str] = field(default_factory=list)  # "by p=probability at pause_ms" of each turn.end before the end
+    fate: str | None = None  # with no reply after the end: what happened to the turn (see what_happened)
+
+    @property
+    def empty_transcript(self) -> bool:
+        return self.fate == EMPTY_TRANSCRIPT
 
 
 class Client:
@@ -123,6 +134,33 @@ class Client:
         return None
 
 
+def what_happened(client: Client, start: float, end: float) -> str:
+    """Why a turn got no reply audio after its end, from what the server sent since it began."""
+    def texts(kind: str) -> list[str]:
+        return [e.get("text", "") for _, e in client.events(kind, start)]
+
+    errors = [f"{e.get('code')}: {e.get('message')}" for _, e in client.events("error", start)]
+    if errors:
+        return "error " + "; ".join(errors)
+    if not client.events("speech.started", start):
+        return "no speech heard"
+    finals = texts("asr.final")
+    if not client.events("turn.end", start):
+        if not finals:
+            return "no asr.final"  # the utterance never ended (or its transcript was lost)
+        return EMPTY_TRANSCRIPT if not any(t.strip() for t in finals) else f"no turn.end after asr.final {finals}"
+    if not client.events("turn.end", end):
+        return f"answered before its end: turn.end {texts('turn.end')}"
+    replies = texts("reply.done")
+    if not replies:
+        return f"turn.end {texts('turn.end')}, no reply.done"
+    if not any(r.strip() for r in replies):
+        return f"turn.end {texts('turn.end')}, empty reply text"
+    if client.events("audio.start", end + REPLY_WAIT_S):
+        return "reply later than REPLY_WAIT_S"
+    return f"turn.end {texts('turn.end')}, reply {replies}, no audio.start"
+
+
 async def speak(client: Client, turn: RenderedTurn) -> TurnResult:
     began = time.monotonic()
     client.clock = max(client.clock, began)
@@ -145,6 +183,7 @@ async def speak(client: Client, turn: RenderedTurn) -> TurnResult:
         deciding[0][1]["timings"] if deciding else {},
         (deciding[0][0] - end) * 1000 if deciding else None,
         [f"{e['by']} p={e['probability']} at {e['timings']['pause_ms']} ms" for e in early],
+        None if first is not None else what_happened(client, start, end),
     )
 
 
@@ -237,6 +276,13 @@ def print_cut_ins(rows: list) -> None:
         print(f"{policy:>9} {n:>7}  {'; '.join(cut) or '-'}")
 
 
+def print_no_reply(rows: list) -> None:
+    print(f"\nturns with no reply audio within {REPLY_WAIT_S:.0f} s of their end, and what happened to each")
+    for policy, n, results, _ in rows:
+        lost = [f"{r.name} ({r.fate})" for r in results if r.fate is not None]
+        print(f"{policy:>9} {n:>7}  {'; '.join(lost) or '-'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
@@ -277,9 +323,10 @@ def main() -> None:
     print(f"config {args.config}; {args.turns} turns per client; client-side clock; target p50 <= {TARGET_P50_MS} ms, "
           f"p95 <= {TARGET_P95_MS} ms at 8 clients")
     print(f"{'policy':>9} {'clients':>7} {'turns':>5} {'false cut-ins':>14} {'paused':>7} {'complete':>8} "
-          f"{'end->audio p50':>15} {'p95':>7} {'pause p50':>10} {'decision p50':>13} {'no reply':>8}  ended by")
+          f"{'end->audio p50':>15} {'p95':>7} {'pause p50':>10} {'decision p50':>13} {'no reply':>8} {'empty asr':>9}  ended by")
     for policy, n, results, turn_mode in rows:
         latencies = [r.first_audio_ms for r in results if r.first_audio_ms is not None]
+        empty = sum(r.empty_transcript for r in results)
         paused = [r for r in results if r.paused]
         complete = [r for r in results if not r.paused]
         by: dict[str, int] = {}
@@ -291,11 +338,12 @@ def main() -> None:
               f"{pct(latencies, 50):>12.0f} ms {pct(latencies, 95):>4.0f} ms "
               f"{pct([r.timings['pause_ms'] for r in results if 'pause_ms' in r.timings], 50):>7.0f} ms "
               f"{pct([r.timings['decision_ms'] for r in results if r.timings.get('decision_ms') is not None], 50):>10.0f} ms "
-              f"{len(results) - len(latencies):>8}  {' '.join(f'{k}:{v}' for k, v in sorted(by.items()))}")
+              f"{len(results) - len(latencies) - empty:>8} {empty:>9}  {' '.join(f'{k}:{v}' for k, v in sorted(by.items()))}")
         if turn_mode != POLICIES[policy]["turn"]:
             print(f"          (the server ran turn: {turn_mode}, not {POLICIES[policy]['turn']}: see its /readyz)")
     print_stages(rows)
     print_cut_ins(rows)
+    print_no_reply(rows)
 
 
 if __name__ == "__main__":

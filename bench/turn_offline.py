@@ -1,6 +1,6 @@
 """Turn policies replayed offline: what Smart Turn says at every pause and every end of the test set.
 
-    python bench/turn_offline.py [--hangover-ms 64] [--model-ms 70]
+    python bench/turn_offline.py [--hangover-ms MS] [--model-ms 70]
 
 No server, no clock: the model is asked about each boundary of tests/turn_set.py (each pause
 inside a turn, each true end) with the audio a session would give it, the turn so far from
@@ -16,9 +16,17 @@ that), and tunes nothing on the set it reports: the policies are chosen on one h
 (even-numbered in each group) and reported on both halves.
 
 `--hangover-ms`: real silence before the VAD's silence begins (Silero's hangover and the chunk,
-bench/latency.py's "end -> VAD speech end"); `--model-ms`: one call's answer time. The replay
-gives the silence heard (from the true end) when the turn is decided; the reply's first frame
-follows by bench/latency.py's "turn.end -> first frame".
+bench/latency.py's "end -> VAD speech end"; by default the endpointer's measured median below plus
+half a 40 ms chunk); `--model-ms`: one call's answer time. The replay gives the silence heard (from
+the true end) when the turn is decided; the reply's first frame follows by bench/latency.py's
+"turn.end -> first frame".
+
+First, the endpointer itself on the set (voicebot/audio/endpoint.py, Silero's own probabilities),
+with and without its hangover cut (the quiet speech windows before a silence counted as silence),
+in digital silence and in white room noise: where it says speech ended, after the true end, and
+its segment ends that fall where the set has no pause, at the smart pause and at the silence
+rule's length. Such an end is "in a gap" when the speech there really is silent for the pause's
+length (espeak-ng's comma pauses; an end just as a set pause is over), else "mid-word".
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.turn_set import SAMPLE_RATE, TURNS, RenderedTurn, render_all  # noqa: E402
+from voicebot.audio import endpoint  # noqa: E402
 from voicebot.audio.turn import SmartTurn  # noqa: E402
 from voicebot.config import EndpointConfig  # noqa: E402
 
@@ -54,6 +63,80 @@ class Boundary:
     is_end: bool  # the true end of the turn; else a pause inside it
     length_ms: float  # the pause's length (inf for an end)
     p: dict[int, float]  # silence heard (ms, on GRID_MS) -> the model's probability of "complete"
+
+
+NOISE_DBFS = (None, -60, -50)  # None: digital silence between the words
+SILENT = 0.005  # what tests/turn_set.py trims as espeak-ng's near-silence
+LEAD_S = 0.4
+
+
+@dataclass
+class EndpointerRun:
+    lags_ms: list[float]  # reported speech end after the true end, at each end of a turn
+    in_gap: int = 0  # segment ends where the set has no pause, in a silence as long as the pause
+    mid_word: int = 0  # ... in a shorter one
+
+
+def endpointer_runs(rendered: list[RenderedTurn], noise_dbfs: float | None, pause_ms: int) -> dict[str, EndpointerRun]:
+    """The endpointer over every turn (lead-in, the turn, 1 s of silence), the hangover cut on and off."""
+    rng = np.random.default_rng(0)
+    config = EndpointConfig(endpoint_silence_ms=pause_ms)
+    runs = {"hangover cut": EndpointerRun([]), "hangover kept": EndpointerRun([])}
+    for r in rendered:
+        lead = int(LEAD_S * SAMPLE_RATE)
+        clean = np.concatenate([np.zeros(lead, np.float32), r.audio, np.zeros(SAMPLE_RATE, np.float32)])
+        audio = clean if noise_dbfs is None else clean + rng.standard_normal(len(clean)).astype(np.float32) * 10 ** (noise_dbfs / 20)
+        windows = endpoint.Endpointer(config).cut(audio)
+        probabilities = endpoint.SileroVad().probabilities(windows)
+        loud = np.nonzero(np.abs(clean) >= SILENT)[0]
+        pauses = [(lead + a * SAMPLE_RATE, lead + b * SAMPLE_RATE) for a, b in r.pauses]
+        true_end = lead + r.end_s * SAMPLE_RATE
+        for name, run in runs.items():
+            saved = endpoint.HANGOVER_WINDOWS_MAX
+            endpoint.HANGOVER_WINDOWS_MAX = saved if name == "hangover cut" else 0
+            try:
+                endpointer = endpoint.Endpointer(config)
+                decided = []  # (speech end sample, decided at sample)
+                for i in range(len(windows)):
+                    for event in endpointer.decide(windows[i : i + 1], probabilities[i : i + 1]):
+                        if event.kind is endpoint.EventKind.END:
+                            decided.append((event.speech_end_sample, endpointer.samples_seen))
+            finally:
+                endpoint.HANGOVER_WINDOWS_MAX = saved
+            for speech_end, at in decided:
+                if at >= true_end:
+                    run.lags_ms.append((speech_end - true_end) * 1000 / SAMPLE_RATE)
+                elif not any(a <= at <= b for a, b in pauses):
+                    before = loud[loud < speech_end + endpoint.WINDOW]
+                    after = loud[loud > (before[-1] if len(before) else 0)]
+                    gap_ms = ((after[0] if len(after) else len(clean)) - (before[-1] if len(before) else 0)) * 1000 / SAMPLE_RATE
+                    if gap_ms >= pause_ms:
+                        run.in_gap += 1
+                    else:
+                        run.mid_word += 1
+    return runs
+
+
+def print_endpointer(rendered: list[RenderedTurn]) -> float:
+    """The endpointer's table; returns the median lag of its speech end in digital silence."""
+    print("the endpointer: speech end after the true end (ms, p50 / p95 / max over the turns' ends), and segment "
+          "ends where the set has no pause (in a gap as long as the pause / mid-word)")
+    print(f"{'room':>10} {'pause':>6}  {'hangover kept':>32}  {'hangover cut':>32}")
+    quiet_lag = float("nan")
+    for noise in NOISE_DBFS:
+        for pause_ms in (EndpointConfig().smart_pause_ms, EndpointConfig().endpoint_silence_ms):
+            runs = endpointer_runs(rendered, noise, pause_ms)
+            cells = []
+            for name in ("hangover kept", "hangover cut"):
+                run = runs[name]
+                lags = np.array(run.lags_ms)
+                cells.append(f"{np.percentile(lags, 50):>4.0f} / {np.percentile(lags, 95):>4.0f} / {lags.max():>4.0f}"
+                             f"  {run.in_gap:>3} / {run.mid_word:<3}")
+                if name == "hangover cut" and noise is None:
+                    quiet_lag = float(np.percentile(lags, 50))
+            room = "silence" if noise is None else f"{noise} dBFS"
+            print(f"{room:>10} {pause_ms:>4} ms  {cells[0]:>32}  {cells[1]:>32}")
+    return quiet_lag
 
 
 def boundaries(rendered: list[RenderedTurn], model: SmartTurn, hangover_ms: int) -> list[Boundary]:
@@ -122,11 +205,15 @@ def report(policy: Policy, bs: list[Boundary], hangover_ms: int, model_ms: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hangover-ms", type=int, default=64)
+    parser.add_argument("--hangover-ms", type=int, default=None)
     parser.add_argument("--model-ms", type=int, default=70)
     args = parser.parse_args()
 
     rendered = render_all(TURNS)
+    lag_ms = print_endpointer(rendered)
+    if args.hangover_ms is None:
+        args.hangover_ms = round(lag_ms + 20)  # and half the mic page's 40 ms chunk
+    print()
     model = SmartTurn()
     t0 = time.monotonic()
     bs = boundaries(rendered, model, args.hangover_ms)

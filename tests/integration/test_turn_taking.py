@@ -228,15 +228,21 @@ def test_obs_audio_cancels_echo_by_default(server):
     assert asyncio.run(run()) == [True], f"no /obs/audio session with echo cancellation after {time.monotonic() - started:.1f} s"
 
 
-def test_a_turn_ends_when_the_client_stops_sending(server, sse):
+@pytest.mark.parametrize("turn, limit_ms, tail_s", [
+    ("smart", 1200, 0.4),  # a turn open after the short pause, its silence limit never heard
+    ("smart", 1200, 0.1),  # the short pause itself never heard: the endpointer still in the utterance
+    ("silence", 500, 0.2),  # the silence rule: less tail than endpoint_silence_ms
+])
+def test_a_turn_ends_when_the_client_stops_sending(server, sse, turn, limit_ms, tail_s):
     """A client that sends its speech and a short tail, then nothing (push-to-talk, a stalled
     uplink): the silence limit runs on the wall clock, so the turn still ends and is answered.
-    Before, audio time stood still and the turn stayed open forever."""
+    Before, audio time stood still and the turn stayed open forever (with the silence rule, and
+    with a tail shorter than the smart pause, even the endpointer's utterance did)."""
     sse.reset(default=Behaviour(chunks=["Ok."]))
 
     async def run():
-        async with VoiceClient.connect(server.ws_url) as client:
-            await client.stream(speech_pcm(TEST_PHRASES[1], tail_s=0.4), chunk_ms=20)
+        async with VoiceClient.connect(server.ws_url, endpointing={"turn": turn}) as client:
+            await client.stream(speech_pcm(TEST_PHRASES[1], tail_s=tail_s), chunk_ms=20)
             sent = asyncio.get_running_loop().time()
             end = await client.wait_for("turn.end", timeout=10)
             waited = asyncio.get_running_loop().time() - sent
@@ -245,5 +251,5 @@ def test_a_turn_ends_when_the_client_stops_sending(server, sse):
 
     end, waited = asyncio.run(run())
     assert end["by"] == "silence" and end["text"] == TEST_PHRASES[1]
-    assert end["timings"]["pause_ms"] < 1200  # the audio's own silence: the rest was the wall clock's
-    assert waited >= 0.8  # not before the limit: 1200 ms less the 400 ms of tail, plus the grace
+    assert end["timings"]["pause_ms"] < limit_ms  # the audio's own silence: the rest was the wall clock's
+    assert waited >= limit_ms / 1000 - tail_s  # not before the limit, the whole tail counted as silence

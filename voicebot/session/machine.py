@@ -344,7 +344,7 @@ class Session:
 
     async def _listen(self) -> None:
         while True:
-            item = await self.audio_in.get()
+            item = await self.turn_taking.next_input(self.audio_in)  # a stalled client: an InputEnd of its own
             async with self._engine_lock:
                 for utterance in await self.listening.hear(item):
                     await self.turn_taking.on_utterance(utterance, input_end=isinstance(item, InputEnd))

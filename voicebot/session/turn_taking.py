@@ -30,7 +30,7 @@ import numpy as np
 from voicebot import protocol
 from voicebot.audio.turn import Action, Answer, SmartTurn, TurnPolicy
 from voicebot.config import EndpointConfig
-from voicebot.messages import Turn, Utterance
+from voicebot.messages import AudioIn, Inbound, InputEnd, Turn, Utterance
 from voicebot.metrics import Metrics
 from voicebot.session.listening import FrontEnd
 from voicebot.session.outbox import Outbox
@@ -38,8 +38,9 @@ from voicebot.session.replying import Reply
 
 log = logging.getLogger("voicebot.session")
 
-# How much later than the silence limit the wall clock takes over: a streaming client's chunks
-# (20-100 ms each) arrive with jitter, and its own audio should end its turn, not the timer.
+# How much later than the silence limit (or than the next chunk was due) the wall clock takes
+# over: a streaming client's chunks (20-100 ms each) arrive with jitter, and its own audio should
+# end its turn, not the timer.
 STALL_GRACE_S = 0.25
 
 
@@ -85,9 +86,10 @@ class TurnTaking:
         self._turn_start = 0  # input sample where the open turn began
         self._ask: asyncio.Task | None = None
         # Audio time stands still when a client stops sending (push-to-talk, a stalled uplink,
-        # a client that sent its tail and waits): then the silence limit runs on the wall clock.
-        self._stall: asyncio.TimerHandle | None = None
-        self._stall_end: asyncio.Task | None = None
+        # a client that sent its tail and waits): then the silence limit runs on the wall clock
+        # (next_input), from the last chunk: (when it arrived, how long it was).
+        self._last_chunk: tuple[float, float] | None = None
+        self._stalled = False  # the InputEnd being handled is next_input's, not the client's
         self._answered: tuple[float, float, Answer] | None = None  # this pause's last answer: (asked at, answered at, it)
         self._prepared: Reply | None = None
         self._prepared_text = ""
@@ -130,7 +132,6 @@ class TurnTaking:
             await self._end("silence")
         elif self.config.prepare_replies and utterance.text.strip():
             await self._prepare_reply()
-        self._arm_stall_timer(self._front_end.silence_ms)
 
     async def after_chunk(self, silence_ms: float) -> None:
         """After every chunk of input: how long the user has been silent."""
@@ -143,30 +144,38 @@ class TurnTaking:
             self._complete_early = False
         if self._consider(silence_ms) is Action.END:
             await self._end("silence")
-        self._arm_stall_timer(silence_ms)
 
-    def _arm_stall_timer(self, silence_ms: float) -> None:
-        """While a turn is open: if no more input comes, end it when the silence limit would have
-        been heard. Re-armed by every chunk, so a client that streams never reaches it."""
-        if self._stall is not None:
-            self._stall.cancel()
-            self._stall = None
-        if self.open:
-            remaining_s = max(0.0, self.policy.limit_ms - silence_ms) / 1000 + STALL_GRACE_S
-            self._stall = asyncio.get_running_loop().call_later(remaining_s, self._on_stall)
+    async def next_input(self, queue: asyncio.Queue[Inbound]) -> Inbound:
+        """The session's next input. While the user is in an utterance or a turn is open, a
+        client that stops sending gets an InputEnd of ours once the silence it sent, and the wall
+        clock since, reach the silence limit: the turn ends by silence as if the audio had come.
+        A client that streams never reaches it (its next chunk is due before; STALL_GRACE_S)."""
+        while True:
+            self._stalled = False
+            deadline = self._stall_deadline()
+            if deadline is None:
+                item = await queue.get()
+            else:
+                try:
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        item = await queue.get()  # on a timeout the item stays queued: nothing is lost
+                except TimeoutError:
+                    if self._stall_deadline() is None:
+                        continue  # the model's answer ended the turn meanwhile
+                    self._stalled = True
+                    return InputEnd(time.monotonic())
+            if isinstance(item, AudioIn):
+                self._last_chunk = (item.arrived, len(item.pcm) / 2 / self._front_end.resampler.in_rate)
+            return item
 
-    def _on_stall(self) -> None:
-        self._stall = None
-        # A segment still being recognized is part of the turn: its transcript re-arms the timer.
-        if self.open and not self._recognizing and self._stall_end is None:
-            self._stall_end = asyncio.create_task(self._end_stalled())
-
-    async def _end_stalled(self) -> None:
-        try:
-            if self.open:
-                await self._end("silence")
-        finally:
-            self._stall_end = None
+    def _stall_deadline(self) -> float | None:
+        """When no input means the client has stopped and the silence limit is reached (monotonic)."""
+        if self._last_chunk is None or not (self.open or self._front_end.endpointer.in_utterance):
+            return None
+        arrived, chunk_s = self._last_chunk
+        remaining_s = max(0.0, self.policy.limit_ms - self._front_end.silence_ms) / 1000
+        # Not before the next chunk is late: a client sending 1 s chunks is not stalled after 0.5 s.
+        return arrived + max(remaining_s, chunk_s) + STALL_GRACE_S
 
     def _consider(self, silence_ms: float) -> Action:
         action = self.policy.on_silence(silence_ms)
@@ -176,18 +185,11 @@ class TurnTaking:
         return action
 
     async def end_now(self) -> None:
-        """input.end: the client says the turn is over."""
+        """input.end: the client says the turn is over (or next_input found the client stopped)."""
         if self.open:
-            await self._end("input.end")
+            await self._end("silence" if self._stalled else "input.end")
 
     async def close(self) -> None:
-        if self._stall is not None:
-            self._stall.cancel()
-            self._stall = None
-        if self._stall_end is not None:
-            self._stall_end.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._stall_end
         await self._drop_question()
         await self._discard("session_closed")
         if self._kept is not None:
@@ -262,9 +264,6 @@ class TurnTaking:
         }
 
     async def _end(self, by: str) -> None:
-        if self._stall is not None:
-            self._stall.cancel()
-            self._stall = None
         await self._drop_question()
         text = joined([s.text for s in self._segments])
         turn = self._turn(text)
