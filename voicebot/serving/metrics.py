@@ -10,6 +10,9 @@ adds, labelled by scheduler name:
   batch-size histogram);
 - voicebot_scheduler_deadline_misses_total: chunks rendered after a listener that had audio ran out;
 - voicebot_scheduler_refused_total: sessions refused by admission control;
+- voicebot_scheduler_thread_faults_total: faults the scheduler's thread survived (a BaseException that
+  is not an Exception raised in a step or call, or anything that broke its loop), each failing the
+  requests it hit;
 - voicebot_scheduler_decode_step_seconds{batch_size}: the step cost admission uses (moving average).
 
     register_vad_metrics(metrics.registry, runtime.vad)
@@ -63,6 +66,8 @@ class SchedulerCollector(Collector):
         for metric, help_text, value in [
             ("voicebot_scheduler_deadline_misses", "Chunks rendered after a listener with audio ran out", s.deadline_misses),
             ("voicebot_scheduler_refused", "Sessions refused by admission control", s.refused),
+            ("voicebot_scheduler_thread_faults", "Faults survived by the scheduler thread (BaseExceptions raised "
+             "in it, breaks of its loop), each failing the requests it hit", s.thread_faults),
         ]:
             family = CounterMetricFamily(metric, help_text, labels=["scheduler"])
             family.add_metric(name, value)
