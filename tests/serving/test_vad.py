@@ -4,6 +4,7 @@ as its own calls alone would give them."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import time
 
@@ -16,8 +17,8 @@ from voicebot.audio.endpoint import WINDOW, Endpointer, SileroVad, VadEvent
 from voicebot.audio.resample import pcm16_to_float
 from voicebot.config import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
-from voicebot.serving.vad import VadBatcher, VadOverloaded
-from voicebot.serving.worker import Worker
+from voicebot.serving.vad import VadBatcher, VadFault, VadOverloaded
+from voicebot.serving.worker import JobAborted, Worker
 from voicebot.session.listening import FrontEnd
 
 PHRASES = ["what time does the show start", "turn the music down a little", "hello there", "who is the guest tonight"]
@@ -243,3 +244,51 @@ def test_a_funasr_client_gone_mid_chunk_leaves_vad_to_the_others(batcher, when):
     while batcher.pending and time.monotonic() < deadline:  # a running request finishes its windows
         time.sleep(0.01)
     assert batcher.pending == 0 and batcher._thread.is_alive()
+
+
+# ---- the thread outlives what is raised in it ------------------------------------------------------
+
+def test_a_step_raising_systemexit_fails_its_rows_only_and_the_batcher_goes_on(batcher, monkeypatch):
+    from voicebot.serving import vad as vad_module
+
+    real_step, calls = vad_module.silero_step, []
+
+    def step_or_exit(vads, windows):
+        calls.append(len(vads))
+        if len(calls) == 1:
+            raise SystemExit("a library called exit()")
+        return real_step(vads, windows)
+
+    monkeypatch.setattr(vad_module, "silero_step", step_or_exit)
+    windows = stream_audio(0)[:4]
+    with pytest.raises(JobAborted, match="SystemExit"):
+        batcher.submit(SileroVad(), windows).result(timeout=10)
+    np.testing.assert_allclose(batcher.submit(SileroVad(), windows).result(timeout=10), SileroVad().probabilities(windows),
+                               rtol=0, atol=1e-6)
+    assert batcher.thread_faults == 1 and batcher.pending == 0
+
+
+def test_an_exception_raised_into_the_idle_thread_is_survived(batcher):
+    windows = stream_audio(1)[:3]
+    batcher.submit(SileroVad(), windows).result(timeout=10)  # the thread is up and waiting
+    assert ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(batcher._thread.ident),
+                                                      ctypes.py_object(SystemExit)) == 1
+    got = batcher.submit(SileroVad(), windows).result(timeout=10)  # wakes it: the exception lands in the wait
+    np.testing.assert_allclose(got, SileroVad().probabilities(windows), rtol=0, atol=1e-6)
+    assert batcher._thread.is_alive() and batcher.thread_faults == 1 and batcher.pending == 0
+
+
+def test_a_break_of_the_loop_fails_what_it_held_clearly_and_the_stream_goes_on(batcher, monkeypatch):
+    real_running, breaks = batcher._running, iter([True])
+
+    def running(incoming):
+        if incoming and next(breaks, False):
+            raise KeyboardInterrupt
+        return real_running(incoming)
+
+    monkeypatch.setattr(batcher, "_running", running)
+    vad, windows = SileroVad(), stream_audio(2)[:5]
+    with pytest.raises(VadFault, match="KeyboardInterrupt"):
+        batcher.submit(vad, windows).result(timeout=10)
+    batcher.submit(vad, windows).result(timeout=10)  # the stream's next chunk is taken (one in flight at a time)
+    assert batcher.thread_faults == 1 and batcher.pending == 0 and batcher._thread.is_alive()

@@ -19,7 +19,8 @@ adds, labelled by scheduler name:
 
 adds the VAD batcher's (voicebot/serving/vad.py):
 - voicebot_vad_queue_depth: streams with windows waiting or being judged;
-- voicebot_vad_calls_total{batch_size}: onnxruntime calls run, by rows in the call.
+- voicebot_vad_calls_total{batch_size}: onnxruntime calls run, by rows in the call;
+- voicebot_vad_thread_faults_total: faults its thread survived, as the scheduler's.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class VadCollector(Collector):
         for batch, count in sorted(self.batcher.batch_sizes.items()):
             calls.add_metric([str(batch)], count)
         yield calls
+        faults = CounterMetricFamily("voicebot_vad_thread_faults", "Faults survived by the VAD batcher's thread "
+                                     "(BaseExceptions raised in it, breaks of its loop), each failing the requests it hit")
+        faults.add_metric([], self.batcher.thread_faults)
+        yield faults
 
 
 def register_vad_metrics(registry: CollectorRegistry, batcher: VadBatcher) -> VadCollector:
