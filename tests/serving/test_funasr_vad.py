@@ -8,7 +8,13 @@ import json
 
 import websockets
 
-from tests.conftest import TEST_PHRASES, VoiceClient, make_settings, running_server, speech_pcm
+from tests.conftest import (
+    TEST_PHRASES,
+    VoiceClient,
+    make_settings,
+    running_server,
+    speech_pcm,
+)
 
 CHUNK = 3200  # bytes: 100 ms of 16 kHz s16le, as the runtime's clients send
 

@@ -67,8 +67,9 @@ class SchedulerCollector(Collector):
         for metric, help_text, value in [
             ("voicebot_scheduler_deadline_misses", "Chunks rendered after a listener with audio ran out", s.deadline_misses),
             ("voicebot_scheduler_refused", "Sessions refused by admission control", s.refused),
-            ("voicebot_scheduler_thread_faults", "Faults survived by the scheduler thread (BaseExceptions raised "
-             "in it, breaks of its loop), each failing the requests it hit", s.thread_faults),
+            ("voicebot_scheduler_thread_faults", ("Faults survived by the scheduler thread (BaseExceptions raised "
+                                                  "in it, breaks of its loop), each failing the requests it hit"),
+             s.thread_faults),
         ]:
             family = CounterMetricFamily(metric, help_text, labels=["scheduler"])
             family.add_metric(name, value)

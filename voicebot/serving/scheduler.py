@@ -386,7 +386,7 @@ class Scheduler:
                 self.batch_sizes[len(decode)] += 1
             if prefill is not None:
                 self.pool.prefill(prefill)
-        except BaseException as exc:  # noqa: BLE001 -- fails only this step's rows
+        except BaseException as exc:  # fails only this step's rows
             log.exception("scheduler %s: LM step failed", self.name)
             error = self._aborted(exc)
             for row in {*decode, *([prefill] if prefill else [])}:
@@ -413,7 +413,7 @@ class Scheduler:
         start = time.perf_counter()
         try:
             audio = self.render_chunks([r.chunk for r in batch])
-        except BaseException as exc:  # noqa: BLE001 -- fails only this call's renders
+        except BaseException as exc:  # fails only this call's renders
             log.exception("scheduler %s: render failed", self.name)
             error = self._aborted(exc)
             for request in batch:

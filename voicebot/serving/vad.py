@@ -160,7 +160,7 @@ class VadBatcher:
                 if rows:
                     self._step(rows)
                 self._active = [r for r in self._active if r.judged < len(r.windows)]
-        except BaseException as exc:  # noqa: BLE001 -- every session's endpointing waits on this thread
+        except BaseException as exc:  # every session's endpointing waits on this thread
             self.thread_faults += 1
             log.error("VAD batcher: its loop was broken (%s: %s); failing the %d requests it held and going on",
                       type(exc).__name__, exc, len(self._held), exc_info=exc)
@@ -187,7 +187,7 @@ class VadBatcher:
         start = time.thread_time()
         try:
             probabilities = silero_step([r.vad for r in rows], np.stack([r.windows[r.judged] for r in rows]))
-        except BaseException as exc:  # noqa: BLE001 -- a failing call must not leave its streams waiting forever
+        except BaseException as exc:  # a failing call must not leave its streams waiting forever
             log.exception("VAD batch of %d failed", len(rows))
             if not isinstance(exc, Exception):  # must never reach the event loop
                 self.thread_faults += 1
