@@ -471,13 +471,14 @@ class Scheduler:
     def _answer(self, request: Request, result: Any = None, exc: BaseException | None = None,
                 undo: Callable[[], None] | None = None) -> None:
         """Resolve the request's future on its loop; `undo` gives back what it holds (an LM slot)
-        if the answer is not taken. Answered first, then dropped from the held set: a fault between
-        the two answers it twice, and the second answer is ignored."""
-        try:
-            request.future.get_loop().call_soon_threadsafe(_resolve, request.future, result, exc, undo)
-        except RuntimeError:  # its event loop has closed: nobody is waiting any more
-            pass
+        if the answer is not taken. Answered, then dropped from the held set, under the lock (so
+        `pending` never counts an answered request): a fault between the two answers it twice, and
+        the second answer is ignored."""
         with self._lock:
+            try:
+                request.future.get_loop().call_soon_threadsafe(_resolve, request.future, result, exc, undo)
+            except RuntimeError:  # its event loop has closed: nobody is waiting any more
+                pass
             self._held.discard(request)
 
     def _fail_all(self, exc: BaseException) -> None:
