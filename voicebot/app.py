@@ -155,7 +155,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if await admit(ws, funasr=True):
             funasr_open[0] += 1
             try:
-                segmenter = funasr_segmenter(rt.recognizer, settings.endpoint, rt.audio_worker)
+                segmenter = funasr_segmenter(rt.recognizer, settings.endpoint, rt.vad)
                 await serve_funasr(ws, rt.recognizer, segmenter, settings, rt.metrics)
             finally:
                 funasr_open[0] -= 1

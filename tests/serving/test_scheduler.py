@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import threading
 import time
 
@@ -11,7 +12,8 @@ import pytest
 
 from tests.serving.test_lm_pool import REQUESTS, alone, lm, ras  # noqa: F401 (lm is a fixture)
 from voicebot.serving.lm_pool import LMPool
-from voicebot.serving.scheduler import Overloaded, Scheduler, StepCosts
+from voicebot.serving.scheduler import Overloaded, Scheduler, SchedulerFault, StepCosts
+from voicebot.serving.worker import JobAborted
 from voicebot.tts.cosyvoice2.lm import unistream
 
 
@@ -192,3 +194,125 @@ def test_a_render_with_slack_waits_for_company_or_more_urgent_decoding_a_due_one
         assert 3 <= held_for <= 5
     else:
         assert held_for == steps_left > 10  # the decoding row went first, all its steps
+
+
+# ---- the thread outlives what is raised in it ------------------------------------------------------
+
+def raise_into(thread: threading.Thread, exc: type[BaseException]) -> None:
+    """Raise `exc` in `thread` at its next Python instruction (as an interpreter shutting a thread
+    down, or a C extension's callback, would)."""
+    assert ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc)) == 1
+
+
+def test_a_render_that_raises_systemexit_fails_only_its_requests_and_the_scheduler_goes_on(lm):
+    def render_or_exit(chunks):
+        if "exit" in chunks:
+            raise SystemExit("a library called exit()")
+        return render(chunks)
+
+    scheduler = Scheduler("test", LMPool(lm, slots=2, max_seq_len=256), render_or_exit, max_render_batch=1)
+    scheduler.start()
+
+    async def run():
+        with pytest.raises(JobAborted, match="SystemExit: a library called exit"):
+            await asyncio.wait_for(scheduler.render("exit", deadline=0), 10)
+        return await asyncio.wait_for(scheduler.render(7, deadline=0), 10)
+
+    try:
+        audio = asyncio.run(run())
+    finally:
+        scheduler.stop()
+    assert audio[0] == 7 and scheduler.thread_faults == 1 and scheduler.pending == 0
+
+
+def test_an_exception_raised_into_the_idle_thread_is_survived(scheduler):
+    async def run():
+        await scheduler.call(lambda: None, deadline=0)  # the thread is up and waiting
+        raise_into(scheduler._thread, SystemExit)  # delivered when the next request wakes it
+        return await asyncio.wait_for(scheduler.call(lambda: 42, deadline=0), 10)
+
+    assert asyncio.run(run()) == 42
+    assert scheduler._thread.is_alive() and scheduler.thread_faults == 1 and scheduler.pending == 0
+
+
+def test_keyboardinterrupt_raised_into_a_running_call_fails_that_call_only(scheduler):
+    async def run():
+        gate, entered = threading.Event(), threading.Event()
+
+        def blocking():
+            entered.set()
+            while not gate.is_set():  # Python instructions: the asynchronous exception lands here
+                time.sleep(0.001)
+
+        held = asyncio.ensure_future(scheduler.call(blocking, deadline=0))
+        await asyncio.to_thread(entered.wait, 5)
+        waiting = asyncio.ensure_future(scheduler.render(3, deadline=0))
+        raise_into(scheduler._thread, KeyboardInterrupt)
+        with pytest.raises(JobAborted, match="KeyboardInterrupt"):
+            await asyncio.wait_for(held, 10)
+        gate.set()
+        return await asyncio.wait_for(waiting, 10)
+
+    assert asyncio.run(run())[0] == 3
+    assert scheduler.thread_faults == 1 and scheduler.pending == 0
+
+
+def test_a_break_of_the_loop_fails_what_it_held_clearly_and_the_next_turn_works(scheduler, lm, monkeypatch):
+    """Something escapes an iteration between steps (here the render step itself breaks) while a
+    row decodes and a render waits: both fail with SchedulerFault, the row's session releases it as
+    after any failure, and the next utterance decodes as it does alone."""
+    text, prompt_text, prompt_speech, seed = REQUESTS[1]
+    real_render_step = scheduler._render_step
+    breaks = iter([True])
+
+    def render_step():
+        if scheduler._renders and next(breaks, False):
+            raise KeyboardInterrupt
+        real_render_step()
+
+    monkeypatch.setattr(scheduler, "_render_step", render_step)
+
+    async def open_utterance():
+        row = await scheduler.open_row(ras(seed), None, deadline=0)
+        await scheduler.call(lambda: scheduler.pool.start(row, unistream(lm, 256, text, prompt_text, prompt_speech)), 0)
+        return row
+
+    async def utterance(row):
+        try:
+            tokens, ended = [], False
+            while not ended:
+                got, ended = await asyncio.wait_for(scheduler.decode(row, 5, deadline=0), 30)
+                tokens += got
+            return tokens
+        finally:
+            scheduler.release(row)
+
+    async def run():
+        row = await open_utterance()
+        gate = threading.Event()
+        blocker = asyncio.ensure_future(scheduler.call(gate.wait, deadline=0))
+        await asyncio.sleep(0.05)  # the thread is in the call: the decode and the render arrive together
+        decoding = asyncio.ensure_future(utterance(row))
+        rendering = asyncio.ensure_future(scheduler.render(1, deadline=0))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await blocker
+        for held in (decoding, rendering):  # the first iteration prefills, then its render step breaks
+            with pytest.raises(SchedulerFault, match="KeyboardInterrupt"):
+                await asyncio.wait_for(held, 10)
+        return await utterance(await open_utterance())
+
+    assert asyncio.run(run()) == alone(lm, text, prompt_text, prompt_speech, seed)
+    assert scheduler.thread_faults == 1 and scheduler.pending == 0 and scheduler.pool.free == 2
+
+
+def test_a_stopped_scheduler_refuses_new_requests(lm):
+    scheduler = make_scheduler(lm)
+    scheduler.start()
+    scheduler.stop()
+
+    async def run():
+        with pytest.raises(RuntimeError, match="stopped"):
+            await asyncio.wait_for(scheduler.call(lambda: None, deadline=0), 5)
+
+    asyncio.run(run())

@@ -4,14 +4,22 @@ as its own calls alone would give them."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
+import time
 
 import numpy as np
 import pytest
 
-from tests.audio import dbfs_gain, espeak_speech, fan_noise
-from voicebot.audio.endpoint import WINDOW, SileroVad
-from voicebot.serving.vad import VadBatcher, VadOverloaded
+from tests.audio import dbfs_gain, espeak_speech, fan_noise, to_pcm16
+from voicebot.asr.funasr_ws import funasr_segmenter
+from voicebot.audio.endpoint import WINDOW, Endpointer, SileroVad, VadEvent
+from voicebot.audio.resample import pcm16_to_float
+from voicebot.config import EndpointConfig, GateConfig
+from voicebot.messages import AudioIn
+from voicebot.serving.vad import VadBatcher, VadFault, VadOverloaded
+from voicebot.serving.worker import JobAborted, Worker
+from voicebot.session.listening import FrontEnd
 
 PHRASES = ["what time does the show start", "turn the music down a little", "hello there", "who is the guest tonight"]
 
@@ -134,3 +142,153 @@ def test_a_session_that_goes_away_mid_chunk_leaves_the_others_judged(batcher):
 
     np.testing.assert_allclose(asyncio.run(main()), SileroVad().probabilities(windows), rtol=0, atol=1e-6)
     assert batcher.pending == 0 and batcher._thread.is_alive()
+
+
+# ---- /funasr streams (voicebot/asr/funasr_ws.py) on the same batcher as /v1/voice sessions ----------
+
+def recorded(endpointer: Endpointer) -> list[np.ndarray]:
+    """The probabilities the endpoint rule is given, call by call."""
+    seen, decide = [], endpointer.decide
+
+    def record(windows, probabilities):
+        seen.append(np.asarray(probabilities))
+        return decide(windows, probabilities)
+
+    endpointer.decide = record
+    return seen
+
+
+def event_shape(events: list[VadEvent]) -> list[tuple[str, int]]:
+    return [(e.kind.value, len(e.audio)) for e in events]
+
+
+def test_funasr_and_voice_streams_share_calls_and_each_is_judged_as_alone(batcher):
+    """Two /funasr segmenters and two /v1/voice front ends at once, chunks of different sizes (one
+    over the 1 s a request holds): each stream's probabilities and endpoint events equal its
+    endpointer run alone, one call per window."""
+    endpoint = EndpointConfig()
+    pcm = [to_pcm16(stream_audio(seed).reshape(-1)) for seed in range(4)]
+    heard = [pcm16_to_float(p) for p in pcm]  # what both routes judge once the PCM is read
+    worker = Worker("audio", threads=2)
+
+    def alone(audio: np.ndarray, chunk: int) -> tuple[np.ndarray, list]:
+        endpointer = Endpointer(endpoint)
+        seen = recorded(endpointer)
+        events = []
+        for start in range(0, len(audio), chunk):
+            events += endpointer.process(audio[start : start + chunk])
+        return np.concatenate(seen), event_shape(events + endpointer.force_end())
+
+    async def funasr(audio: np.ndarray, chunk: int):
+        segmenter = funasr_segmenter(object(), endpoint, batcher)  # no fsmn-vad: the Silero endpointer
+        seen = recorded(segmenter.endpointer)
+        events = []
+        for start in range(0, len(audio), chunk):
+            events += await segmenter.process(audio[start : start + chunk])
+        return np.concatenate(seen), event_shape(events + await segmenter.force_end())
+
+    async def voice(data: bytes, chunk: int):
+        front = FrontEnd(16000, GateConfig(enabled=False), endpoint, vad=batcher)
+        seen = recorded(front.endpointer)
+        events = []
+        for start in range(0, len(data), 2 * chunk):
+            events += (await front.process(AudioIn(data[start : start + 2 * chunk], time.monotonic()), worker)).events
+        return np.concatenate(seen), event_shape(events + front.end())
+
+    chunk_sizes = [40000, 3000, 1600, 5000]  # samples: 2.5 s (cut into 1 s requests), 190 ms, 100 ms, 310 ms
+
+    async def main():
+        return await asyncio.gather(funasr(heard[0], chunk_sizes[0]), funasr(heard[1], chunk_sizes[1]),
+                                    voice(pcm[2], chunk_sizes[2]), voice(pcm[3], chunk_sizes[3]))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        worker.shutdown()
+    for (probabilities, events), audio, chunk in zip(results, heard, chunk_sizes):
+        expected_probabilities, expected_events = alone(audio, chunk)
+        np.testing.assert_allclose(probabilities, expected_probabilities, rtol=0, atol=1e-6)
+        assert events == expected_events and any(kind == "end" for kind, _ in events)
+    assert max(batcher.batch_sizes) >= 3  # the routes' windows shared calls
+    assert batcher.pending == 0
+
+
+@pytest.mark.parametrize("when", ["waiting", "being_judged"])
+def test_a_funasr_client_gone_mid_chunk_leaves_vad_to_the_others(batcher, when):
+    """The connection's task is cancelled while its chunk's windows wait or are being judged: the
+    other streams are judged as alone and the batcher goes on."""
+    endpoint = EndpointConfig()
+    audio = stream_audio(0).reshape(-1)
+    other = stream_audio(1)[:20]
+
+    async def main():
+        gone = funasr_segmenter(object(), endpoint, batcher)
+        if when == "waiting":
+            with batcher._cond:  # the thread cannot take it before the cancel
+                task = asyncio.ensure_future(gone.process(audio[:16000]))
+                await asyncio.sleep(0)
+                task.cancel()
+                await asyncio.sleep(0)
+        else:
+            steps = sum(batcher.batch_sizes.values())
+            task = asyncio.ensure_future(gone.process(audio[:16000]))
+            while sum(batcher.batch_sizes.values()) == steps:  # its first window judged
+                await asyncio.sleep(0.001)
+            task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await asyncio.wait_for(batcher.probabilities(SileroVad(), other), 30)
+
+    np.testing.assert_allclose(asyncio.run(main()), SileroVad().probabilities(other), rtol=0, atol=1e-6)
+    deadline = time.monotonic() + 5
+    while batcher.pending and time.monotonic() < deadline:  # a running request finishes its windows
+        time.sleep(0.01)
+    assert batcher.pending == 0 and batcher._thread.is_alive()
+
+
+# ---- the thread outlives what is raised in it ------------------------------------------------------
+
+def test_a_step_raising_systemexit_fails_its_rows_only_and_the_batcher_goes_on(batcher, monkeypatch):
+    from voicebot.serving import vad as vad_module
+
+    real_step, calls = vad_module.silero_step, []
+
+    def step_or_exit(vads, windows):
+        calls.append(len(vads))
+        if len(calls) == 1:
+            raise SystemExit("a library called exit()")
+        return real_step(vads, windows)
+
+    monkeypatch.setattr(vad_module, "silero_step", step_or_exit)
+    windows = stream_audio(0)[:4]
+    with pytest.raises(JobAborted, match="SystemExit"):
+        batcher.submit(SileroVad(), windows).result(timeout=10)
+    np.testing.assert_allclose(batcher.submit(SileroVad(), windows).result(timeout=10), SileroVad().probabilities(windows),
+                               rtol=0, atol=1e-6)
+    assert batcher.thread_faults == 1 and batcher.pending == 0
+
+
+def test_an_exception_raised_into_the_idle_thread_is_survived(batcher):
+    windows = stream_audio(1)[:3]
+    batcher.submit(SileroVad(), windows).result(timeout=10)  # the thread is up and waiting
+    assert ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(batcher._thread.ident),
+                                                      ctypes.py_object(SystemExit)) == 1
+    got = batcher.submit(SileroVad(), windows).result(timeout=10)  # wakes it: the exception lands in the wait
+    np.testing.assert_allclose(got, SileroVad().probabilities(windows), rtol=0, atol=1e-6)
+    assert batcher._thread.is_alive() and batcher.thread_faults == 1 and batcher.pending == 0
+
+
+def test_a_break_of_the_loop_fails_what_it_held_clearly_and_the_stream_goes_on(batcher, monkeypatch):
+    real_running, breaks = batcher._running, iter([True])
+
+    def running(incoming):
+        if incoming and next(breaks, False):
+            raise KeyboardInterrupt
+        return real_running(incoming)
+
+    monkeypatch.setattr(batcher, "_running", running)
+    vad, windows = SileroVad(), stream_audio(2)[:5]
+    with pytest.raises(VadFault, match="KeyboardInterrupt"):
+        batcher.submit(vad, windows).result(timeout=10)
+    batcher.submit(vad, windows).result(timeout=10)  # the stream's next chunk is taken (one in flight at a time)
+    assert batcher.thread_faults == 1 and batcher.pending == 0 and batcher._thread.is_alive()

@@ -17,36 +17,49 @@ from fastapi import WebSocket, WebSocketDisconnect
 
 from voicebot.asr.base import Recognizer
 from voicebot.asr.funasr_protocol import FunasrSession, ProtocolError, Segmenter
-from voicebot.audio.endpoint import Endpointer, VadEvent
+from voicebot.audio.endpoint import SAMPLE_RATE, WINDOW, Endpointer, VadEvent
 from voicebot.config import EndpointConfig, Settings
 from voicebot.metrics import Metrics
-from voicebot.protocol import CloseCode, ErrorCode
-from voicebot.serving.worker import Worker
+from voicebot.protocol import MAX_CHUNK_SECONDS, CloseCode, ErrorCode
+from voicebot.serving.vad import VadBatcher
 from voicebot.session.flood import FloodGuard
 from voicebot.session.idle import IdleWatch
 from voicebot.transport import Wire, receive_loop
 
+# The most windows one request to the VAD batcher holds: a session's largest chunk (1 s).
+MAX_CHUNK_WINDOWS = int(SAMPLE_RATE * MAX_CHUNK_SECONDS) // WINDOW
+
 
 class EndpointerSegmenter:
-    """The server's Silero endpointer, run on the audio worker like a /v1/voice session's."""
+    """The server's Silero endpointer, its windows judged by the VAD batcher in the same calls as
+    every other stream's (/v1/voice sessions' and other /funasr clients'), so they share its
+    onnxruntime calls and count in its load (voicebot/serving/vad.py).
 
-    def __init__(self, endpointer: Endpointer, worker: Worker) -> None:
+    Cutting windows and the endpoint rule are a few numpy operations per chunk: they run here on the
+    loop, as a session's rule does (FunasrSession resamples on the loop already). A chunk is sent in
+    pieces of at most MAX_CHUNK_WINDOWS, so one request holds what the batcher's bound assumes (a
+    /funasr client may send seconds in one message; a file is segmented in 1 s pieces)."""
+
+    def __init__(self, endpointer: Endpointer, vad: VadBatcher) -> None:
         self.endpointer = endpointer
-        self.worker = worker
+        self.vad = vad
 
     async def process(self, audio: np.ndarray) -> list[VadEvent]:
-        return await self.worker.run(self.endpointer.process, audio)
+        windows = self.endpointer.cut(audio)
+        probabilities = [await self.vad.probabilities(self.endpointer.vad, windows[start : start + MAX_CHUNK_WINDOWS])
+                         for start in range(0, len(windows), MAX_CHUNK_WINDOWS)]
+        return self.endpointer.decide(windows, np.concatenate(probabilities or [np.zeros(0, np.float32)]))
 
     async def force_end(self) -> list[VadEvent]:
-        return await self.worker.run(self.endpointer.force_end)
+        return self.endpointer.force_end()
 
 
-def funasr_segmenter(recognizer: Recognizer, endpoint: EndpointConfig, audio_worker: Worker) -> Segmenter:
+def funasr_segmenter(recognizer: Recognizer, endpoint: EndpointConfig, vad: VadBatcher) -> Segmenter:
     """fsmn-vad when the recognizer has one (asr.paraformer.vad_model), else the server's endpointer."""
-    vad = getattr(recognizer, "vad", None)  # only the paraformer engine has one
-    if vad is not None:
-        return vad.segmenter()
-    return EndpointerSegmenter(Endpointer(endpoint), audio_worker)
+    fsmn = getattr(recognizer, "vad", None)  # only the paraformer engine has one
+    if fsmn is not None:
+        return fsmn.segmenter()
+    return EndpointerSegmenter(Endpointer(endpoint), vad)
 
 
 async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segmenter, settings: Settings, metrics: Metrics) -> None:

@@ -10,13 +10,17 @@ adds, labelled by scheduler name:
   batch-size histogram);
 - voicebot_scheduler_deadline_misses_total: chunks rendered after a listener that had audio ran out;
 - voicebot_scheduler_refused_total: sessions refused by admission control;
+- voicebot_scheduler_thread_faults_total: faults the scheduler's thread survived (a BaseException that
+  is not an Exception raised in a step or call, or anything that broke its loop), each failing the
+  requests it hit;
 - voicebot_scheduler_decode_step_seconds{batch_size}: the step cost admission uses (moving average).
 
     register_vad_metrics(metrics.registry, runtime.vad)
 
 adds the VAD batcher's (voicebot/serving/vad.py):
 - voicebot_vad_queue_depth: streams with windows waiting or being judged;
-- voicebot_vad_calls_total{batch_size}: onnxruntime calls run, by rows in the call.
+- voicebot_vad_calls_total{batch_size}: onnxruntime calls run, by rows in the call;
+- voicebot_vad_thread_faults_total: faults its thread survived, as the scheduler's.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ class SchedulerCollector(Collector):
         for metric, help_text, value in [
             ("voicebot_scheduler_deadline_misses", "Chunks rendered after a listener with audio ran out", s.deadline_misses),
             ("voicebot_scheduler_refused", "Sessions refused by admission control", s.refused),
+            ("voicebot_scheduler_thread_faults", ("Faults survived by the scheduler thread (BaseExceptions raised "
+                                                  "in it, breaks of its loop), each failing the requests it hit"),
+             s.thread_faults),
         ]:
             family = CounterMetricFamily(metric, help_text, labels=["scheduler"])
             family.add_metric(name, value)
@@ -88,6 +95,10 @@ class VadCollector(Collector):
         for batch, count in sorted(self.batcher.batch_sizes.items()):
             calls.add_metric([str(batch)], count)
         yield calls
+        faults = CounterMetricFamily("voicebot_vad_thread_faults", "Faults survived by the VAD batcher's thread "
+                                     "(BaseExceptions raised in it, breaks of its loop), each failing the requests it hit")
+        faults.add_metric([], self.batcher.thread_faults)
+        yield faults
 
 
 def register_vad_metrics(registry: CollectorRegistry, batcher: VadBatcher) -> VadCollector:

@@ -28,11 +28,22 @@ so at most `slots` are queued.
 The scheduler measures what a step costs (`StepCosts`): the LM decode step per batch size, measured
 at start-up (`calibrate`) and kept current by every step; the render cost per second of audio, from
 every render. `capacity()` is the most speaking sessions those costs keep in real time.
+
+The thread outlives what is raised in it, as a Worker's calls do (voicebot/serving/worker.py), since
+every session's speech waits on it:
+- a step or call that raises fails only its own requests; what is not an `Exception` (SystemExit from
+  a library's exit(), KeyboardInterrupt or another exception raised into the thread, a C
+  extension's) arrives as `JobAborted`;
+- anything that escapes the loop between steps fails every request the thread had taken, with
+  `SchedulerFault`, and the loop starts again with what is still to come; the sessions release
+  their rows as after any failure.
+Both are counted (`thread_faults`, voicebot_scheduler_thread_faults_total).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import threading
@@ -46,6 +57,7 @@ import numpy as np
 import torch
 
 from voicebot.serving.lm_pool import LMPool, LMRow, PoolFull
+from voicebot.serving.worker import JobAborted
 from voicebot.tts.cosyvoice2.lm import Program, PromptPrefix, Step
 from voicebot.tts.cosyvoice2.sampling import Sampler, greedy
 
@@ -59,6 +71,10 @@ class Overloaded(RuntimeError):
     """More requests are waiting than the scheduler's bound."""
 
 
+class SchedulerFault(RuntimeError):
+    """The scheduler's loop was broken while it held this request; the request is lost, the loop goes on."""
+
+
 @dataclass(eq=False)
 class Request:
     deadline: float  # time.monotonic() when the session's listener runs out of audio
@@ -70,6 +86,7 @@ class Request:
 class OpenRow(Request):
     sampler: Sampler
     prefix: PromptPrefix | None = None
+    row: LMRow | None = None  # the slot opened for it, once opened
 
 
 @dataclass(eq=False)
@@ -158,11 +175,12 @@ class Scheduler:
         self.render_sizes: Counter[int] = Counter()  # render calls, by chunks in the call
         self.deadline_misses = 0  # renders done after a listener that had audio ran out
         self.refused = 0  # sessions refused by admission (counted by the synthesizer)
+        self.thread_faults = 0  # BaseExceptions that were not Exceptions, and breaks of the loop, survived
         self._lock = threading.Condition()
         self._incoming: list[Request] = []
         self._released: list[LMRow] = []
         self._stopping = False
-        self._queued = 0  # requests moved to the thread's lists, not yet answered
+        self._held: set[Request] = set()  # requests the thread has taken and not yet answered
         # thread-only state
         self._opening: list[OpenRow] = []
         self._calls: list[Call] = []
@@ -210,13 +228,15 @@ class Scheduler:
     def pending(self) -> int:
         """Requests submitted and not yet answered: the queue depth."""
         with self._lock:
-            return len(self._incoming) + self._queued
+            return len(self._incoming) + len(self._held)
 
     async def submit(self, request: Request) -> Any:
         loop = asyncio.get_running_loop()
         request.future = loop.create_future()
         with self._lock:
-            if len(self._incoming) + self._queued >= self.max_pending:
+            if self._stopping:
+                raise RuntimeError(f"scheduler {self.name} has stopped")
+            if len(self._incoming) + len(self._held) >= self.max_pending:
                 raise Overloaded(f"scheduler {self.name}: {self.max_pending} requests already waiting")
             self._incoming.append(request)
             self._lock.notify()
@@ -256,39 +276,70 @@ class Scheduler:
                 "queue_depth": self.pending, "max_batch": self.max_batch,
                 "batch_sizes": dict(sorted(self.batch_sizes.items())),
                 "render_batch_sizes": dict(sorted(self.render_sizes.items())), "deadline_misses": self.deadline_misses,
-                "refused": self.refused,
+                "refused": self.refused, "thread_faults": self.thread_faults,
                 "decode_step_s": {b: round(c, 4) for b, c in sorted(self.costs.decode.items())},
                 "render_s_per_audio_s": self.costs.render_per_audio_s}
 
     # --- the thread
 
     def _run(self) -> None:
-        while True:
+        try:
+            while not self._loop():
+                pass
+        finally:  # stopped (or, past every guard, the thread is going): nobody may wait on it
             with self._lock:
-                while not (self._stopping or self._incoming or self._released or self._has_work()):
-                    self._lock.wait()
-                if self._stopping:
-                    break
-                incoming, self._incoming = self._incoming, []
-                released, self._released = self._released, []
-                self._queued += len(incoming)
-            self._take(incoming, released)
-            try:
+                self._stopping = True
+            self._fail_all(RuntimeError(f"scheduler {self.name} stopped"))
+
+    def _loop(self) -> bool:
+        """Iterate until stopped (True), or until something escapes an iteration (False): then
+        every request the thread had taken has failed, and the caller loops again."""
+        try:
+            while True:
+                with self._lock:
+                    while not (self._stopping or self._incoming or self._released or self._has_work()):
+                        self._lock.wait()
+                    if self._stopping:
+                        return True
+                    self._held.update(self._incoming)
+                    incoming, self._incoming = self._incoming, []
+                self._close_released()
+                self._take(incoming)
                 self._iterate()
-            except Exception:  # a bug here must not leave every session waiting forever
-                log.exception("scheduler %s: iteration failed", self.name)
-        self._fail_all(RuntimeError(f"scheduler {self.name} stopped"))
+        except BaseException as exc:  # noqa: BLE001 -- its sessions wait on this thread: it must go on
+            self._broken(exc)
+            return False
+
+    def _broken(self, exc: BaseException) -> None:
+        """Fail what the thread held; its lists start empty (the rows' sessions release them)."""
+        self.thread_faults += 1
+        log.error("scheduler %s: its loop was broken (%s: %s); failing the %d requests it held and going on",
+                  self.name, type(exc).__name__, exc, len(self._held), exc_info=exc)
+        error = SchedulerFault(f"scheduler {self.name} was interrupted ({type(exc).__name__}: {exc}); "
+                               "this request is lost")
+        with self._lock:
+            held = list(self._held)
+        for request in held:
+            row = request.row if isinstance(request, OpenRow) else None
+            self._answer(request, exc=error, undo=None if row is None else functools.partial(self.release, row))
+        self._opening, self._calls, self._decoding, self._renders = [], [], {}, []
 
     def _has_work(self) -> bool:
         # Rows that cannot run yet (OpenRow while the pool is full) are not work.
         return bool(self._calls or self._decoding or self._renders or (self._opening and self.pool.free))
 
-    def _take(self, incoming: list[Request], released: list[LMRow]) -> None:
-        for row in released:
+    def _close_released(self) -> None:
+        # Looked at, then taken: a row whose close is interrupted stays to be closed (closing is idempotent).
+        while self._released:
+            row = self._released[-1]
             stale = self._decoding.pop(row, None)
             if stale is not None:
                 self._answer(stale, (stale.tokens, True))
             self.pool.close(row)
+            with self._lock:
+                self._released.pop()
+
+    def _take(self, incoming: list[Request]) -> None:
         for request in incoming:
             if isinstance(request, OpenRow):
                 self._opening.append(request)
@@ -308,9 +359,11 @@ class Scheduler:
         while self._opening and self.pool.free:
             request = self._opening.pop(0)
             try:
-                self._answer(request, self.pool.open(request.sampler, request.prefix), on_cancel=self.release)
+                request.row = self.pool.open(request.sampler, request.prefix)
             except PoolFull as exc:  # cannot happen while free; kept as an answer, never a hang
                 self._answer(request, exc=exc)
+            else:
+                self._answer(request, request.row, undo=functools.partial(self.release, request.row))
         calls, self._calls = sorted(self._calls, key=by_deadline), []
         for call in calls:
             self._run_request(call, call.fn)
@@ -333,10 +386,11 @@ class Scheduler:
                 self.batch_sizes[len(decode)] += 1
             if prefill is not None:
                 self.pool.prefill(prefill)
-        except Exception as exc:
+        except BaseException as exc:  # fails only this step's rows
             log.exception("scheduler %s: LM step failed", self.name)
+            error = self._aborted(exc)
             for row in {*decode, *([prefill] if prefill else [])}:
-                self._answer(self._decoding.pop(row), exc=exc)
+                self._answer(self._decoding.pop(row), exc=error)
             return
         self._answer_decodes()
 
@@ -359,10 +413,11 @@ class Scheduler:
         start = time.perf_counter()
         try:
             audio = self.render_chunks([r.chunk for r in batch])
-        except Exception as exc:
+        except BaseException as exc:  # fails only this call's renders
             log.exception("scheduler %s: render failed", self.name)
+            error = self._aborted(exc)
             for request in batch:
-                self._answer(request, exc=exc)
+                self._answer(request, exc=error)
             return
         self.costs.add_render(time.perf_counter() - start, sum(map(len, audio)) / self.sample_rate)
         self.render_sizes[len(batch)] += 1
@@ -398,25 +453,39 @@ class Scheduler:
             return
         try:
             result = fn()
-        except Exception as exc:
-            self._answer(request, exc=exc)
+        except BaseException as exc:  # noqa: BLE001 -- fails only this request
+            self._answer(request, exc=self._aborted(exc))
             return
         self._answer(request, result)
 
+    def _aborted(self, exc: BaseException) -> Exception:
+        """What a request that `exc` ended is answered with: an Exception as it is; anything else
+        (it must never reach the event loop) as JobAborted, counted."""
+        if isinstance(exc, Exception):
+            return exc
+        self.thread_faults += 1
+        log.error("scheduler %s: %s raised in its thread; failing the requests it hit and going on",
+                  self.name, type(exc).__name__)
+        return JobAborted(f"{type(exc).__name__}: {exc}")
+
     def _answer(self, request: Request, result: Any = None, exc: BaseException | None = None,
-                on_cancel: Callable[[Any], None] | None = None) -> None:
+                undo: Callable[[], None] | None = None) -> None:
+        """Resolve the request's future on its loop; `undo` gives back what it holds (an LM slot)
+        if the answer is not taken. Answered, then dropped from the held set, under the lock (so
+        `pending` never counts an answered request): a fault between the two answers it twice, and
+        the second answer is ignored."""
         with self._lock:
-            self._queued -= 1
-        try:
-            request.future.get_loop().call_soon_threadsafe(_resolve, request.future, result, exc, on_cancel)
-        except RuntimeError:  # its event loop has closed: nobody is waiting any more
-            pass
+            try:
+                request.future.get_loop().call_soon_threadsafe(_resolve, request.future, result, exc, undo)
+            except RuntimeError:  # its event loop has closed: nobody is waiting any more
+                pass
+            self._held.discard(request)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            incoming, self._incoming = self._incoming, []
-            self._queued += len(incoming)
-        for request in [*incoming, *self._opening, *self._calls, *self._decoding.values(), *self._renders]:
+            pending = [*self._incoming, *self._held]
+            self._incoming = []
+        for request in pending:
             self._answer(request, exc=exc)
         self._opening, self._calls, self._decoding, self._renders = [], [], {}, []
 
@@ -427,13 +496,18 @@ def _idle(x: torch.Tensor, start: int, n: int) -> Program:
         yield Step(x, start + i, ())
 
 
-def _resolve(future: asyncio.Future, result: Any, exc: BaseException | None,
-             on_cancel: Callable[[Any], None] | None) -> None:
-    """On the loop: answer the future, or undo what a cancelled one would have received."""
+def _resolve(future: asyncio.Future, result: Any, exc: BaseException | None, undo: Callable[[], None] | None) -> None:
+    """On the loop: answer the future; `undo` when what it holds is not delivered (the future was
+    cancelled, or it is answered with an error). A future answered already (before a thread fault)
+    keeps its answer."""
     if future.cancelled():
-        if on_cancel is not None and exc is None:
-            on_cancel(result)
+        if undo is not None:
+            undo()
+    elif future.done():
+        return
     elif exc is not None:
         future.set_exception(exc)
+        if undo is not None:
+            undo()
     else:
         future.set_result(result)

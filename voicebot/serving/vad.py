@@ -21,6 +21,12 @@ oldest first; the rest wait for the next step.
 
 It counts its thread's CPU seconds (`busy_s`) as a `Worker` does, so admission control
 (voicebot/serving/capacity.py) reads its load like any pool's.
+
+Every session's endpointing waits on this one thread, so it outlives what is raised in it, as the
+device scheduler does: a step that raises fails only its rows (what is not an `Exception`, such as
+SystemExit or an exception raised into the thread, as `JobAborted`); anything that escapes the loop
+between steps fails every request the thread had taken (`VadFault`) and the loop goes on. Both are
+counted (`thread_faults`, voicebot_vad_thread_faults_total).
 """
 
 from __future__ import annotations
@@ -36,12 +42,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from voicebot.audio.endpoint import SileroVad, silero_session, silero_step
+from voicebot.serving.worker import JobAborted
 
 log = logging.getLogger(__name__)
 
 
 class VadOverloaded(RuntimeError):
     """More VAD requests are waiting than the batcher's bound."""
+
+
+class VadFault(RuntimeError):
+    """The batcher's loop was broken while it held this request; the loop goes on."""
 
 
 @dataclass(eq=False)
@@ -64,8 +75,11 @@ class VadBatcher:
         self.max_batch = max_batch
         self.max_pending = max_pending
         self.batch_sizes: Counter[int] = Counter()  # rows per onnxruntime call
+        self.thread_faults = 0  # BaseExceptions that were not Exceptions, and breaks of the loop, survived
         self._busy_s = 0.0
         self._incoming: list[_Request] = []
+        self._held: set[_Request] = set()  # taken by the thread, not yet answered
+        self._active: list[_Request] = []  # thread only: the requests with windows to judge, oldest first
         self._in_flight: set[int] = set()  # id() of each stream with a request waiting or running
         self._cond = threading.Condition()
         self._stopping = False
@@ -114,31 +128,48 @@ class VadBatcher:
         return await asyncio.wrap_future(self.submit(vad, windows))
 
     def stats(self) -> dict:
-        return {"pending": self.pending, "max_batch": self.max_batch, "batch_sizes": dict(sorted(self.batch_sizes.items()))}
+        return {"pending": self.pending, "max_batch": self.max_batch, "batch_sizes": dict(sorted(self.batch_sizes.items())),
+                "thread_faults": self.thread_faults}
 
     def _run(self) -> None:
-        active: list[_Request] = []
-        while True:
+        try:
+            while not self._loop():
+                pass
+        finally:  # stopped (or, past every guard, the thread is going): nobody may wait on it
             with self._cond:
-                while not (self._stopping or self._incoming or active):
-                    self._cond.wait()
-                if self._stopping:
-                    break
-                incoming, self._incoming = self._incoming, []
-            active += self._running(incoming)
-            if not active:
-                continue
-            rows = active[: self.max_batch]
-            try:
-                self._step(rows)
-            except Exception as exc:  # a failing call must not leave its streams waiting forever
-                log.exception("VAD batch of %d failed", len(rows))
-                for request in rows:
-                    request.judged = len(request.windows)
-                    self._finish(request, exc)
-            active = [r for r in active if r.judged < len(r.windows)]
-        for request in active + self._running(self._incoming):
-            self._finish(request, RuntimeError("the VAD batcher has stopped"))
+                self._stopping = True
+                waiting = [*self._held, *self._incoming]
+                self._incoming = []
+            for request in waiting:
+                self._fail(request, RuntimeError("the VAD batcher has stopped"))
+
+    def _loop(self) -> bool:
+        """Step until stopped (True), or until something escapes a step (False: every request the
+        thread had taken has failed, and the caller loops again)."""
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._incoming or self._active):
+                        self._cond.wait()
+                    if self._stopping:
+                        return True
+                    self._held.update(self._incoming)
+                    incoming, self._incoming = self._incoming, []
+                self._active += self._running(incoming)
+                rows = self._active[: self.max_batch]
+                if rows:
+                    self._step(rows)
+                self._active = [r for r in self._active if r.judged < len(r.windows)]
+        except BaseException as exc:  # every session's endpointing waits on this thread
+            self.thread_faults += 1
+            log.error("VAD batcher: its loop was broken (%s: %s); failing the %d requests it held and going on",
+                      type(exc).__name__, exc, len(self._held), exc_info=exc)
+            with self._cond:
+                held = list(self._held)
+            for request in held:
+                self._fail(request, VadFault(f"the VAD batcher was interrupted ({type(exc).__name__}: {exc})"))
+            self._active = []
+            return False
 
     def _running(self, incoming: list[_Request]) -> list[_Request]:
         """The requests still wanted, marked running (a running future can no longer be cancelled).
@@ -156,6 +187,15 @@ class VadBatcher:
         start = time.thread_time()
         try:
             probabilities = silero_step([r.vad for r in rows], np.stack([r.windows[r.judged] for r in rows]))
+        except BaseException as exc:  # a failing call must not leave its streams waiting forever
+            log.exception("VAD batch of %d failed", len(rows))
+            if not isinstance(exc, Exception):  # must never reach the event loop
+                self.thread_faults += 1
+                exc = JobAborted(f"{type(exc).__name__}: {exc}")
+            for request in rows:
+                request.judged = len(request.windows)
+                self._finish(request, exc)
+            return
         finally:
             self._busy_s += time.thread_time() - start
         self.batch_sizes[len(rows)] += 1
@@ -165,9 +205,20 @@ class VadBatcher:
             if request.judged == len(request.windows):
                 self._finish(request)
 
+    def _fail(self, request: _Request, error: Exception) -> None:
+        """Answer a request the thread may or may not have marked running with `error` (not if its
+        session cancelled it, nor if it was answered already)."""
+        future = request.future
+        if future.done():
+            return self._finish(request, cancelled=True)  # only forgotten
+        if not future.running() and not future.set_running_or_notify_cancel():
+            return self._finish(request, cancelled=True)
+        self._finish(request, error)
+
     def _finish(self, request: _Request, error: Exception | None = None, cancelled: bool = False) -> None:
         with self._cond:
             self._in_flight.discard(id(request.vad))
+            self._held.discard(request)
         if cancelled:
             return
         if error is None:
