@@ -14,6 +14,7 @@ import pytest
 import soundfile as sf
 
 from tests.conftest import VoiceClient, make_settings, running_server
+from test_engine import make_synth
 from tiny_frontend import make_model_dir
 from voicebot.tts.cosyvoice2 import synthesizer as synthesizer_mod
 
@@ -94,3 +95,34 @@ def test_a_failed_or_lost_voice_derivation_skips_one_reset_and_the_voice_keeps_s
         assert len(calls) >= 3 and synth.info().details["voice_refreshes_failed"] == 1
         assert killed and all(not thread.is_alive() for thread in killed)
         assert srv.metric("voicebot_worker_threads_lost_total", lost) == lost_before + len(killed)
+
+
+def test_sessions_sharing_a_failed_derivation_all_skip_their_reset(tmp_path, cv2_dir, monkeypatch):
+    synth = make_synth(tmp_path, cv2_dir)
+    derive, calls = synth._derive_voice, []
+
+    def exits_once(name):
+        calls.append(name)
+        if len(calls) == 1:
+            raise SystemExit("a library called exit()")
+        return derive(name)
+
+    monkeypatch.setattr(synth, "_derive_voice", exits_once)
+
+    async def run():
+        a, b = synth.open("anna"), synth.open("anna")
+        voice_state = synth.library["anna"]
+        skipped = await asyncio.gather(a.reset(), b.reset())  # one derivation, shared, that exits
+        kept = synth.library["anna"] is voice_state
+        renewed = await a.reset()
+        await a.close()
+        await b.close()
+        return skipped, kept, renewed, synth.library["anna"] is voice_state
+
+    try:
+        skipped, kept, renewed, still_old = asyncio.run(run())
+    finally:
+        synth.close()
+    assert [(r.generation, r.bytes_freed) for r in skipped] == [(0, 0), (0, 0)] and kept
+    assert renewed.generation == 1 and renewed.bytes_freed > 0 and not still_old
+    assert calls == ["anna", "anna"] and synth.info().details["voice_refreshes_failed"] == 1
