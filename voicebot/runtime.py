@@ -111,7 +111,7 @@ class Runtime:
         self.admission = Admission(pools, s.limits.max_worker_load)
         # The VAD batcher is one thread of its own that outlives a failing batch; threads that die
         # and are replaced are the Workers' (voicebot/serving/worker.py).
-        self.metrics.watch_workers([pool for pool in pools if isinstance(pool, Worker)])
+        self.metrics.watch_workers([pool for pool in (*pools, getattr(self.synthesizer, "voice_worker", None)) if isinstance(pool, Worker)])
         if s.endpoint.turn == "smart":
             try:
                 self.smart_turn = SmartTurn()

@@ -246,7 +246,7 @@ def test_reset_swaps_in_a_voice_state_derived_off_the_scheduler(synth, fixed_len
         prefix = synth.lm_prefix(voice)
         flow_state = synth.token2wav.prompt_state(synthesizer_mod.flow_prompt(voice, synth.device, synth.dtype))
         reports = await asyncio.gather(a.reset(), b.reset())  # two sessions of one voice: one derivation
-        assert [r.generation for r in reports] == [1, 1] and derived_on == ["cosyvoice2-voices_0"]
+        assert [r.generation for r in reports] == [1, 1] and derived_on == ["worker-cosyvoice2-voices_0"]
         assert sorted(r.bytes_freed for r in reports)[0] == 0 and max(r.bytes_freed for r in reports) >= voice.nbytes()
         # Every part of the voice's state is new, with the same values: the source is unchanged.
         fresh = synth.library["anna"]

@@ -16,12 +16,13 @@ reply leaves the batch at the next step.
 
 A voice's prompt state (features, LM prefix, flow prompt state) is derived once per voice on a
 background thread and swapped in between steps: a session's periodic reset never stalls the others.
+That thread is a `Worker`'s, so a derivation that fails in any way (SystemExit included) or whose
+thread dies fails only that reset: the voice keeps the state it had, and the next reset derives again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import logging
 import math
@@ -38,6 +39,7 @@ from voicebot.config import Cosyvoice2Config
 from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.serving.lm_pool import LMPool, LMRow
 from voicebot.serving.scheduler import Scheduler
+from voicebot.serving.worker import Worker
 from voicebot.serving.metrics import register_scheduler_metrics
 from voicebot.tts.base import SAMPLE_RATE, SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
 from voicebot.tts.segmenter import sentences
@@ -74,10 +76,11 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.model_dir: Path | None = None
         # voice name -> (the Voice it was computed from, its LM prompt prefix); scheduler thread only
         self._lm_prefixes: dict[str, tuple[Voice, PromptPrefix]] = {}
-        # Voice states are derived here, one at a time, beside the scheduler (never on it).
-        self._voice_thread = concurrent.futures.ThreadPoolExecutor(
-            1, "cosyvoice2-voices", initializer=torch.set_num_threads, initargs=(1,))
-        self._refreshing: dict[str, asyncio.Future[int]] = {}  # voice -> its refresh in flight
+        # Voice states are derived here, one at a time, beside the scheduler (never on it). Not
+        # in workers(): its rare seconds-long calls are no session's load for admission control.
+        self.voice_worker = Worker("cosyvoice2-voices", threads=1)
+        self.refreshes_failed = 0  # resets skipped: their derivation failed, the old state kept
+        self._refreshing: dict[str, asyncio.Future[int | None]] = {}  # voice -> its refresh in flight
         self._lifetimes: deque[float] = deque(maxlen=SESSION_LIFETIMES)
 
     def load(self) -> None:
@@ -166,7 +169,7 @@ class CosyVoice2Synthesizer(Synthesizer):
         # The LM's attention kernel; the flow's is always SDPA (its chunk masks are not causal).
         details = {"dtype": str(self.dtype).removeprefix("torch."), "attention": self.lm.attention if loaded else None,
                    "lm_int8": self.config.lm_int8, "text_input": self.config.text_input, "kv_cache_tokens": self.config.kv_cache_tokens,
-                   "sessions": len(self.contexts)}
+                   "sessions": len(self.contexts), "voice_refreshes_failed": self.refreshes_failed}
         if loaded:
             details |= {"model_dir": str(self.model_dir), "voices": self.library.names(),
                         "stream_mode": self.token2wav.mode, "voice_state_bytes": self.library.nbytes(),
@@ -178,7 +181,7 @@ class CosyVoice2Synthesizer(Synthesizer):
     def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
-        self._voice_thread.shutdown(wait=False, cancel_futures=True)
+        self.voice_worker.shutdown()
 
     def _check_voice(self, voice: str) -> str:
         if self.library is None or voice not in self.library:
@@ -199,16 +202,22 @@ class CosyVoice2Synthesizer(Synthesizer):
 
     # --- voice refresh (the periodic reset), off the scheduler
 
-    async def refresh_voice(self, name: str) -> int:
+    async def refresh_voice(self, name: str) -> int | None:
         """Re-derive a voice's state from its source and swap it in; the bytes of the state it
-        replaced. Concurrent calls for one voice share one derivation (the later ones get 0)."""
+        replaced, or None when the derivation failed and the voice keeps its state. Concurrent
+        calls for one voice share one derivation (the later ones get 0, or None)."""
         if name in self._refreshing:
-            await asyncio.shield(self._refreshing[name])
-            return 0
+            return 0 if await asyncio.shield(self._refreshing[name]) is not None else None
         future = asyncio.get_running_loop().create_future()
         self._refreshing[name] = future
         try:
-            fresh = await asyncio.wrap_future(self._voice_thread.submit(self._derive_voice, name))
+            try:
+                fresh = await self.voice_worker.run(self._derive_voice, name)
+            except Exception:  # JobAborted and WorkerThreadLost too: the worker turned them into these
+                self.refreshes_failed += 1
+                log.exception("cosyvoice2: deriving voice %r failed; it keeps its state until the next reset", name)
+                future.set_result(None)
+                return None
             freed = await self.scheduler.call(functools.partial(self._swap_voice, *fresh), deadline=math.inf)
             future.set_result(freed)
             return freed
@@ -222,6 +231,7 @@ class CosyVoice2Synthesizer(Synthesizer):
     def _derive_voice(self, name: str) -> tuple[Voice, PromptPrefix | None, object | None]:
         """On the voices thread: everything a voice's replies read, computed from its source. The
         models' weights are only read, so this runs beside the scheduler's steps."""
+        torch.set_num_threads(1)  # this thread's own intra-op pool: the scheduler's cores stay its
         voice = self.library.derive(name)
         prefix = prompt_prefix(self.lm, voice.prompt_text) if self.config.text_input == "sentences" else None
         prompt = flow_prompt(voice, self.device, self.dtype)
@@ -384,6 +394,8 @@ class CosyVoice2Context(SentenceSynthesisContext):
         """Sessions hold no LM state between replies (a slot lives one utterance), so what a reset
         renews is the voice's shared prompt state: re-derived beside the scheduler, swapped in."""
         freed = await self.engine.refresh_voice(self.voice)
+        if freed is None:  # skipped: the generation stays, so the report shows nothing was renewed
+            return ResetReport(self.engine.name, self.generation, 0)
         self.generation += 1
         return ResetReport(self.engine.name, self.generation, freed)
 
