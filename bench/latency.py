@@ -19,8 +19,9 @@ would, and clocks everything itself:
 A loaded server's events for one turn can arrive during the next, so each is matched to its own
 turn: the turn's utterances are those whose speech.started came after the turn began; a turn.end
 is the turn's when its utterance_id is one of them, and is counted as late otherwise (never as a
-cut-in); a reply is the turn's when the last turn.end before its audio.start is (the protocol ties
-no reply_id to a turn, but the server sends a turn's reply only after its turn.end).
+cut-in); a reply (its reply_id) is the turn's when the last turn.end before the reply's first event
+is (the protocol ties no reply_id to a turn: matched by order, since the server sends nothing of a
+turn's reply before its turn.end).
 Once that first frame is in, the client interrupts the reply (its length tells nothing) and goes on.
 
 Then where the time went, per stage (p50 / p95 over the turns that got a reply after their end),
@@ -110,8 +111,9 @@ class EventLog:
         return [(t, e) for t, e in self.entries if e is not None and e["type"] == kind and t >= after]
 
     def utterances(self, start: float) -> set[str]:
-        """The ids of the utterances the turn that began at `start` holds: heard since it began. (A
-        speech.started that a backlog held past the next turn's start would be taken for that turn's.)"""
+        """The ids of the utterances the turn that began at `start` holds: heard since it began (asked
+        while it is the client's latest turn). A speech.started that a backlog held past the next
+        turn's start would be taken for that turn's: the protocol gives no audio position to tell."""
         return {e["utterance_id"] for _, e in self.events("speech.started", start)}
 
     def turn_ends(self, start: float) -> tuple[list[tuple[float, dict]], list[tuple[float, dict]]]:
@@ -120,21 +122,29 @@ class EventLog:
         ends = self.events("turn.end", start)
         return [(t, e) for t, e in ends if e["utterance_id"] in own], [(t, e) for t, e in ends if e["utterance_id"] not in own]
 
+    def replies(self, start: float) -> set[str]:
+        """The reply_ids of the replies to the turn that began at `start`: a reply is the turn's
+        whose turn.end is the last one before the reply's first event."""
+        own = self.utterances(start)
+        answering: str | None = None  # the utterance_id of the last turn.end so far
+        of_turn: dict[str, str | None] = {}  # reply_id -> the utterance_id its turn ended on
+        for _, e in self.entries:
+            if e is None:
+                continue
+            if e["type"] == "turn.end":
+                answering = e["utterance_id"]
+            elif "reply_id" in e:
+                of_turn.setdefault(e["reply_id"], answering)
+        return {reply for reply, utterance in of_turn.items() if utterance in own}
+
     def first_frame(self, start: float, after: float) -> float | None:
         """The first frame of the first reply to the turn that began at `start` whose audio.start
-        came at or after `after`: a reply is a turn's when the last turn.end before it is."""
-        own = self.utterances(start)
-        last_end: dict | None = None
-        started = None
+        came at or after `after`."""
+        own = self.replies(start)
+        started = [t for t, e in self.events("audio.start", after) if e["reply_id"] in own]
         for t, e in self.entries:
-            if started is not None:
-                if e is None:
-                    return t
-            elif e is not None and e["type"] == "turn.end":
-                last_end = e
-            elif (e is not None and e["type"] == "audio.start" and t >= after
-                  and last_end is not None and last_end["utterance_id"] in own):
-                started = t
+            if e is None and started and t >= started[0]:
+                return t
         return None
 
 
@@ -169,12 +179,13 @@ class Client:
 
 def what_happened(log: EventLog, start: float, end: float) -> str:
     """Why a turn got no reply audio after its end, from what the server sent since it began."""
-    own = log.utterances(start)
+    own, replies = log.utterances(start), log.replies(start)
 
-    def texts(kind: str) -> list[str]:
-        return [e.get("text", "") for _, e in log.events(kind, start) if "utterance_id" not in e or e["utterance_id"] in own]
+    def texts(kind: str) -> list[str]:  # this turn's: of its utterances, or of its replies
+        return [e.get("text", "") for _, e in log.events(kind, start) if e.get("utterance_id") in own or e.get("reply_id") in replies]
 
-    errors = [f"{e.get('code')}: {e.get('message')}" for _, e in log.events("error", start)]
+    errors = [f"{e.get('code')}: {e.get('message')}" for _, e in log.events("error", start)
+              if not ({"utterance_id", "reply_id"} & e.keys()) or e.get("utterance_id") in own or e.get("reply_id") in replies]
     if errors:
         return "error " + "; ".join(errors)
     if not own:
@@ -192,7 +203,7 @@ def what_happened(log: EventLog, start: float, end: float) -> str:
         return f"turn.end {texts('turn.end')}, no reply.done"
     if not any(r.strip() for r in replies):
         return f"turn.end {texts('turn.end')}, empty reply text"
-    if log.events("audio.start", end + REPLY_WAIT_S):
+    if log.first_frame(start, end + REPLY_WAIT_S) is not None:
         return "reply later than REPLY_WAIT_S"
     return f"turn.end {texts('turn.end')}, reply {replies}, no audio.start"
 

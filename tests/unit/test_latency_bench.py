@@ -109,3 +109,19 @@ def test_a_turn_end_before_the_first_word_is_not_a_cut_in():
     log.append(LEAD_S - 0.1, turn_end("u1"))
     turn = result(log, COMPLETE, 0.0, 2.0, None)
     assert not turn.cut_in and turn.late_turn_ends == 0
+
+
+def test_a_reply_is_the_turns_whose_turn_end_came_last_before_it():
+    log = EventLog()
+    first_turn(log)
+    log.append(1.9, turn_end("u1"))
+    log.append(2.1, {"type": "reply.delta", "reply_id": "r1", "text": "x"})  # r1 began before turn 2's turn.end
+    log.append(8.6, {"type": "speech.started", "utterance_id": "u2"})
+    log.append(10.2, turn_end("u2"))
+    log.append(10.25, {"type": "error", "code": "reply_failed", "reply_id": "r1", "message": "dropped"})
+    reply(log, 10.3, "r1")  # turn 1's reply, sent late: it is not turn 2's, and neither is its error
+    log.append(10.4, {"type": "reply.done", "reply_id": "r2", "text": ""})
+
+    assert log.replies(8.0) == {"r2"}
+    assert log.first_frame(8.0, 10.0) is None
+    assert result(log, COMPLETE, 8.0, 10.0, None).fate == "turn.end ['x'], empty reply text"
