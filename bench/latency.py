@@ -182,7 +182,8 @@ def what_happened(log: EventLog, start: float, end: float) -> str:
     own, replies = log.utterances(start), log.replies(start)
 
     def texts(kind: str) -> list[str]:  # this turn's: of its utterances, or of its replies
-        return [e.get("text", "") for _, e in log.events(kind, start) if e.get("utterance_id") in own or e.get("reply_id") in replies]
+        return [e.get("text", "") for _, e in log.events(kind, start)
+                if e.get("utterance_id") in own or e.get("reply_id") in replies]
 
     errors = [f"{e.get('code')}: {e.get('message')}" for _, e in log.events("error", start)
               if not ({"utterance_id", "reply_id"} & e.keys()) or e.get("utterance_id") in own or e.get("reply_id") in replies]
@@ -394,7 +395,8 @@ def main() -> None:
               f"{pct(latencies, 50):>12.0f} ms {pct(latencies, 95):>4.0f} ms "
               f"{pct([r.timings['pause_ms'] for r in results if 'pause_ms' in r.timings], 50):>7.0f} ms "
               f"{pct([r.timings['decision_ms'] for r in results if r.timings.get('decision_ms') is not None], 50):>10.0f} ms "
-              f"{len(results) - len(latencies) - empty:>8} {empty:>9} {sum(r.late_turn_ends for r in results):>13}  {' '.join(f'{k}:{v}' for k, v in sorted(by.items()))}")
+              f"{len(results) - len(latencies) - empty:>8} {empty:>9} {sum(r.late_turn_ends for r in results):>13}  "
+              f"{' '.join(f'{k}:{v}' for k, v in sorted(by.items()))}")
         if turn_mode != POLICIES[policy]["turn"]:
             print(f"          (the server ran turn: {turn_mode}, not {POLICIES[policy]['turn']}: see its /readyz)")
     print_stages(rows)
