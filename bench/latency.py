@@ -15,8 +15,13 @@ would, and clocks everything itself:
   so sample k is spoken at t0 + k / 16000) to the first frame of the first reply that started
   after it;
 - false cut-in: the server ended the turn (turn.end, and so started its reply) while the user was
-  still in it: after its first word and before its last. (audio.start would also count a reply to
-  the previous turn that a loaded server sends late.)
+  still in it: after its first word and before its last.
+A loaded server's events for one turn can arrive during the next, so each is matched to its own
+turn: the turn's utterances are those whose speech.started came after the turn began; a turn.end
+is the turn's when its utterance_id is one of them, and is counted as late otherwise (never as a
+cut-in); a reply (its reply_id) is the turn's when the last turn.end before the reply's first event
+is (the protocol ties no reply_id to a turn: matched by order, since the server sends nothing of a
+turn's reply before its turn.end).
 Once that first frame is in, the client interrupts the reply (its length tells nothing) and goes on.
 
 Then where the time went, per stage (p50 / p95 over the turns that got a reply after their end),
@@ -60,7 +65,7 @@ import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py
 
 from tests.audio import to_pcm16  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
-from tests.turn_set import TURNS, RenderedTurn, render_all  # noqa: E402
+from tests.turn_set import TURNS, RenderedTurn, TurnItem, render_all  # noqa: E402
 
 RATE = 16000
 CHUNK_S = 0.04  # the mic page's chunk (static/mic-page.js)
@@ -86,10 +91,61 @@ class TurnResult:
     turn_end_ms: float | None = None  # when that turn.end arrived, from the end of the turn
     cut_ins: list[str] = field(default_factory=list)  # "by p=probability at pause_ms" of each turn.end before the end
     fate: str | None = None  # with no reply after the end: what happened to the turn (see what_happened)
+    late_turn_ends: int = 0  # turn.end events of an earlier turn that arrived during this one
 
     @property
     def empty_transcript(self) -> bool:
         return self.fate == EMPTY_TRANSCRIPT
+
+
+class EventLog:
+    """What the server sent one client, timestamped on arrival, and which turn each event is of."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[float, dict | None]] = []  # (arrival, event); None = an audio frame
+
+    def append(self, at: float, event: dict | None) -> None:
+        self.entries.append((at, event))
+
+    def events(self, kind: str, after: float = 0.0) -> list[tuple[float, dict]]:
+        return [(t, e) for t, e in self.entries if e is not None and e["type"] == kind and t >= after]
+
+    def utterances(self, start: float) -> set[str]:
+        """The ids of the utterances the turn that began at `start` holds: heard since it began (asked
+        while it is the client's latest turn). A speech.started that a backlog held past the next
+        turn's start would be taken for that turn's: the protocol gives no audio position to tell."""
+        return {e["utterance_id"] for _, e in self.events("speech.started", start)}
+
+    def turn_ends(self, start: float) -> tuple[list[tuple[float, dict]], list[tuple[float, dict]]]:
+        """The turn.end events since `start`: (this turn's, late ones of an earlier turn)."""
+        own = self.utterances(start)
+        ends = self.events("turn.end", start)
+        return [(t, e) for t, e in ends if e["utterance_id"] in own], [(t, e) for t, e in ends if e["utterance_id"] not in own]
+
+    def replies(self, start: float) -> set[str]:
+        """The reply_ids of the replies to the turn that began at `start`: a reply is the turn's
+        whose turn.end is the last one before the reply's first event."""
+        own = self.utterances(start)
+        answering: str | None = None  # the utterance_id of the last turn.end so far
+        of_turn: dict[str, str | None] = {}  # reply_id -> the utterance_id its turn ended on
+        for _, e in self.entries:
+            if e is None:
+                continue
+            if e["type"] == "turn.end":
+                answering = e["utterance_id"]
+            elif "reply_id" in e:
+                of_turn.setdefault(e["reply_id"], answering)
+        return {reply for reply, utterance in of_turn.items() if utterance in own}
+
+    def first_frame(self, start: float, after: float) -> float | None:
+        """The first frame of the first reply to the turn that began at `start` whose audio.start
+        came at or after `after`."""
+        own = self.replies(start)
+        started = [t for t, e in self.events("audio.start", after) if e["reply_id"] in own]
+        for t, e in self.entries:
+            if e is None and started and t >= started[0]:
+                return t
+        return None
 
 
 class Client:
@@ -97,14 +153,14 @@ class Client:
 
     def __init__(self, ws) -> None:
         self.ws = ws
-        self.log: list[tuple[float, dict | None]] = []  # (arrival, event); None = an audio frame
+        self.log = EventLog()
         self._reader = asyncio.create_task(self._read())
         self.clock = time.monotonic()  # when the next chunk's last sample is spoken
 
     async def _read(self) -> None:
         with contextlib.suppress(Exception):
             async for message in self.ws:
-                self.log.append((time.monotonic(), None if isinstance(message, bytes) else json.loads(message)))
+                self.log.append(time.monotonic(), None if isinstance(message, bytes) else json.loads(message))
 
     async def send_audio(self, pcm: bytes) -> None:
         step = int(RATE * CHUNK_S) * 2
@@ -120,45 +176,55 @@ class Client:
         while self.clock < deadline and not done():
             await self.send_audio(chunk)
 
-    def events(self, kind: str, after: float = 0.0) -> list[tuple[float, dict]]:
-        return [(t, e) for t, e in self.log if e is not None and e["type"] == kind and t >= after]
 
-    def first_frame(self, after: float) -> float | None:
-        """The first frame of the first reply that started at or after `after`."""
-        started = self.events("audio.start", after)
-        if not started:
-            return None
-        for t, e in self.log:
-            if e is None and t >= started[0][0]:
-                return t
-        return None
-
-
-def what_happened(client: Client, start: float, end: float) -> str:
+def what_happened(log: EventLog, start: float, end: float) -> str:
     """Why a turn got no reply audio after its end, from what the server sent since it began."""
-    def texts(kind: str) -> list[str]:
-        return [e.get("text", "") for _, e in client.events(kind, start)]
+    own, replies = log.utterances(start), log.replies(start)
 
-    errors = [f"{e.get('code')}: {e.get('message')}" for _, e in client.events("error", start)]
+    def texts(kind: str) -> list[str]:  # this turn's: of its utterances, or of its replies
+        return [e.get("text", "") for _, e in log.events(kind, start)
+                if e.get("utterance_id") in own or e.get("reply_id") in replies]
+
+    errors = [f"{e.get('code')}: {e.get('message')}" for _, e in log.events("error", start)
+              if not ({"utterance_id", "reply_id"} & e.keys()) or e.get("utterance_id") in own or e.get("reply_id") in replies]
     if errors:
         return "error " + "; ".join(errors)
-    if not client.events("speech.started", start):
+    if not own:
         return "no speech heard"
     finals = texts("asr.final")
-    if not client.events("turn.end", start):
+    ends = log.turn_ends(start)[0]
+    if not ends:
         if not finals:
             return "no asr.final"  # the utterance never ended (or its transcript was lost)
         return EMPTY_TRANSCRIPT if not any(t.strip() for t in finals) else f"no turn.end after asr.final {finals}"
-    if not client.events("turn.end", end):
+    if not any(t >= end for t, _ in ends):
         return f"answered before its end: turn.end {texts('turn.end')}"
     replies = texts("reply.done")
     if not replies:
         return f"turn.end {texts('turn.end')}, no reply.done"
     if not any(r.strip() for r in replies):
         return f"turn.end {texts('turn.end')}, empty reply text"
-    if client.events("audio.start", end + REPLY_WAIT_S):
+    if log.first_frame(start, end + REPLY_WAIT_S) is not None:
         return "reply later than REPLY_WAIT_S"
     return f"turn.end {texts('turn.end')}, reply {replies}, no audio.start"
+
+
+def result(log: EventLog, turn: TurnItem, start: float, end: float, first: float | None) -> TurnResult:
+    """The turn that began at `start` (its first word at start + LEAD_S) and ended at `end`, with
+    `first` its reply's first frame (log.first_frame, or None if none came in time), from the events
+    it got: its own turn.ends (those before `end` are cut-ins) and the late ones of an earlier turn."""
+    ends, late = log.turn_ends(start)
+    early = [e for t, e in ends if start + LEAD_S <= t < end]
+    deciding = [(t, e) for t, e in ends if first is None or t <= first][-1:]  # the one the reply answered
+    return TurnResult(
+        turn.name, turn.paused, bool(early), None if first is None else (first - end) * 1000,
+        [e["by"] for _, e in ends],
+        deciding[0][1]["timings"] if deciding else {},
+        (deciding[0][0] - end) * 1000 if deciding else None,
+        [f"{e['by']} p={e['probability']} at {e['timings']['pause_ms']} ms" for e in early],
+        None if first is not None else what_happened(log, start, end),
+        len(late),
+    )
 
 
 async def speak(client: Client, turn: RenderedTurn) -> TurnResult:
@@ -168,23 +234,13 @@ async def speak(client: Client, turn: RenderedTurn) -> TurnResult:
     pcm = to_pcm16(np.concatenate([np.zeros(int(RATE * LEAD_S), np.float32), turn.audio]))
     await client.send_audio(pcm)
     end = start + LEAD_S + turn.end_s  # the moment the user finished
-    await client.silence_until(lambda: client.first_frame(end) is not None, REPLY_WAIT_S)
-    first = client.first_frame(end)
+    await client.silence_until(lambda: client.log.first_frame(start, end) is not None, REPLY_WAIT_S)
+    first = client.log.first_frame(start, end)
     if first is not None:
         await client.ws.send(json.dumps({"type": "interrupt"}))
-    early = [e for t, e in client.events("turn.end", start + LEAD_S) if t < end]
-    # Let the interrupt land, so no frame of this reply is counted for the next turn.
+    # Let the interrupt land, and this turn's events arrive, before the next turn begins.
     await client.silence_until(lambda: False, 0.4)
-    ends = client.events("turn.end", start)
-    deciding = [(t, e) for t, e in ends if first is None or t <= first][-1:]  # the one the reply answered
-    return TurnResult(
-        turn.item.name, turn.item.paused, bool(early), None if first is None else (first - end) * 1000,
-        [e["by"] for _, e in ends],
-        deciding[0][1]["timings"] if deciding else {},
-        (deciding[0][0] - end) * 1000 if deciding else None,
-        [f"{e['by']} p={e['probability']} at {e['timings']['pause_ms']} ms" for e in early],
-        None if first is not None else what_happened(client, start, end),
-    )
+    return result(client.log, turn.item, start, end, first)
 
 
 async def client_run(url: str, turns: list[RenderedTurn], gap_s: float) -> list[TurnResult]:
@@ -323,7 +379,8 @@ def main() -> None:
     print(f"config {args.config}; {args.turns} turns per client; client-side clock; target p50 <= {TARGET_P50_MS} ms, "
           f"p95 <= {TARGET_P95_MS} ms at 8 clients")
     print(f"{'policy':>9} {'clients':>7} {'turns':>5} {'false cut-ins':>14} {'paused':>7} {'complete':>8} "
-          f"{'end->audio p50':>15} {'p95':>7} {'pause p50':>10} {'decision p50':>13} {'no reply':>8} {'empty asr':>9}  ended by")
+          f"{'end->audio p50':>15} {'p95':>7} {'pause p50':>10} {'decision p50':>13} {'no reply':>8} {'empty asr':>9} "
+          f"{'late turn.end':>13}  ended by")
     for policy, n, results, turn_mode in rows:
         latencies = [r.first_audio_ms for r in results if r.first_audio_ms is not None]
         empty = sum(r.empty_transcript for r in results)
@@ -338,7 +395,8 @@ def main() -> None:
               f"{pct(latencies, 50):>12.0f} ms {pct(latencies, 95):>4.0f} ms "
               f"{pct([r.timings['pause_ms'] for r in results if 'pause_ms' in r.timings], 50):>7.0f} ms "
               f"{pct([r.timings['decision_ms'] for r in results if r.timings.get('decision_ms') is not None], 50):>10.0f} ms "
-              f"{len(results) - len(latencies) - empty:>8} {empty:>9}  {' '.join(f'{k}:{v}' for k, v in sorted(by.items()))}")
+              f"{len(results) - len(latencies) - empty:>8} {empty:>9} {sum(r.late_turn_ends for r in results):>13}  "
+              f"{' '.join(f'{k}:{v}' for k, v in sorted(by.items()))}")
         if turn_mode != POLICIES[policy]["turn"]:
             print(f"          (the server ran turn: {turn_mode}, not {POLICIES[policy]['turn']}: see its /readyz)")
     print_stages(rows)
