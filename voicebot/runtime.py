@@ -109,9 +109,6 @@ class Runtime:
         register_vad_metrics(self.metrics.registry, self.vad)
         pools = [self.audio_worker, self.vad, *self.recognizer.workers(), *self.synthesizer.workers()]
         self.admission = Admission(pools, s.limits.max_worker_load)
-        # The VAD batcher is one thread of its own that outlives a failing batch; threads that die
-        # and are replaced are the Workers' (voicebot/serving/worker.py).
-        self.metrics.watch_workers([pool for pool in pools if isinstance(pool, Worker)])
         if s.endpoint.turn == "smart":
             try:
                 self.smart_turn = SmartTurn()
@@ -119,6 +116,10 @@ class Runtime:
                 self.turn_problem = str(exc)
                 log.warning("endpoint.turn is smart but the end-of-turn model cannot be used (%s): "
                             "turns end by the silence rule (%d ms)", exc, s.endpoint.endpoint_silence_ms)
+        # The VAD batcher is one thread of its own that outlives a failing batch; threads that die
+        # and are replaced are the Workers' (voicebot/serving/worker.py), the end-of-turn model's too.
+        turn_workers = [self.smart_turn._worker] if self.smart_turn is not None else []
+        self.metrics.watch_workers([pool for pool in pools if isinstance(pool, Worker)] + turn_workers)
         self.ready = True
 
     @property
