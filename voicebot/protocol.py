@@ -81,6 +81,7 @@ class CloseCode(IntEnum):
     TRY_AGAIN_LATER = 1013  # busy: max_sessions reached
     POLICY = 1008  # a connection the server will not serve (e.g. a listener without a channel)
     TOO_BIG = 1009  # a message over MAX_MESSAGE_BYTES
+    INTERNAL_ERROR = 1011  # /funasr: an engine failed on the stream (its error result was sent first)
     FLOODING = 4008  # messages or bytes per second far above real time
     TOO_SLOW = 4009  # a listener fell behind its channel and was dropped
     UNAUTHORIZED = 4401

@@ -109,9 +109,6 @@ class Runtime:
         register_vad_metrics(self.metrics.registry, self.vad)
         pools = [self.audio_worker, self.vad, *self.recognizer.workers(), *self.synthesizer.workers()]
         self.admission = Admission(pools, s.limits.max_worker_load)
-        # The VAD batcher is one thread of its own that outlives a failing batch; threads that die
-        # and are replaced are the Workers' (voicebot/serving/worker.py).
-        self.metrics.watch_workers([pool for pool in (*pools, getattr(self.synthesizer, "voice_worker", None)) if isinstance(pool, Worker)])
         if s.endpoint.turn == "smart":
             try:
                 self.smart_turn = SmartTurn()
@@ -119,6 +116,11 @@ class Runtime:
                 self.turn_problem = str(exc)
                 log.warning("endpoint.turn is smart but the end-of-turn model cannot be used (%s): "
                             "turns end by the silence rule (%d ms)", exc, s.endpoint.endpoint_silence_ms)
+        # The VAD batcher is one thread of its own that outlives a failing batch; threads that die
+        # and are replaced are the Workers' (voicebot/serving/worker.py): the pools', and those kept
+        # out of admission (the end-of-turn model's, CosyVoice 2's voice derivations).
+        watched = [*pools, getattr(self.synthesizer, "voice_worker", None), self.smart_turn and self.smart_turn.worker]
+        self.metrics.watch_workers([pool for pool in watched if isinstance(pool, Worker)])
         self.ready = True
 
     @property

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import threading
 
 import pytest
+import websockets
 
 from tests.conftest import (
     TEST_PHRASES,
@@ -25,6 +27,8 @@ from tests.conftest import (
     speech_pcm,
 )
 from tests.reply.sse_server import Behaviour, SSEServer
+from voicebot.protocol import CloseCode
+from voicebot.serving import vad as vad_module
 
 FIRST, SECOND = TEST_PHRASES[1], TEST_PHRASES[2]
 
@@ -430,3 +434,118 @@ def test_any_responder_that_hangs_is_cut_off_by_the_reply_deadline_and_the_next_
     assert messages[:2] == [{"role": "user", "content": FIRST}, {"role": "assistant", "content": heard}]
     assert messages[2:] == [{"role": "user", "content": SECOND}, {"role": "assistant", "content": SECOND}]
     assert counted_after == counted + 1
+
+
+# ---- the VAD batcher's step raising mid-utterance ------------------------------------------------
+
+class FailingStep:
+    """The VAD batcher's silero_step, raising `fault` at its first call once armed (from the test)."""
+
+    def __init__(self, real, fault: type[BaseException]) -> None:
+        self.real, self.fault = real, fault
+        self.armed = threading.Event()
+        self.fired = threading.Event()
+
+    def __call__(self, vads, windows):
+        if self.armed.is_set() and not self.fired.is_set():
+            self.fired.set()
+            raise self.fault("injected VAD failure")
+        return self.real(vads, windows)
+
+
+@pytest.fixture(params=[EngineFault, SystemExit], ids=["exception", "systemexit"])  # SystemExit: failed as JobAborted
+def failing_vad_step(request, monkeypatch):
+    step = FailingStep(vad_module.silero_step, request.param)
+    monkeypatch.setattr(vad_module, "silero_step", step)  # the batcher's thread looks it up at each step
+    return step
+
+
+def test_a_vad_step_failing_mid_utterance_loses_that_utterance_and_the_next_turn_works(voice, failing_vad_step):
+    counted = failures(voice, "vad", "chunk")
+    dropped = voice.metric("voicebot_input_dropped_seconds_total", 'reason="engine_error"')
+
+    async def scenario():
+        async with VoiceClient.connect(voice.ws_url) as c:
+            streaming = asyncio.create_task(c.stream(speech_pcm(FIRST), speed=4))
+            started = await c.wait_for("speech.started")
+            failing_vad_step.armed.set()  # the next step is mid-utterance
+            error = await c.wait_for("error")
+            await streaming
+            await asyncio.sleep(1.5)  # the rest of that utterance, and whatever it would cause
+            lost = (list(c.events), history(voice, c))
+            await next_turn_works(c, ends_before=0)
+            return started, error, lost, history(voice, c)
+
+    started, error, (events_after_fault, history_after_fault), messages = asyncio.run(scenario())
+    assert failing_vad_step.fired.is_set()
+    assert error["code"] == "engine_error" and error["engine"] == "vad" and error["stage"] == "chunk"
+    assert error["utterance_id"] == started["utterance_id"]
+    assert not [e for e in events_after_fault if e["type"] in ("asr.final", "turn.end", "reply.delta", "audio.start")]
+    assert history_after_fault == []
+    assert messages == [{"role": "user", "content": SECOND}, {"role": "assistant", "content": SECOND}]
+    assert failures(voice, "vad", "chunk") == counted + 1
+    # The chunk and what was heard of the utterance before it (at least the chunk's 100 ms).
+    assert voice.metric("voicebot_input_dropped_seconds_total", 'reason="engine_error"') >= dropped + 0.1
+
+
+FUNASR_CHUNK = 3200  # bytes: 100 ms of 16 kHz s16le, as the runtime's clients send
+
+
+async def funasr_stream(url: str, pcm: bytes, arm: threading.Event | None = None) -> tuple[list[dict], int | None]:
+    """One 2pass /funasr stream sent at 4x real time (`arm` set halfway, in the speech); its results
+    up to the final one, and the close code if the server closed."""
+    results = []
+    async with websockets.connect(url, open_timeout=10) as ws:
+        await ws.send(json.dumps({"mode": "2pass", "wav_name": "w", "wav_format": "pcm", "audio_fs": 16000,
+                                  "is_speaking": True}))
+        with contextlib.suppress(websockets.ConnectionClosed):
+            for start in range(0, len(pcm), FUNASR_CHUNK):
+                if arm is not None and start >= len(pcm) // 2:
+                    arm.set()
+                await ws.send(pcm[start : start + FUNASR_CHUNK])
+                await asyncio.sleep(0.025)
+            await ws.send(json.dumps({"is_speaking": False}))
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while not results or not results[-1]["is_final"]:
+                results.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ws.recv(), 2)  # the close, if the server ends the connection
+    return results, ws.close_code
+
+
+def test_a_vad_step_failing_on_funasr_ends_the_stream_with_an_error_result_and_the_next_stream_works(voice, failing_vad_step):
+    url = voice.ws_url.replace("/v1/voice", "/funasr")
+    counted = failures(voice, "funasr", "stream")
+    errors = voice.metric("voicebot_errors_total", 'code="engine_error"')
+    results, code = asyncio.run(funasr_stream(url, speech_pcm(FIRST), arm=failing_vad_step.armed))
+    assert failing_vad_step.fired.is_set()
+    final = results[-1]
+    assert final["is_final"] and final["mode"] == "2pass-offline" and final["wav_name"] == "w"
+    assert final["text"].startswith("ERROR. an engine failed") and final["error"]
+    assert code == CloseCode.INTERNAL_ERROR
+    assert failures(voice, "funasr", "stream") == counted + 1
+    assert voice.metric("voicebot_errors_total", 'code="engine_error"') == errors + 1
+
+    results, code = asyncio.run(funasr_stream(url, speech_pcm(SECOND)))
+    assert not [r for r in results if "error" in r]
+    assert results[-1]["is_final"] and code != CloseCode.INTERNAL_ERROR
+    assert " ".join(r["text"] for r in results if r["mode"] == "2pass-offline" and r["text"]) == SECOND
+
+
+# ---- the end-of-turn model's worker ----------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread killed on purpose
+def test_the_end_of_turn_models_lost_threads_are_exported():
+    with running_server(make_settings(endpoint={"turn": "smart"})) as server:
+        assert server.runtime.smart_turn is not None
+        assert 'voicebot_worker_threads_lost_total{worker="smart-turn"} 0.0' in server.get("/metrics").text
+        worker = server.runtime.smart_turn.worker
+        worker.submit(lambda: None).result(timeout=10)  # its thread started
+        threads = [t for t in worker._live if t.is_alive()]
+        for thread in threads:
+            _kill(thread)  # idle: it dies as it takes its next call
+        worker.submit(lambda: None).result(timeout=10)  # taken by the replacement
+        for thread in threads:
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+        assert server.metric("voicebot_worker_threads_lost_total", 'worker="smart-turn"') == len(threads) > 0

@@ -198,9 +198,11 @@ class FunasrSession:
             self._resampler = StreamResampler(self.config.audio_fs, SAMPLE_RATE)
             messages = await self._events(events)
         self._refused = True
-        error = self._message(OFFLINE, f"ERROR. {reason}")
-        error |= {"error": reason, "is_final": True}
-        return [*messages, error]
+        return [*messages, self.error_result(reason)]
+
+    def error_result(self, reason: str) -> dict:
+        """The final result that ends a stream with an error, as the FunASR runtime sends one."""
+        return self._message(OFFLINE, f"ERROR. {reason}") | {"error": reason, "is_final": True}
 
     def _drop(self, n_bytes: int) -> None:
         self.dropped_bytes += n_bytes
@@ -210,7 +212,7 @@ class FunasrSession:
         reason = (f"{self._dropped_unreported} bytes of audio sent after the stream ended with an error were not "
                   f"recognised; send a new first message to start a new stream")
         self._dropped_unreported = 0
-        return self._message(OFFLINE, f"ERROR. {reason}") | {"error": reason, "is_final": True}
+        return self.error_result(reason)
 
     async def _events(self, events: list[VadEvent]) -> list[dict]:
         messages: list[dict] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 
 import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
@@ -25,6 +26,8 @@ from voicebot.serving.vad import VadBatcher
 from voicebot.session.flood import FloodGuard
 from voicebot.session.idle import IdleWatch
 from voicebot.transport import Wire, receive_loop
+
+log = logging.getLogger(__name__)
 
 # The most windows one request to the VAD batcher holds: a session's largest chunk (1 s).
 MAX_CHUNK_WINDOWS = int(SAMPLE_RATE * MAX_CHUNK_SECONDS) // WINDOW
@@ -63,8 +66,9 @@ def funasr_segmenter(recognizer: Recognizer, endpoint: EndpointConfig, vad: VadB
 
 
 async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segmenter, settings: Settings, metrics: Metrics) -> None:
-    """Serve one accepted connection until the client goes away, floods or goes quiet for
-    `server.idle_timeout_s`; those two end it as a refused stream ends, and close it."""
+    """Serve one accepted connection until the client goes away, floods, goes quiet for
+    `server.idle_timeout_s` or an engine fails on its stream; those end it as a refused stream ends
+    (the results so far, then the reason as an error result), and close it (docs/protocol.md)."""
     session = FunasrSession(recognizer, segmenter)
     limits = settings.limits
     flood = FloodGuard(limits.max_messages_per_s, limits.max_audio_realtime_factor, limits.window_s,
@@ -72,6 +76,7 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
     handling = False  # a message is being recognised (a whole file can take a while): not idle
     idle = IdleWatch(settings.server.idle_timeout_s, busy=lambda: handling)
     flooding: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    broken: asyncio.Future[str] = asyncio.get_running_loop().create_future()  # an engine failed: why
     quiet = asyncio.create_task(idle.expire())
 
     async def on_message(message: Wire) -> None:
@@ -97,12 +102,19 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
                 replies = await session.on_audio(message)
         except ProtocolError as exc:
             replies = [{"wav_name": session.config.wav_name, "error": str(exc), "is_final": False}]
+        except Exception as exc:  # the VAD or the recognizer broke on this stream: it ends, the server goes on
+            log.error("/funasr: an engine failed on stream %r", session.config.wav_name, exc_info=exc)
+            metrics.engine_failures.labels("funasr", "stream").inc()
+            broken.set_result(f"an engine failed: {type(exc).__name__}: {exc}")  # the receive loop ends here
+            return
         for reply in replies:
             await ws.send_text(json.dumps(reply, ensure_ascii=False))
 
     try:
-        await receive_loop(ws, on_message, until=(flooding, quiet))
-        if flooding.done():
+        await receive_loop(ws, on_message, until=(flooding, quiet, broken))
+        if broken.done():
+            await _end(ws, session, metrics, ErrorCode.ENGINE_ERROR, broken.result(), CloseCode.INTERNAL_ERROR)
+        elif flooding.done():
             await _end(ws, session, metrics, ErrorCode.FLOODING, flooding.result(), CloseCode.FLOODING)
         elif quiet.done():
             await _end(ws, session, metrics, ErrorCode.IDLE_TIMEOUT, quiet.result(), CloseCode.POLICY)
@@ -115,6 +127,11 @@ async def _end(ws: WebSocket, session: FunasrSession, metrics: Metrics, code: st
     """The results of the audio received so far, the reason as the final result, then the close."""
     metrics.errors.labels(code).inc()
     with contextlib.suppress(WebSocketDisconnect, RuntimeError):  # the client may be gone already
-        for reply in await session.refuse(reason):
+        try:
+            replies = await session.refuse(reason)
+        except Exception:  # the engine that broke the stream fails on its rest too: only the error is sent
+            log.exception("/funasr: the results so far could not be made")
+            replies = [session.error_result(reason)]
+        for reply in replies:
             await ws.send_text(json.dumps(reply, ensure_ascii=False))
         await ws.close(close_code, code)

@@ -85,7 +85,7 @@ class SmartTurn:
         self.path = path
         # The same features as pipecat's own (vendored) copy of this extractor, to 2e-6 (tests/unit/test_turn.py).
         self._features = WhisperFeatureExtractor(chunk_length=WINDOW_S, feature_size=80, sampling_rate=SAMPLE_RATE)
-        self._worker = Worker("smart-turn", threads=1)
+        self.worker = Worker("smart-turn", threads=1)
         self.max_batch = max_batch
         self._waiting: list[tuple[np.ndarray, float, asyncio.Future[Answer]]] = []  # (audio, asked at, answer)
         self._drainer: asyncio.Task | None = None
@@ -118,7 +118,7 @@ class SmartTurn:
             self.questions += len(batch)
             started = time.monotonic()
             try:
-                probabilities = await self._worker.run(self.predict, [audio for audio, _, _ in batch])
+                probabilities = await self.worker.run(self.predict, [audio for audio, _, _ in batch])
             except Exception as exc:
                 for _, _, future in batch:
                     if not future.done():
@@ -130,7 +130,7 @@ class SmartTurn:
                     future.set_result(Answer(float(p), started - asked, model_s))
 
     def close(self) -> None:
-        self._worker.shutdown()
+        self.worker.shutdown()
 
 
 class Action(enum.Enum):

@@ -211,6 +211,18 @@ class Listening:
         self._metrics.engine_failures.labels("asr", stage).inc()
         await self._outbox.error(ErrorCode.ENGINE_ERROR, f"the recognizer failed; utterance {opened.id} is lost: {exc}",
                                  engine="asr", stage=stage, utterance_id=opened.id)
+        await self._reset_stream()
+
+    async def lose_open(self) -> str | None:
+        """The front end failed on a chunk (Session._listen): the utterance in progress, if any, lost
+        as one the recognizer failed on is (the rest of it unheard, no transcript, no turn); its id."""
+        if self._open is None or self._open.failed:
+            return None
+        self._open.failed = True
+        await self._reset_stream()
+        return self._open.id
+
+    async def _reset_stream(self) -> None:
         try:
             await self.asr.reset()
         except Exception:

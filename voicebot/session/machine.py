@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import time
 import uuid
@@ -35,6 +36,8 @@ from voicebot.session.replying import Reply, Replying
 from voicebot.session.reset import EngineReset
 from voicebot.session.turn_taking import TurnTaking
 from voicebot.tts.base import SynthesisContext
+
+log = logging.getLogger("voicebot.session")
 
 # Queue bounds. audio_in: 64 chunks of at most 1 s each (the client's chunk size, typically
 # 20-100 ms, so about 6 s of audio in practice). turns: 8 replies waiting to be made.
@@ -346,7 +349,12 @@ class Session:
         while True:
             item = await self.turn_taking.next_input(self.audio_in)  # a stalled client: an InputEnd of its own
             async with self._engine_lock:
-                for utterance in await self.listening.hear(item):
+                try:
+                    utterances = await self.listening.hear(item)
+                except Exception as exc:  # the front end or the VAD batcher (VadFault, JobAborted) broke on this chunk
+                    await self._front_end_failed(item, exc)
+                    continue
+                for utterance in utterances:
                     await self.turn_taking.on_utterance(utterance, input_end=isinstance(item, InputEnd))
                 if isinstance(item, InputEnd):
                     await self.turn_taking.end_now()  # input.end with no utterance open: a turn may still be
@@ -355,6 +363,20 @@ class Session:
             # While the reply is still being prepared too: the user has more to say.
             if self.state in (State.THINKING, State.SPEAKING) and self.listening.speech_run_ms >= self.choices.barge_in_min_ms:
                 await self.interrupt("barge_in")
+
+    async def _front_end_failed(self, item: Inbound, exc: Exception) -> None:
+        """A chunk the front end failed on is lost, and so is the utterance it was part of: the
+        client is told, both are counted as dropped input, and the next utterance is heard afresh."""
+        log.error("the front end failed on a chunk in session %s", self.id, exc_info=exc)
+        self.rt.metrics.engine_failures.labels("vad", "chunk").inc()
+        front_end = self.listening.front_end
+        heard_s = (front_end.endpointer.samples_seen - front_end.speech_start_sample) / LISTEN_RATE
+        utterance_id = await self.listening.lose_open()
+        chunk_s = len(item.pcm) / (2 * self.sample_rate) if isinstance(item, AudioIn) else 0.0
+        self.rt.metrics.input_dropped.labels("engine_error").inc(chunk_s + (heard_s if utterance_id else 0.0))
+        lost = f"; utterance {utterance_id} is lost" if utterance_id else ""
+        await self.outbox.error(ErrorCode.ENGINE_ERROR, f"voice detection failed on a chunk of input{lost}: {exc}",
+                                engine="vad", stage="chunk", **({"utterance_id": utterance_id} if utterance_id else {}))
 
     def _prepare_reply(self, turn: Turn) -> Reply | None:
         """A reply started during a pause, held until the turn is decided (turn_taking.py); none
