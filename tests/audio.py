@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from voicebot.audio.resample import StreamResampler
 from voicebot.config import REPO_ROOT
+
+# A directory for synthesized speech shared by the processes of one test run (tests/conftest.py
+# makes one per run; pytest-xdist's workers inherit it), so each sentence is synthesized once.
+SPEECH_DIR_ENV = "VOICEBOT_TEST_SPEECH_DIR"
 
 
 @functools.lru_cache(maxsize=64)
@@ -19,7 +26,25 @@ def espeak_speech(text: str, voice: str = "en-us", rate: int = 16000) -> np.ndar
     Synthesized in a fresh process: espeak-ng carries state from one synthesis to the next (the
     same sentence comes out a little different each time), so test audio made in-process would
     depend on what ran before it.
+
+    Kept in memory, and on disk in $VOICEBOT_TEST_SPEECH_DIR when it is set: the same fresh-process
+    synthesis, made once for all the processes of a test run.
     """
+    shared = os.environ.get(SPEECH_DIR_ENV)
+    if not shared:
+        return _synthesize(text, voice, rate)
+    path = Path(shared) / (hashlib.sha256(repr((text, voice, rate)).encode()).hexdigest() + ".npy")
+    if path.exists():
+        return np.load(path)
+    audio = _synthesize(text, voice, rate)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two workers may make the same sentence at once
+    with open(partial, "wb") as f:
+        np.save(f, audio)
+    os.replace(partial, path)
+    return audio
+
+
+def _synthesize(text: str, voice: str, rate: int) -> np.ndarray:
     script = (
         "import sys, threading; from voicebot.tts.espeak import _Library; lib = _Library.get(); "
         "sys.stdout.write(str(lib.rate) + '\\n'); sys.stdout.flush(); "

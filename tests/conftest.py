@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.audio import espeak_speech, to_pcm16
+from tests.audio import SPEECH_DIR_ENV, espeak_speech, to_pcm16
 from voicebot.config import Settings, load_settings
 
 TEST_PHRASES = [
@@ -24,6 +27,21 @@ TEST_PHRASES = [
     "what time does the show start tomorrow",
     "stop talking now",
 ]
+
+_SPEECH_DIR_MADE = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Made before pytest-xdist starts its workers, which inherit the variable: one directory of
+    # synthesized speech for the whole run (tests/audio.py), removed by the process that made it.
+    if not os.environ.get(SPEECH_DIR_ENV):
+        os.environ[SPEECH_DIR_ENV] = config.stash[_SPEECH_DIR_MADE] = tempfile.mkdtemp(prefix="voicebot-test-speech-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if made := config.stash.get(_SPEECH_DIR_MADE, None):
+        shutil.rmtree(made, ignore_errors=True)
+        del os.environ[SPEECH_DIR_ENV]
 
 
 def free_port() -> int:
