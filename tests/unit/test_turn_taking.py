@@ -16,10 +16,11 @@ from voicebot.session.turn_taking import STALL_GRACE_S, TurnTaking
 RATE = 16000
 
 
-def turn_taking(in_utterance: bool = True) -> TurnTaking:
-    # The front end as next_input reads it: no silence heard yet.
-    front_end = SimpleNamespace(resampler=SimpleNamespace(in_rate=RATE), endpointer=SimpleNamespace(in_utterance=in_utterance),
-                                silence_ms=0.0)
+def turn_taking(in_utterance: bool = True, session_silence_ms: int = 500) -> TurnTaking:
+    # The front end as next_input reads it: no silence heard yet; the endpointer waits the
+    # session's silence (session.update may set its own), the server's config says 500 ms.
+    endpointer = SimpleNamespace(in_utterance=in_utterance, config=EndpointConfig(endpoint_silence_ms=session_silence_ms))
+    front_end = SimpleNamespace(resampler=SimpleNamespace(in_rate=RATE), endpointer=endpointer, silence_ms=0.0)
     metrics = Metrics()
 
     async def queue_turn(turn):
@@ -71,3 +72,15 @@ def test_no_deadline_outside_an_utterance():
         return "returned"
 
     assert asyncio.run(run()) == "waited"
+
+
+def test_the_sessions_own_silence_rule_is_the_limit_not_the_servers():
+    """/v1/realtime's manual commits set a 5 s wait: a client pausing 1 s is not taken as stopped."""
+    async def run():
+        tt, queue = turn_taking(session_silence_ms=5000), asyncio.Queue()
+        await queue.put(chunk(0.02))
+        assert isinstance(await tt.next_input(queue), AudioIn)
+        asyncio.get_running_loop().call_later(1.0, queue.put_nowait, chunk(0.02))
+        return await asyncio.wait_for(tt.next_input(queue), 5)
+
+    assert isinstance(asyncio.run(run()), AudioIn)

@@ -173,7 +173,10 @@ class TurnTaking:
         if self._last_chunk is None or not (self.open or self._front_end.endpointer.in_utterance):
             return None
         arrived, chunk_s = self._last_chunk
-        remaining_s = max(0.0, self.policy.limit_ms - self._front_end.silence_ms) / 1000
+        # The silence rule's wait is the endpointer's: the session may have set its own (session.update;
+        # /v1/realtime's manual commits wait 5 s), which the policy's server-wide limit does not know.
+        limit_ms = self.policy.limit_ms if self.smart is not None else self._front_end.endpointer.config.endpoint_silence_ms
+        remaining_s = max(0.0, limit_ms - self._front_end.silence_ms) / 1000
         # Not before the next chunk is late: a client sending 1 s chunks is not stalled after 0.5 s.
         return arrived + max(remaining_s, chunk_s) + STALL_GRACE_S
 
