@@ -218,6 +218,9 @@ async def run_session(ws: Socket, rt: Runtime, on_session: Callable[[Session], N
             await session.outbox.put(None)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(sender, 2)
+            # Its place is free before the client hears the close: a client that connects again at
+            # once (or the next in line, at max_sessions) must not find it still taken.
+            rt.session_left(session.id)
             with contextlib.suppress(WebSocketDisconnect, RuntimeError):  # the client may be gone already
                 await ws.close(code, reason)
     finally:
