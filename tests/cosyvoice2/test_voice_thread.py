@@ -12,27 +12,25 @@ import threading
 import numpy as np
 import pytest
 import soundfile as sf
+from test_engine import make_synth
+from test_server import TOKENS, fixed_length  # noqa: F401 (a fixture: usefixtures below)
+from tiny_frontend import make_model_dir
 
 from tests.conftest import VoiceClient, make_settings, running_server
-from test_engine import make_synth
-from tiny_frontend import make_model_dir
-from voicebot.tts.cosyvoice2 import synthesizer as synthesizer_mod
-
-TOKENS = 40  # speech tokens per utterance: 40 x 40 ms = 1.6 s of audio
 
 
-@pytest.fixture
-def fixed_length(monkeypatch):
-    """Random tiny weights may stop at once; decode exactly TOKENS tokens so audio is certain."""
+def _exit_once(monkeypatch, synth) -> list[str]:
+    """The voice derivation raises SystemExit the first time (a library calling exit()); the names asked for."""
+    derive, calls = synth._derive_voice, []
 
-    def sampler(*_args):
-        def sample(logp, history):
-            eos = logp.shape[-1] - 3
-            return int(logp[:eos].argmax()) if len(history) < TOKENS else eos
+    def exits_once(name):
+        calls.append(name)
+        if len(calls) == 1:
+            raise SystemExit("a library called exit()")
+        return derive(name)
 
-        return sample
-
-    monkeypatch.setattr(synthesizer_mod.RasSampler, "from_hparams", sampler)
+    monkeypatch.setattr(synth, "_derive_voice", exits_once)
+    return calls
 
 
 def _kill(thread: threading.Thread) -> None:
@@ -41,7 +39,8 @@ def _kill(thread: threading.Thread) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread killed on purpose
-def test_a_failed_or_lost_voice_derivation_skips_one_reset_and_the_voice_keeps_speaking(tmp_path, cv2_dir, fixed_length, monkeypatch):
+@pytest.mark.usefixtures("fixed_length")
+def test_a_failed_or_lost_voice_derivation_skips_one_reset_and_the_voice_keeps_speaking(tmp_path, cv2_dir, monkeypatch):
     voices = tmp_path / "voices"
     voices.mkdir()
     t = np.arange(2 * 24000) / 24000
@@ -55,15 +54,7 @@ def test_a_failed_or_lost_voice_derivation_skips_one_reset_and_the_voice_keeps_s
     )
     with running_server(settings) as srv:
         synth = srv.runtime.synthesizer
-        derive, calls = synth._derive_voice, []
-
-        def exits_once(name):
-            calls.append(name)
-            if len(calls) == 1:
-                raise SystemExit("a library called exit()")
-            return derive(name)
-
-        monkeypatch.setattr(synth, "_derive_voice", exits_once)
+        calls = _exit_once(monkeypatch, synth)
         lost = 'worker="cosyvoice2-voices"'
         lost_before = srv.metric("voicebot_worker_threads_lost_total", lost)
 
@@ -99,15 +90,7 @@ def test_a_failed_or_lost_voice_derivation_skips_one_reset_and_the_voice_keeps_s
 
 def test_sessions_sharing_a_failed_derivation_all_skip_their_reset(tmp_path, cv2_dir, monkeypatch):
     synth = make_synth(tmp_path, cv2_dir)
-    derive, calls = synth._derive_voice, []
-
-    def exits_once(name):
-        calls.append(name)
-        if len(calls) == 1:
-            raise SystemExit("a library called exit()")
-        return derive(name)
-
-    monkeypatch.setattr(synth, "_derive_voice", exits_once)
+    calls = _exit_once(monkeypatch, synth)
 
     async def run():
         a, b = synth.open("anna"), synth.open("anna")
