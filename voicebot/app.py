@@ -20,7 +20,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from voicebot import __version__, auth, limits, openai_audio, protocol
+from voicebot import __version__, auth, limits, memory, openai_audio, protocol
 from voicebot.asr.funasr_ws import funasr_segmenter, serve_funasr
 from voicebot.channels import run_listener
 from voicebot.config import Settings, load_settings
@@ -39,6 +39,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or load_settings()
     auth.check_exposure(settings.server)
     auth.hide_tokens_in_logs()
+    memory.limit_heap_arenas()  # before the engines start their threads
     rt = Runtime(settings)
     funasr_open = [0]  # /funasr connections: they count toward max_sessions like sessions do
 
@@ -54,6 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await rt.start_cluster()
         lag = asyncio.create_task(rt.metrics.watch_loop_lag())
         load = asyncio.create_task(rt.admission.watch(lambda: len(rt.sessions), lambda: _report_load(rt)))
+        trim = asyncio.create_task(memory.trim_periodically())
         _drain_on_sigterm(rt)
         log.info("voicebot %s ready on %s:%s", __version__, settings.server.host, settings.server.port)
         try:
@@ -61,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             lag.cancel()
             load.cancel()
+            trim.cancel()
             await rt.close()
 
     app = FastAPI(title="voicebot", version=__version__, lifespan=lifespan)

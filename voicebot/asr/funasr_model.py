@@ -27,7 +27,6 @@ decoder call of the model instance and collect those values; nothing is approxim
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import math
@@ -38,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from voicebot.memory import release_freed_memory
 from voicebot.serving.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -159,10 +159,7 @@ def load_automodel(path: Path, device: str, threads: int) -> Any:
     verify_checkpoint(auto.model, Path(auto.kwargs["init_param"]))
     # funasr's loader keeps transient copies of the state dict: hand that memory back now.
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
+    release_freed_memory()
     return auto
 
 
