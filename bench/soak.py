@@ -360,11 +360,17 @@ async def run(url: str, probe: ServerProbe, process: subprocess.Popen, args) -> 
     print(f"{'min':>5} {'RSS MB':>7} {'fds':>5} {'thr':>4} {'tasks':>6} {'lag ms':>7} {'lag max':>7} {'replies':>7} {'cut':>4} "
           f"{'1st p50':>7} {'p95':>6} {'promised':>9} {'received':>9} {'lost':>5} {'deaths':>6} {'resumed':>8} {'fuzz':>6} {'vadq':>4} {'schq':>4} {'load':>5}", flush=True)
     rows = []
-    while (now := time.monotonic()) < deadline and process.poll() is None:
-        await asyncio.sleep(min(args.report_s, deadline - now))
+    # Ctrl-C ends an hours-long soak early with its table and summary, as its deadline would.
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
+    while (now := time.monotonic()) < deadline and process.poll() is None and not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), min(args.report_s, deadline - now))
         if process.poll() is None:
             metrics = await asyncio.to_thread(probe.metrics)  # off the clients' loop
             rows.append(report(probe, metrics, tally, start))
+    if stop.is_set():
+        print(f"stopped early (SIGINT) at minute {(time.monotonic() - start) / 60:.1f}")
     for task in tasks:  # a turn in progress at the deadline is cut: its reply is not counted
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -381,7 +387,7 @@ async def run(url: str, probe: ServerProbe, process: subprocess.Popen, args) -> 
             print(f"  {b['from']:>5g}-{b['to']:<5g} mean {b['mean_mb']:7.1f} MB  min {b['min_mb']:7.1f}  "
                   f"max {b['max_mb']:7.1f}  drift {b['drift_pct']:+6.2f} %", flush=True)
     drifts = [abs(b["drift_pct"]) for b in blocks if not b["warmup"]]
-    return {"minutes": args.minutes, "sessions": args.sessions, "replies": tally.replies, "interrupted": tally.interrupted,
+    return {"minutes": round((time.monotonic() - start) / 60, 2), "sessions": args.sessions, "replies": tally.replies, "interrupted": tally.interrupted,
             "frames_promised": tally.frames_promised, "frames_received": tally.frames_received, "lost_frames": lost,
             "deaths": len(tally.deaths), "utterances_sent": tally.utterances_sent, "asr_finals": tally.utterances_heard,
             "resumed": tally.resumed, "reconnects": tally.reconnects, "fuzz_messages": tally.fuzz_messages,
