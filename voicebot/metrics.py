@@ -61,6 +61,8 @@ class Metrics:
         self.audio_api_active = Gauge("voicebot_audio_api_active", "/v1/audio/* requests running now (they count toward server.max_sessions)", registry=r)
         self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop runs a timer", buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self.engine_failures = Counter("voicebot_engine_failures_total", "Engine calls that failed in a session, by engine (asr, vad, funasr, responder, tts) and stage (feed, finish, chunk, stream, synthesis)", ["engine", "stage"], registry=r)
+        self.engine_overloads = Counter("voicebot_engine_overloads_total", "Input an engine had no room for in a session (answered busy, not an engine failure), by engine (vad)", ["engine"], registry=r)
+        self.engine_overloads.labels("vad")
         for engine, stage in ENGINE_FAILURES:
             self.engine_failures.labels(engine, stage)
         for kind in REPLY_ERROR_KINDS:
