@@ -224,6 +224,14 @@ class Listening:
         await self._reset_stream()
         return self._open.id
 
+    async def clear(self) -> str | None:
+        """The client cleared its input: the utterance in progress lost (counted as dropped input,
+        `cleared`) and ended now, so what comes after starts a new one; its id."""
+        utterance_id = await self.lose_open("cleared")
+        self.front_end.end()  # its END dropped with it: no transcript, no turn
+        self._open = None
+        return utterance_id
+
     def _lose(self, opened: _OpenUtterance, reason: str) -> None:
         """What was heard of it so far counted as dropped input now, the rest as it comes (_on_event)."""
         opened.lost = reason

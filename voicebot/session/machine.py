@@ -23,7 +23,7 @@ from voicebot.audio.echo import EchoCanceller
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import pcm16_to_float
 from voicebot.channels import ChannelRefused
-from voicebot.messages import AudioFrame, AudioIn, Event, Inbound, InputEnd, Turn
+from voicebot.messages import AudioFrame, AudioIn, ClearInput, Event, Inbound, InputEnd, Turn
 from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
@@ -351,6 +351,11 @@ class Session:
     async def _listen(self) -> None:
         while True:
             item = await self.turn_taking.next_input(self.audio_in)  # a stalled client: an InputEnd of its own
+            if isinstance(item, ClearInput):
+                async with self._engine_lock:
+                    utterance_id = await self.listening.clear()
+                await self.outbox.emit(protocol.event("input.cleared", utterance_id=utterance_id))
+                continue
             async with self._engine_lock:
                 try:
                     utterances = await self.listening.hear(item)
@@ -390,6 +395,11 @@ class Session:
                                     retry_after_s=VAD_RETRY_AFTER_S, overloaded="vad", **where)
         else:
             await self.outbox.error(ErrorCode.ENGINE_ERROR, f"voice detection failed on a chunk of input{lost}: {exc}", **where)
+
+    async def clear_input(self) -> None:
+        """/v1/realtime's input_audio_buffer.clear: the utterance in progress dropped once the audio
+        sent before the clear is heard (in order, through audio_in); answered with `input.cleared`."""
+        await self.audio_in.put(ClearInput())
 
     def _prepare_reply(self, turn: Turn) -> Reply | None:
         """A reply started during a pause, held until the turn is decided (turn_taking.py); none
