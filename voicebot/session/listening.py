@@ -132,7 +132,8 @@ class FrontEnd:
 class _OpenUtterance:
     id: str
     muted_samples: int = 0
-    lost: str | None = None  # why it is lost (engine_error, overload): the rest of it is counted as dropped input
+    heard_samples: int = 0  # given to the recognizer, at LISTEN_RATE
+    lost: str | None = None  # why it is lost (engine_error, overload, cleared): the rest of it is counted as dropped input
 
 
 # What a lost utterance hands the turn policy: no words.
@@ -195,6 +196,7 @@ class Listening:
         if self._open.lost:  # the rest of a lost utterance: the recognizer starts afresh at the next
             self._metrics.input_dropped.labels(self._open.lost).inc(len(event.audio) / LISTEN_RATE)
             return None
+        self._open.heard_samples += len(event.audio)
         try:
             partial = await self.asr.accept(event.audio)
         except Exception as exc:  # a model failing on this input must not end the session
@@ -235,9 +237,7 @@ class Listening:
     def _lose(self, opened: _OpenUtterance, reason: str) -> None:
         """What was heard of it so far counted as dropped input now, the rest as it comes (_on_event)."""
         opened.lost = reason
-        front_end = self.front_end
-        heard_s = (front_end.endpointer.samples_seen - front_end.speech_start_sample) / LISTEN_RATE
-        self._metrics.input_dropped.labels(reason).inc(heard_s)
+        self._metrics.input_dropped.labels(reason).inc(opened.heard_samples / LISTEN_RATE)
 
     async def _reset_stream(self) -> None:
         try:
