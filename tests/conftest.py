@@ -1,4 +1,4 @@
-"""Shared test helpers: the real server on 127.0.0.1 (a free port), and a WebSocket voice client."""
+"""Shared test helpers: the real server on 127.0.0.1 (on a port it binds itself), and a WebSocket voice client."""
 
 from __future__ import annotations
 
@@ -44,15 +44,32 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         del os.environ[SPEECH_DIR_ENV]
 
 
+# The probes of free_port, bound until this process exits: one socket per call.
+_HELD_PORTS: list[socket.socket] = []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server in another process (run_server.py, redis-server, HAProxy), which no other
+    process is handed until this one ends. A port bound and released could be handed by the kernel
+    to another xdist worker's bind(0) before the server took it; so the probe stays bound, with
+    SO_REUSEADDR and never listening: bind(0) skips a bound port, and the servers, which all bind
+    with SO_REUSEADDR, can still take it. A server in this process binds port 0 instead (running_server)."""
+    probe = socket.socket()
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    probe.bind(("127.0.0.1", 0))
+    _HELD_PORTS.append(probe)
+    return probe.getsockname()[1]
+
+
+def bound_port(server) -> int:
+    """The port a started uvicorn.Server listens on (it was given port 0: the kernel chose)."""
+    return server.servers[0].sockets[0].getsockname()[1]
 
 
 def make_settings(**overrides: Any) -> Settings:
-    """The default config with a phrase grammar (deterministic transcripts) and a free port."""
-    base = {"server": {"port": free_port()}, "asr": {"pocketsphinx": {"phrases": TEST_PHRASES}}}
+    """The default config with a phrase grammar (deterministic transcripts) and port 0: the server
+    binds a port of the kernel's choosing, and running_server writes it back into the settings."""
+    base = {"server": {"port": 0}, "asr": {"pocketsphinx": {"phrases": TEST_PHRASES}}}
     for key, value in overrides.items():
         base.setdefault(key, {}).update(value) if isinstance(value, dict) else base.__setitem__(key, value)
     return load_settings(None, **base)
@@ -111,6 +128,7 @@ def running_server(settings: Settings) -> Iterator[RunningServer]:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the server did not start")
         time.sleep(0.02)
+    settings.server.port = bound_port(server)  # what the tests' URLs are made of
     running = RunningServer(settings, server, thread, app)
     try:
         asyncio.run(_warm_up(running))

@@ -240,6 +240,41 @@ def test_manual_commit_without_turn_detection(server):
     run(scenario())
 
 
+def test_clear_mid_utterance_drops_it_and_the_next_one_is_heard(server):
+    lost, kept = TEST_PHRASES[1], TEST_PHRASES[3]
+    cleared_before = server.metric("voicebot_input_dropped_seconds_total", 'reason="cleared"')
+
+    async def scenario():
+        async with realtime(server) as (connection, events):
+            pcm = speech_pcm(lost, rate=RATE)
+            sent = 0
+            for sent in range(0, len(pcm), CHUNK_BYTES):  # until the server hears the speech start
+                await connection.input_audio_buffer.append(audio=base64.b64encode(pcm[sent : sent + CHUNK_BYTES]).decode())
+                await asyncio.sleep(0.05)
+                if events.of_type("input_audio_buffer.speech_started"):
+                    break
+            assert events.of_type("input_audio_buffer.speech_started") and sent < len(pcm) // 2
+            await connection.input_audio_buffer.clear()
+            await events.wait("input_audio_buffer.cleared")
+            await append_speech(connection, bytes(RATE * 2 * 2), speed=4)  # 2 s of silence: the cut speech would end
+            await asyncio.sleep(0.5)
+            after_clear = [e["type"] for e in events.events]
+            await append_speech(connection, speech_pcm(kept, rate=RATE), speed=4)
+            completed = await events.wait("conversation.item.input_audio_transcription.completed")
+            done = (await events.wait("response.done"))["response"]
+            return after_clear, completed, done, history(server, events)
+
+    after_clear, completed, done, messages = run(scenario())
+    assert "error" not in after_clear
+    assert not {"input_audio_buffer.committed", "conversation.item.input_audio_transcription.completed",
+                "response.created"} & set(after_clear)
+    assert completed["transcript"] == kept and done["status"] == "completed"
+    assert messages == [{"role": "user", "content": kept}, {"role": "assistant", "content": kept}]
+    # At least the speech the endpointer needs before it calls an utterance started was dropped.
+    min_speech_s = server.settings.endpoint.min_speech_ms / 1000
+    assert server.metric("voicebot_input_dropped_seconds_total", 'reason="cleared"') >= cleared_before + min_speech_s
+
+
 def test_realtime_sessions_and_audio_requests_share_max_sessions():
     import httpx
     import openai

@@ -14,11 +14,14 @@ class ResetReport:
 
     `generation` increases by one at every reset, so a test (or an operator) can see that state was
     really dropped and rebuilt, not skipped; `bytes_freed` is the size of the state that was dropped.
+    `skipped`: the engine could not rebuild its state this time and keeps the old (the generation
+    stays); the session reports it apart, as not reset.
     """
 
     engine: str
     generation: int
     bytes_freed: int
+    skipped: bool = False
 
 
 @dataclass

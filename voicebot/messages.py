@@ -17,7 +17,7 @@ from typing import Any
 from voicebot.asr.base import Hypothesis
 from voicebot.tts.base import SpeechChunk
 
-__all__ = ["AudioIn", "InputEnd", "Inbound", "Utterance", "Turn", "SpeechChunk", "Event", "AudioFrame", "Outbound"]
+__all__ = ["AudioIn", "InputEnd", "ClearInput", "Inbound", "Utterance", "Turn", "SpeechChunk", "Event", "AudioFrame", "Outbound"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,13 @@ class InputEnd:
     arrived: float
 
 
-Inbound = AudioIn | InputEnd
+@dataclass(frozen=True)
+class ClearInput:
+    """The client cleared its input (/v1/realtime's input_audio_buffer.clear), queued in order with
+    the audio before it: drop the utterance in progress."""
+
+
+Inbound = AudioIn | InputEnd | ClearInput
 
 
 @dataclass(frozen=True)

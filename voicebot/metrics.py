@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -48,7 +49,8 @@ class Metrics:
         self.underruns = Counter("voicebot_underruns_total", "Reply frames sent after the client should already have played them", registry=r)
         self.gate_muted = Counter("voicebot_gate_muted_seconds_total", "Input audio muted by the noise gate", registry=r)
         self.input_dropped = Counter("voicebot_input_dropped_seconds_total", "Input audio dropped, by reason", ["reason"], registry=r)
-        self.resets = Counter("voicebot_resets_total", "Periodic state resets", registry=r)
+        self.resets = Counter("voicebot_resets_total", "Periodic state resets that renewed engine state (a state.reset sent)", registry=r)
+        self.resets_skipped = Counter("voicebot_resets_skipped_total", "Engine resets in a periodic reset that could not rebuild their state (it was kept), by engine", ["engine"], registry=r)
         self.reset_duration = Histogram("voicebot_reset_duration_seconds", "Time to drop and rebuild engine state", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5), registry=r)
         self.errors = Counter("voicebot_errors_total", "Error events sent, by code", ["code"], registry=r)
         self.asyncio_tasks = Gauge("voicebot_asyncio_tasks", "Tasks on the event loop (sampled with the loop lag)", registry=r)
@@ -61,6 +63,8 @@ class Metrics:
         self.audio_api_active = Gauge("voicebot_audio_api_active", "/v1/audio/* requests running now (they count toward server.max_sessions)", registry=r)
         self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop runs a timer", buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self.engine_failures = Counter("voicebot_engine_failures_total", "Engine calls that failed in a session, by engine (asr, vad, funasr, responder, tts) and stage (feed, finish, chunk, stream, synthesis)", ["engine", "stage"], registry=r)
+        self.engine_overloads = Counter("voicebot_engine_overloads_total", "Input an engine had no room for in a session (answered busy, not an engine failure), by engine (vad)", ["engine"], registry=r)
+        self.engine_overloads.labels("vad")
         for engine, stage in ENGINE_FAILURES:
             self.engine_failures.labels(engine, stage)
         for kind in REPLY_ERROR_KINDS:
@@ -92,4 +96,20 @@ class _ThreadsLost(Collector):
         family = CounterMetricFamily("voicebot_worker_threads_lost", "Engine worker threads that died and were replaced", labels=["worker"])
         for worker in self.workers:
             family.add_metric([worker.name], worker.threads_lost)
+        yield family
+
+
+def register_voice_refreshes(registry: CollectorRegistry, failed: Callable[[], int]) -> None:
+    """Export voicebot_voice_refreshes_failed_total: a synthesizer's voice derivations that failed
+    (each skips the resets that shared it), read at scrape time, as /readyz's voice_refreshes_failed."""
+    registry.register(_VoiceRefreshesFailed(failed))
+
+
+class _VoiceRefreshesFailed(Collector):
+    def __init__(self, failed: Callable[[], int]) -> None:
+        self.failed = failed
+
+    def collect(self):
+        family = CounterMetricFamily("voicebot_voice_refreshes_failed", "Voice state derivations (periodic reset) that failed; the voice kept its state")
+        family.add_metric([], self.failed())
         yield family

@@ -18,7 +18,7 @@ from collections import deque
 from starlette.websockets import WebSocket, WebSocketState
 
 from voicebot.metrics import Metrics
-from voicebot.realtime_events import Action, Answer, Forward, Instruct, RealtimeTranslator, Send, SetThreshold, Truncate
+from voicebot.realtime_events import Action, Answer, Clear, Forward, Instruct, RealtimeTranslator, Send, SetThreshold, Truncate
 from voicebot.session import Session
 
 
@@ -76,6 +76,8 @@ class RealtimeSocket:
             endpointer.config = endpointer.config.model_copy(update={"threshold": action.threshold})
         elif isinstance(action, Truncate):
             await self._truncate(action)
+        elif isinstance(action, Clear):
+            await session.clear_input()
 
     async def _truncate(self, action: Truncate) -> None:
         reply = self._session.last_reply

@@ -99,7 +99,12 @@ class Send:
     event: dict
 
 
-Action = Forward | Answer | Truncate | Instruct | SetThreshold | Send
+@dataclass(frozen=True)
+class Clear:
+    """Drop the utterance in progress (input_audio_buffer.clear); the session answers input.cleared."""
+
+
+Action = Forward | Answer | Truncate | Instruct | SetThreshold | Send | Clear
 
 
 def _voice_message(kind: str, **fields: Any) -> Forward:
@@ -248,11 +253,8 @@ class RealtimeTranslator:
         return [_voice_message("input.end")]  # its utterance's asr.final brings `committed`
 
     def _clear(self, event: dict) -> list[Action]:
-        if self._utterance is not None:
-            raise RealtimeError("speech in the buffer is already being transcribed; it cannot be cleared",
-                                "unsupported_value")
-        self.uncommitted_bytes = 0
-        return [Send(self._event("input_audio_buffer.cleared"))]
+        self.uncommitted_bytes = 0  # what is appended after the clear is a new buffer
+        return [Clear()]  # `cleared` when the session has dropped it (_cleared)
 
     def _item_create(self, event: dict) -> list[Action]:
         item = _object(event, "item", "item")
@@ -386,6 +388,12 @@ class RealtimeTranslator:
                           "gate_muted_ms": event["gate_muted_ms"]}))
         return events
 
+    def _cleared(self, event: dict) -> list[dict]:
+        """The session dropped the utterance in progress, if any: it has no item, no transcript."""
+        if self._utterance is not None and self._utterance.item_id == f"item_{event['utterance_id']}":
+            self._utterance = None
+        return [self._event("input_audio_buffer.cleared")]
+
     def _turn_end(self, event: dict) -> list[dict]:
         if event["text"]:
             self._turn_answered = True  # its reply follows (a turn may hold several utterances)
@@ -437,6 +445,7 @@ class RealtimeTranslator:
         "asr.partial": _partial,
         "asr.final": _final,
         "turn.end": _turn_end,
+        "input.cleared": _cleared,
         "reply.delta": _reply_delta,
         "reply.done": _reply_done,
         "audio.start": _audio_start,

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from tests.conftest import bound_port
 from voicebot.app import create_app
 from voicebot.config import Settings
 
@@ -25,7 +26,7 @@ def serve(settings: Settings, **uvicorn_options) -> Iterator[int]:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
     try:
-        yield settings.server.port
+        yield bound_port(server)
     finally:
         server.should_exit = True
         thread.join(10)

@@ -81,9 +81,15 @@ def test_a_failed_or_lost_voice_derivation_skips_one_reset_and_the_voice_keeps_s
         assert kept and not client.of_type("error")
         ends = client.of_type("audio.end")
         assert len(ends) == 3 and all(end["samples"] == TOKENS * 960 for end in ends)
-        reports = [next(e for e in reset["engines"] if e["engine"] == "cosyvoice2") for reset in client.of_type("state.reset")]
-        assert [(r["generation"], r["bytes_freed"] > 0) for r in reports[:3]] == [(0, False), (1, True), (2, True)]
+        resets = client.of_type("state.reset")[:3]
+        # The first reset renewed the recognizer only: the voice is named as skipped, not reported reset.
+        assert [[e["engine"] for e in reset["engines"]] for reset in resets] == [["pocketsphinx"], ["pocketsphinx", "cosyvoice2"], ["pocketsphinx", "cosyvoice2"]]
+        assert [reset["skipped"] for reset in resets] == [["cosyvoice2"], [], []]
+        reports = [reset["engines"][1] for reset in resets[1:]]
+        assert [(r["generation"], r["bytes_freed"] > 0) for r in reports] == [(1, True), (2, True)]
         assert len(calls) >= 3 and synth.info().details["voice_refreshes_failed"] == 1
+        assert srv.metric("voicebot_voice_refreshes_failed_total") == 1
+        assert srv.metric("voicebot_resets_skipped_total", 'engine="cosyvoice2"') == 1
         assert killed and all(not thread.is_alive() for thread in killed)
         assert srv.metric("voicebot_worker_threads_lost_total", lost) == lost_before + len(killed)
 
@@ -106,6 +112,6 @@ def test_sessions_sharing_a_failed_derivation_all_skip_their_reset(tmp_path, cv2
         skipped, kept, renewed, still_old = asyncio.run(run())
     finally:
         synth.close()
-    assert [(r.generation, r.bytes_freed) for r in skipped] == [(0, 0), (0, 0)] and kept
-    assert renewed.generation == 1 and renewed.bytes_freed > 0 and not still_old
+    assert [(r.generation, r.bytes_freed, r.skipped) for r in skipped] == [(0, 0, True), (0, 0, True)] and kept
+    assert renewed.generation == 1 and renewed.bytes_freed > 0 and not renewed.skipped and not still_old
     assert calls == ["anna", "anna"] and synth.info().details["voice_refreshes_failed"] == 1

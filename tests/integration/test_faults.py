@@ -18,6 +18,7 @@ import threading
 import pytest
 import websockets
 
+from tests.audio import espeak_speech
 from tests.conftest import (
     TEST_PHRASES,
     RunningServer,
@@ -31,6 +32,11 @@ from voicebot.protocol import CloseCode
 from voicebot.serving import vad as vad_module
 
 FIRST, SECOND = TEST_PHRASES[1], TEST_PHRASES[2]
+FIRST_SPEECH_S = len(espeak_speech(FIRST)) / 16000  # the voiced part of speech_pcm(FIRST)
+
+
+def dropped(server: RunningServer, reason: str) -> float:
+    return server.metric("voicebot_input_dropped_seconds_total", f'reason="{reason}"')
 
 
 class Once:
@@ -223,6 +229,7 @@ def assert_reply_ended_properly(client: VoiceClient, reply_id: str) -> None:
 def test_a_recognizer_failing_mid_utterance_loses_only_that_utterance(voice, method, at):
     flaky = FlakyRecognizer(voice.runtime.recognizer, method, Once(at))
     counted = failures(voice, "asr", "feed" if method == "accept" else "finish")
+    dropped_before = dropped(voice, "engine_error")
 
     async def scenario():
         async with VoiceClient.connect(voice.ws_url) as c:
@@ -241,6 +248,8 @@ def test_a_recognizer_failing_mid_utterance_loses_only_that_utterance(voice, met
     assert history_after_fault == []
     assert messages == [{"role": "user", "content": SECOND}, {"role": "assistant", "content": SECOND}]
     assert failures(voice, "asr", "feed" if method == "accept" else "finish") == counted + 1
+    # All of the lost utterance is dropped input: what was heard before the failure and the rest of it.
+    assert dropped(voice, "engine_error") >= dropped_before + 0.9 * FIRST_SPEECH_S
 
 
 def test_a_responder_failing_mid_reply_keeps_what_was_heard(voice):
@@ -462,7 +471,7 @@ def failing_vad_step(request, monkeypatch):
 
 def test_a_vad_step_failing_mid_utterance_loses_that_utterance_and_the_next_turn_works(voice, failing_vad_step):
     counted = failures(voice, "vad", "chunk")
-    dropped = voice.metric("voicebot_input_dropped_seconds_total", 'reason="engine_error"')
+    dropped_before, overloaded_before = dropped(voice, "engine_error"), dropped(voice, "overload")
 
     async def scenario():
         async with VoiceClient.connect(voice.ws_url) as c:
@@ -484,8 +493,41 @@ def test_a_vad_step_failing_mid_utterance_loses_that_utterance_and_the_next_turn
     assert history_after_fault == []
     assert messages == [{"role": "user", "content": SECOND}, {"role": "assistant", "content": SECOND}]
     assert failures(voice, "vad", "chunk") == counted + 1
-    # The chunk and what was heard of the utterance before it (at least the chunk's 100 ms).
-    assert voice.metric("voicebot_input_dropped_seconds_total", 'reason="engine_error"') >= dropped + 0.1
+    # The chunk, what was heard of the utterance before it and the rest of it after.
+    assert dropped(voice, "engine_error") >= dropped_before + 0.9 * FIRST_SPEECH_S
+    assert dropped(voice, "overload") == overloaded_before
+
+
+def test_a_full_vad_batcher_answers_busy_and_loses_that_utterance_and_the_next_turn_works(voice):
+    """Overload is not a broken engine: `busy` with a retry-after, counted apart from failures."""
+    batcher = voice.runtime.vad
+    counted, overloads = failures(voice, "vad", "chunk"), voice.metric("voicebot_engine_overloads_total", 'engine="vad"')
+    engine_errors, dropped_before = dropped(voice, "engine_error"), dropped(voice, "overload")
+
+    async def scenario():
+        async with VoiceClient.connect(voice.ws_url) as c:
+            streaming = asyncio.create_task(c.stream(speech_pcm(FIRST), speed=4))
+            started = await c.wait_for("speech.started")
+            bound, batcher.max_pending = batcher.max_pending, 0  # the real bound, reached by the next chunk
+            try:
+                error = await c.wait_for("error")
+            finally:
+                batcher.max_pending = bound
+            await streaming
+            await asyncio.sleep(1.5)  # the rest of that utterance, and whatever it would cause
+            lost = (list(c.events), history(voice, c))
+            await next_turn_works(c, ends_before=0)
+            return started, error, lost, history(voice, c)
+
+    started, error, (events_after_fault, history_after_fault), messages = asyncio.run(scenario())
+    assert error["code"] == "busy" and error["engine"] == "vad" and error["overloaded"] == "vad"
+    assert error["retry_after_s"] > 0 and error["utterance_id"] == started["utterance_id"]
+    assert not [e for e in events_after_fault if e["type"] in ("asr.final", "turn.end", "reply.delta", "audio.start")]
+    assert history_after_fault == []
+    assert messages == [{"role": "user", "content": SECOND}, {"role": "assistant", "content": SECOND}]
+    assert voice.metric("voicebot_engine_overloads_total", 'engine="vad"') >= overloads + 1
+    assert failures(voice, "vad", "chunk") == counted and dropped(voice, "engine_error") == engine_errors
+    assert dropped(voice, "overload") >= dropped_before + 0.9 * FIRST_SPEECH_S
 
 
 FUNASR_CHUNK = 3200  # bytes: 100 ms of 16 kHz s16le, as the runtime's clients send

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from voicebot.realtime_events import CHUNK_BYTES, MANUAL_SILENCE_MS, Answer, Forward, Instruct, RealtimeTranslator, Send, SetThreshold, Truncate
+from voicebot.realtime_events import CHUNK_BYTES, MANUAL_SILENCE_MS, Answer, Clear, Forward, Instruct, RealtimeTranslator, Send, SetThreshold, Truncate
 
 
 def translator() -> RealtimeTranslator:
@@ -167,11 +167,16 @@ def test_no_transcription_events_when_transcription_is_off():
     assert "conversation.item.input_audio_transcription.completed" not in types(final)
 
 
-def test_clear_refuses_speech_already_in_transcription():
+def test_clear_mid_utterance_drops_it_and_is_answered_when_the_session_has():
     t = translator()
-    assert types([a.event for a in client(t, {"type": "input_audio_buffer.clear"})]) == ["input_audio_buffer.cleared"]
+    client(t, {"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\0\0" * 2400).decode()})
     server(t, "speech.started", utterance_id="u1")
-    assert error_of(client(t, {"type": "input_audio_buffer.clear"}))["code"] == "unsupported_value"
+    assert client(t, {"type": "input_audio_buffer.clear"}) == [Clear()]  # no refusal, no answer yet
+    assert t.uncommitted_bytes == 0
+    assert server(t, "asr.partial", utterance_id="u1", text="hel") != []  # heard before the session dropped it
+    assert types(server(t, "input.cleared", utterance_id="u1")) == ["input_audio_buffer.cleared"]
+    assert server(t, "asr.partial", utterance_id="u1", text="hello") == []  # its item is gone
+    assert types(server(t, "input.cleared", utterance_id=None)) == ["input_audio_buffer.cleared"]  # nothing in progress
 
 
 def test_typed_messages_wait_for_response_create():

@@ -132,7 +132,8 @@ class FrontEnd:
 class _OpenUtterance:
     id: str
     muted_samples: int = 0
-    failed: bool = False  # the recognizer failed on it: it is lost
+    heard_samples: int = 0  # given to the recognizer, at LISTEN_RATE
+    lost: str | None = None  # why it is lost (engine_error, overload, cleared): the rest of it is counted as dropped input
 
 
 # What a lost utterance hands the turn policy: no words.
@@ -192,8 +193,10 @@ class Listening:
             if self.on_endpoint is not None:
                 self.on_endpoint()  # before the recognizer's finish, so what waits on the pause overlaps it
             return await self._finish(event, opened)
-        if self._open.failed:
-            return None  # the rest of a lost utterance: the recognizer starts afresh at the next
+        if self._open.lost:  # the rest of a lost utterance: the recognizer starts afresh at the next
+            self._metrics.input_dropped.labels(self._open.lost).inc(len(event.audio) / LISTEN_RATE)
+            return None
+        self._open.heard_samples += len(event.audio)
         try:
             partial = await self.asr.accept(event.audio)
         except Exception as exc:  # a model failing on this input must not end the session
@@ -207,20 +210,34 @@ class Listening:
         """The recognizer failed on this utterance: it is lost (no transcript, no turn), the client
         is told, and the stream is rebuilt, so the next utterance starts on a clean one."""
         log.error("recognizer failed (%s) in session %s, utterance %s", stage, self._session_id, opened.id, exc_info=exc)
-        opened.failed = True
         self._metrics.engine_failures.labels("asr", stage).inc()
+        self._lose(opened, "engine_error")
         await self._outbox.error(ErrorCode.ENGINE_ERROR, f"the recognizer failed; utterance {opened.id} is lost: {exc}",
                                  engine="asr", stage=stage, utterance_id=opened.id)
         await self._reset_stream()
 
-    async def lose_open(self) -> str | None:
-        """The front end failed on a chunk (Session._listen): the utterance in progress, if any, lost
-        as one the recognizer failed on is (the rest of it unheard, no transcript, no turn); its id."""
-        if self._open is None or self._open.failed:
+    async def lose_open(self, reason: str) -> str | None:
+        """The front end failed on a chunk or was overloaded (Session._listen): the utterance in
+        progress, if any, lost as one the recognizer failed on is (the rest of it unheard, no
+        transcript, no turn); its id."""
+        if self._open is None or self._open.lost:
             return None
-        self._open.failed = True
+        self._lose(self._open, reason)
         await self._reset_stream()
         return self._open.id
+
+    async def clear(self) -> str | None:
+        """The client cleared its input: the utterance in progress lost (counted as dropped input,
+        `cleared`) and ended now, so what comes after starts a new one; its id."""
+        utterance_id = await self.lose_open("cleared")
+        self.front_end.end()  # its END dropped with it: no transcript, no turn
+        self._open = None
+        return utterance_id
+
+    def _lose(self, opened: _OpenUtterance, reason: str) -> None:
+        """What was heard of it so far counted as dropped input now, the rest as it comes (_on_event)."""
+        opened.lost = reason
+        self._metrics.input_dropped.labels(reason).inc(opened.heard_samples / LISTEN_RATE)
 
     async def _reset_stream(self) -> None:
         try:
@@ -232,7 +249,7 @@ class Listening:
         endpoint_at = time.monotonic()
         speech_end = self.front_end.time_of_sample(event.speech_end_sample) if event.speech_end_sample else endpoint_at
         hyp = None
-        if not opened.failed:
+        if not opened.lost:
             try:
                 hyp = await self.asr.finish()
             except Exception as exc:

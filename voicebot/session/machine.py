@@ -23,10 +23,11 @@ from voicebot.audio.echo import EchoCanceller
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import pcm16_to_float
 from voicebot.channels import ChannelRefused
-from voicebot.messages import AudioFrame, AudioIn, Event, Inbound, InputEnd, Turn
+from voicebot.messages import AudioFrame, AudioIn, ClearInput, Event, Inbound, InputEnd, Turn
 from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
+from voicebot.serving.vad import VadOverloaded
 from voicebot.session.choices import Choices
 from voicebot.session.flood import FloodGuard
 from voicebot.session.idle import IdleWatch
@@ -43,6 +44,8 @@ log = logging.getLogger("voicebot.session")
 # 20-100 ms, so about 6 s of audio in practice). turns: 8 replies waiting to be made.
 AUDIO_IN_MAX = 64
 TURNS_MAX = 8
+# The VAD batcher full: it drains in steps of milliseconds, so the client may send again soon.
+VAD_RETRY_AFTER_S = 1
 
 
 class State(Enum):
@@ -348,6 +351,11 @@ class Session:
     async def _listen(self) -> None:
         while True:
             item = await self.turn_taking.next_input(self.audio_in)  # a stalled client: an InputEnd of its own
+            if isinstance(item, ClearInput):
+                async with self._engine_lock:
+                    utterance_id = await self.listening.clear()
+                await self.outbox.emit(protocol.event("input.cleared", utterance_id=utterance_id))
+                continue
             async with self._engine_lock:
                 try:
                     utterances = await self.listening.hear(item)
@@ -365,18 +373,33 @@ class Session:
                 await self.interrupt("barge_in")
 
     async def _front_end_failed(self, item: Inbound, exc: Exception) -> None:
-        """A chunk the front end failed on is lost, and so is the utterance it was part of: the
-        client is told, both are counted as dropped input, and the next utterance is heard afresh."""
-        log.error("the front end failed on a chunk in session %s", self.id, exc_info=exc)
-        self.rt.metrics.engine_failures.labels("vad", "chunk").inc()
-        front_end = self.listening.front_end
-        heard_s = (front_end.endpointer.samples_seen - front_end.speech_start_sample) / LISTEN_RATE
-        utterance_id = await self.listening.lose_open()
+        """A chunk the front end failed on, or the VAD batcher had no room for, is lost, and so is
+        the utterance it was part of: the client is told, both are counted as dropped input, and the
+        next utterance is heard afresh. An overload is the server's capacity, not a broken engine:
+        `busy` with a retry-after, as admission answers, counted apart."""
+        overloaded = isinstance(exc, VadOverloaded)
+        reason = "overload" if overloaded else "engine_error"
+        if overloaded:
+            log.warning("the VAD batcher is full; a chunk of session %s is dropped: %s", self.id, exc)
+            self.rt.metrics.engine_overloads.labels("vad").inc()
+        else:
+            log.error("the front end failed on a chunk in session %s", self.id, exc_info=exc)
+            self.rt.metrics.engine_failures.labels("vad", "chunk").inc()
+        utterance_id = await self.listening.lose_open(reason)
         chunk_s = len(item.pcm) / (2 * self.sample_rate) if isinstance(item, AudioIn) else 0.0
-        self.rt.metrics.input_dropped.labels("engine_error").inc(chunk_s + (heard_s if utterance_id else 0.0))
+        self.rt.metrics.input_dropped.labels(reason).inc(chunk_s)
         lost = f"; utterance {utterance_id} is lost" if utterance_id else ""
-        await self.outbox.error(ErrorCode.ENGINE_ERROR, f"voice detection failed on a chunk of input{lost}: {exc}",
-                                engine="vad", stage="chunk", **({"utterance_id": utterance_id} if utterance_id else {}))
+        where = {"engine": "vad", "stage": "chunk", **({"utterance_id": utterance_id} if utterance_id else {})}
+        if overloaded:
+            await self.outbox.error(ErrorCode.BUSY, f"voice detection is at capacity; a chunk of input was dropped{lost}",
+                                    retry_after_s=VAD_RETRY_AFTER_S, overloaded="vad", **where)
+        else:
+            await self.outbox.error(ErrorCode.ENGINE_ERROR, f"voice detection failed on a chunk of input{lost}: {exc}", **where)
+
+    async def clear_input(self) -> None:
+        """/v1/realtime's input_audio_buffer.clear: the utterance in progress dropped once the audio
+        sent before the clear is heard (in order, through audio_in); answered with `input.cleared`."""
+        await self.audio_in.put(ClearInput())
 
     def _prepare_reply(self, turn: Turn) -> Reply | None:
         """A reply started during a pause, held until the turn is decided (turn_taking.py); none

@@ -33,10 +33,19 @@ class EngineReset:
         return time.monotonic() - self._last >= self.interval_s
 
     async def run(self, reason: str) -> None:
+        """Reset every engine; report what was renewed. An engine that could not rebuild its state
+        (it keeps the old: a CosyVoice 2 voice derivation failed) was not reset, and is named apart
+        (`skipped`, voicebot_resets_skipped_total); a reset that renewed nothing sends nothing."""
         start = time.perf_counter()
         reports = [await engine.reset() for engine in self._engines]
         duration = time.perf_counter() - start
-        self._last = time.monotonic()
+        self._last = time.monotonic()  # a skipped engine tries again at the next interval, not at once
+        renewed = [r for r in reports if not r.skipped]
+        skipped = [r.engine for r in reports if r.skipped]
+        for engine in skipped:
+            self._metrics.resets_skipped.labels(engine).inc()
+        if not renewed:
+            return
         self.count += 1
         self._metrics.resets.inc()
         self._metrics.reset_duration.observe(duration)
@@ -45,6 +54,7 @@ class EngineReset:
                 "state.reset",
                 reason=reason,
                 duration_ms=round(duration * 1000, 2),
-                engines=[{"engine": r.engine, "generation": r.generation, "bytes_freed": r.bytes_freed} for r in reports],
+                engines=[{"engine": r.engine, "generation": r.generation, "bytes_freed": r.bytes_freed} for r in renewed],
+                skipped=skipped,
             )
         )

@@ -37,6 +37,7 @@ import torch
 
 from voicebot.config import Cosyvoice2Config
 from voicebot.engine_reports import EngineInfo, ResetReport
+from voicebot.metrics import register_voice_refreshes
 from voicebot.serving.lm_pool import LMPool, LMRow
 from voicebot.serving.scheduler import Scheduler
 from voicebot.serving.worker import Worker
@@ -128,6 +129,7 @@ class CosyVoice2Synthesizer(Synthesizer):
 
     def register_metrics(self, registry) -> None:
         register_scheduler_metrics(registry, self.scheduler)
+        register_voice_refreshes(registry, lambda: self.refreshes_failed)
 
     def full(self) -> float | None:
         """None while one more session fits; else seconds after which to retry. One more fits
@@ -394,8 +396,8 @@ class CosyVoice2Context(SentenceSynthesisContext):
         """Sessions hold no LM state between replies (a slot lives one utterance), so what a reset
         renews is the voice's shared prompt state: re-derived beside the scheduler, swapped in."""
         freed = await self.engine.refresh_voice(self.voice)
-        if freed is None:  # skipped: the generation stays, so the report shows nothing was renewed
-            return ResetReport(self.engine.name, self.generation, 0)
+        if freed is None:  # the derivation failed: the voice keeps its state, nothing was renewed
+            return ResetReport(self.engine.name, self.generation, 0, skipped=True)
         self.generation += 1
         return ResetReport(self.engine.name, self.generation, freed)
 
