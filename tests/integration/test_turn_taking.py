@@ -129,24 +129,30 @@ BARGE_IN_AT_S = 1.5  # into the reply: a cold canceller, in AEC3's first seconds
 
 def echo_case(server, cancel: bool, barge_in: np.ndarray | None = None) -> dict:
     """A question, then the reply's own audio fed back into the input 150 ms late at -10 dB, and
-    `barge_in` spoken over it from BARGE_IN_AT_S into the reply."""
+    `barge_in` spoken over it from BARGE_IN_AT_S into the reply. The client plays the reply as the
+    protocol says: each frame after the one before it, and on `audio.interrupted` it drops what it
+    has not played yet (before, this one played every frame it had received, so up to the pacing
+    lead of the bot's voice came back after the cut with no reference to cancel it)."""
 
     async def run():
         async with VoiceClient.connect(server.ws_url, echo_cancellation=cancel, endpointing={"turn": "silence"}) as client:
             await client.stream(speech_pcm(TEST_PHRASES[1], tail_s=0.6), chunk_ms=20)
             resampler = StreamResampler(24000, 16000)
-            delay = [pause(150)]
+            unplayed = pause(0)  # received, not yet played
+            room = pause(150)  # played, on its way back to the microphone
             sent_frames = 0
             user = barge_in if barge_in is not None else pause(0)
             user_at = None  # the chunk the user starts talking in
             for i in range(int(8 / 0.02)):  # 8 s of "microphone": the reply as the room returns it
                 while sent_frames < len(client.frames):
                     pcm = np.frombuffer(client.frames[sent_frames][1], "<i2").astype(np.float32) / 32768
-                    delay.append(resampler.process(pcm) * 10 ** (-10 / 20))
+                    unplayed = np.concatenate([unplayed, resampler.process(pcm) * 10 ** (-10 / 20)])
                     sent_frames += 1
-                buffered = np.concatenate(delay) if delay else pause(0)
-                chunk = buffered[:320] if len(buffered) >= 320 else np.concatenate([buffered, pause(20)])[:320]
-                delay = [buffered[320:]]
+                if client.of_type("audio.interrupted"):
+                    unplayed = pause(0)
+                played, unplayed = np.concatenate([unplayed[:320], pause(20)])[:320], unplayed[320:]
+                room = np.concatenate([room, played])
+                chunk, room = room[:320], room[320:]
                 if user_at is None and client.frames:
                     user_at = i + round(BARGE_IN_AT_S / 0.02)
                 if user_at is not None and i >= user_at:
@@ -194,8 +200,13 @@ def test_speech_over_the_bots_echo_barges_in(server, sse):
     assert len(result["finals"]) == 2, [e["text"] for e in result["finals"]]  # the question, the barge-in
 
 
+# Measured: AEC3's suppressor takes 5-27 dB off each 100 ms of the first 0.6-0.9 s of the words while
+# the reply's reference is still fed, and the grammar decoder makes '' of that; the raw, uncancelled
+# input decodes right. WebRTC's near-end suppressor tuning (WebRTC-Aec3SuppressorTuningOverride) made
+# more transparent: masks 5/10 with very sensitive near-end detection passed 1 run in 1 but cost 3-13 dB
+# of echo attenuation in bench/echo.py; masks 5/10 alone passed 1 in 2; 2/4 (attenuation kept) 1 in 3.
 @pytest.mark.xfail(strict=True, reason="open: the barge-in over a new reply's echo is heard and cuts the reply, but "
-                   "pocketsphinx makes '' of it (before and after the 0.6 s initial state; with no echo it is heard)")
+                   "pocketsphinx makes '' of it: AEC3's suppressor damages the first words during double talk")
 def test_speech_over_the_bots_echo_is_transcribed(server, sse):
     result = barge_in_over_echo(server, sse)
     texts = [e["text"] for e in result["finals"]]
