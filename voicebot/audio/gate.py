@@ -116,7 +116,7 @@ class NoiseGate:
         return math.sqrt(self._m2 / self._weight) if self._weight else 0.0
 
     def process(self, audio: np.ndarray) -> np.ndarray:
-        """Feed samples; returns the gated samples decided so far (delayed by the lookahead)."""
+        """Feed samples; returns the gated samples that deciding can no longer change, in order."""
         data = np.concatenate([self._partial, np.asarray(audio, np.float32)])
         n = len(data) // self.block
         out = []
