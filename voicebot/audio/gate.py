@@ -30,8 +30,8 @@ whatever follows: only a span's first loud block starts a mute, and only when no
 came within the hangover before it. A block that no pending block could start a mute over, and
 that no mute in progress reaches, is released at once, before it is decided. So the output is
 delayed by the lookahead (50 ms, 10 blocks) only from the onset of a possible impulse until it
-is decided; in silence, in speech and at a speech's end, by no more than the part of a block not
-yet filled. What is released is exactly what deciding gives (the same samples, the same mutes);
+is decided (a click, the first 50 ms of a word after a pause); in silence, through sustained
+sound and at its end, by no more than the part of a block not yet filled. What is released is exactly what deciding gives (the same samples, the same mutes);
 only when it leaves changes. The output has exactly the input's length once flushed, and
 decisions depend only on block order, so it is the same for any input chunking. Memory bound:
 lookahead + one block of samples, and the energies (floats) of the last `relearn_s` of blocks.
@@ -176,8 +176,8 @@ class NoiseGate:
         """The pending blocks, in order from the first not yet out, that deciding cannot mute.
 
         A mute starts only at a block `_is_impulse` accepts: one in a span, no more than the
-        hangover after the last sustained sound. `_last_sustained` only grows, so a block that
-        fails that test now fails it when decided. A block is safe when the mute in progress ends
+        hangover after the last sustained sound. `_last_sustained` only grows, so a block ruled
+        out now is ruled out when decided. A block is safe when the mute in progress ends
         before it and no pending block within `mute_blocks` before it (itself included) could
         start one.
         """
@@ -218,7 +218,8 @@ class NoiseGate:
                 self._relearn(index, self.mean * QUIETER)  # the room got quieter
         if not muted:
             return np.zeros(0, np.float32) if released else block.samples
-        assert not released, "the gate released a block it then muted"  # _release's proof is wrong
+        if released:  # _release's proof is wrong: the stream would carry this block twice
+            raise RuntimeError("the noise gate released a block it then muted")
         self._mute_left -= 1
         self.muted_samples += len(block.samples)
         return np.zeros_like(block.samples)
