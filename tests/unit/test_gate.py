@@ -166,6 +166,53 @@ def test_output_independent_of_chunking():
         np.testing.assert_array_equal(out, reference)
 
 
+def fed_in_chunks(gate: NoiseGate, audio: np.ndarray, chunk: int) -> list[tuple[int, int]]:
+    """(samples fed, samples out) after each chunk."""
+    fed, out, progress = 0, 0, []
+    for start in range(0, len(audio), chunk):
+        piece = audio[start : start + chunk]
+        fed, out = fed + len(piece), out + len(gate.process(piece))
+        progress.append((fed, out))
+    return progress
+
+
+def test_the_end_of_speech_is_not_held_back():
+    """The blocks after a voice stops cannot start a mute: they leave as they arrive, not a
+    lookahead later, so the endpointer hears the silence at once."""
+    speech = dbfs_gain(espeak_speech("tell me a joke about the weather"), -20)
+    audio = np.concatenate([np.zeros(RATE, np.float32), speech, np.zeros(RATE // 2, np.float32)])
+    gate = NoiseGate(GateConfig(), RATE)
+    after_speech = [(fed, out) for fed, out in fed_in_chunks(gate, audio, 640) if fed >= RATE + len(speech)]
+    assert after_speech and all(out == fed - fed % gate.block for fed, out in after_speech)
+    assert gate.muted_samples == 0
+
+
+def test_a_click_is_held_until_judged_then_muted():
+    rng = np.random.default_rng(4)
+    audio = fan_noise(RATE * 2, rng, -50)
+    onset = RATE + 37  # inside a block: the gate mutes from the start of that block
+    click = impulse("click", 0.5, -6, rng)
+    audio[onset : onset + len(click)] += click
+    gate = NoiseGate(GateConfig(), RATE)
+    block_start = onset - onset % gate.block
+    held = gate.process(audio[: onset + 160])  # 10 ms after the click
+    assert len(held) <= block_start  # the lookahead has not seen the click's end yet
+    out = np.concatenate([held, gate.process(audio[onset + 160 : onset + 1600])])
+    mute = int(GateConfig().mute_ms * RATE / 1000)
+    assert len(out) >= block_start + mute
+    assert not out[block_start : block_start + mute].any()
+
+
+def test_most_audio_leaves_without_the_lookahead():
+    """In a room with speech and clicks, the gate holds audio back only while an impulse may be
+    starting: none at the median chunk, never more than the lookahead (and the unfilled block)."""
+    scene = make_scene(*SCENES[0])
+    gate = NoiseGate(GateConfig(), RATE)
+    held = np.array([fed - out for fed, out in fed_in_chunks(gate, scene.mixed, 640)])
+    assert np.median(held) < gate.block
+    assert held.max() <= (gate.lookahead + 1) * gate.block
+
+
 def test_background_statistics_match_numpy():
     rng = np.random.default_rng(3)
     audio = fan_noise(RATE * 5, rng, -40)

@@ -25,10 +25,16 @@ What was meant, and what this does:
   ten seconds. So when a quarter of the window is 10 dB under the mean, the statistics restart
   from the blocks of the window that are.
 
-Output is delayed by the lookahead (50 ms, so 10 blocks) plus the part of a block not yet filled,
-and has exactly the input's length once flushed. Decisions depend only on block order, so the
-output is the same for any input chunking. Memory bound: lookahead + one block of samples, and
-the energies (floats) of the last `relearn_s` of blocks.
+A block is decided once the lookahead after it has arrived, but most blocks cannot be muted
+whatever follows: only a span's first loud block starts a mute, and only when no sustained sound
+came within the hangover before it. A block that no pending block could start a mute over, and
+that no mute in progress reaches, is released at once, before it is decided. So the output is
+delayed by the lookahead (50 ms, 10 blocks) only from the onset of a possible impulse until it
+is decided (a click, the first 50 ms of a word after a pause); in silence, through sustained
+sound and at its end, by no more than the part of a block not yet filled. What is released is exactly what deciding gives (the same samples, the same mutes);
+only when it leaves changes. The output has exactly the input's length once flushed, and
+decisions depend only on block order, so it is the same for any input chunking. Memory bound:
+lookahead + one block of samples, and the energies (floats) of the last `relearn_s` of blocks.
 """
 
 from __future__ import annotations
@@ -93,7 +99,8 @@ class NoiseGate:
         self._last_background = 0
 
         self._partial = np.zeros(0, np.float32)
-        self._pending: deque[_Block] = deque()
+        self._pending: deque[_Block] = deque()  # arrived, not yet decided: at most lookahead + 1
+        self._released = 0  # of the pending blocks, how many (the first ones) are already out
         self._blocks_in = 0  # index of the next block to arrive
         self._span_start = 0  # first block of the current span
         self._span_peak = 0.0
@@ -109,7 +116,7 @@ class NoiseGate:
         return math.sqrt(self._m2 / self._weight) if self._weight else 0.0
 
     def process(self, audio: np.ndarray) -> np.ndarray:
-        """Feed samples; returns the gated samples decided so far (delayed by the lookahead)."""
+        """Feed samples; returns the gated samples that deciding can no longer change, in order."""
         data = np.concatenate([self._partial, np.asarray(audio, np.float32)])
         n = len(data) // self.block
         out = []
@@ -123,6 +130,7 @@ class NoiseGate:
                 self._arrive(samples, float(energy), float(peak))
                 if len(self._pending) > self.lookahead:
                     out.append(self._decide())
+                out.extend(self._release())
         self._partial = data[n * self.block :]
         return np.concatenate(out) if out else np.zeros(0, np.float32)
 
@@ -164,10 +172,38 @@ class NoiseGate:
         self._m2 += delta * (energy - self.mean)
         self.background_blocks += 1
 
+    def _release(self) -> list[np.ndarray]:
+        """The pending blocks, in order from the first not yet out, that deciding cannot mute.
+
+        A mute starts only at a block `_is_impulse` accepts: one in a span, no more than the
+        hangover after the last sustained sound. `_last_sustained` only grows, so a block ruled
+        out now is ruled out when decided. A block is safe when the mute in progress ends
+        before it and no pending block within `mute_blocks` before it (itself included) could
+        start one.
+        """
+        first = self._blocks_in - len(self._pending)  # the index of the oldest pending block
+        muted_until = first + self._mute_left  # the mute in progress covers the blocks before this
+        out = []
+        while self._released < len(self._pending):
+            index = first + self._released
+            window = range(max(self._released - self.mute_blocks + 1, 0), self._released + 1)
+            if index < muted_until or any(self._may_start_mute(first + i, self._pending[i]) for i in window):
+                break
+            out.append(self._pending[self._released].samples)
+            self._released += 1
+        return out
+
+    def _may_start_mute(self, index: int, block: _Block) -> bool:
+        return block.span is not None and index - self._last_sustained > self.hangover
+
     def _decide(self) -> np.ndarray:
-        """Emit the oldest pending block, gated; the pending blocks after it are its lookahead."""
+        """The oldest pending block, gated, when it was not released already (else nothing: it is
+        out, and deciding it only moves the statistics on); the pending blocks after it are its
+        lookahead."""
         index = self._blocks_in - len(self._pending)
         block = self._pending.popleft()
+        released = self._released > 0
+        self._released = max(0, self._released - 1)
         if self._mute_left == 0 and self._is_impulse(index, block):
             self._mute_left = self.mute_blocks
         muted = self._mute_left > 0
@@ -181,7 +217,9 @@ class NoiseGate:
             if np.partition(self._recent, self.relearn_blocks // 4)[self.relearn_blocks // 4] < self.mean * QUIETER:
                 self._relearn(index, self.mean * QUIETER)  # the room got quieter
         if not muted:
-            return block.samples
+            return np.zeros(0, np.float32) if released else block.samples
+        if released:  # _release's proof is wrong: the stream would carry this block twice
+            raise RuntimeError("the noise gate released a block it then muted")
         self._mute_left -= 1
         self.muted_samples += len(block.samples)
         return np.zeros_like(block.samples)
