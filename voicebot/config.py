@@ -97,7 +97,8 @@ class GateConfig(Section):
     # A burst longer than this is not an impulse (it is speech or sustained sound): it passes.
     max_burst_ms: float = Field(50.0, gt=0)
     mute_ms: float = Field(50.0, gt=0)
-    # Lookahead used to decide whether a rise is short (≤ 50 ms, so added latency stays small).
+    # Lookahead used to judge whether a rise is short. Audio waits for it only while a burst may be
+    # starting; a block no mute can reach goes out at once (voicebot/audio/gate.py).
     lookahead_ms: float = Field(50.0, ge=0, le=50)
     # Time constant of the background statistics (exponential moving average).
     background_tau_s: float = Field(2.0, gt=0)
