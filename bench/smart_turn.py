@@ -1,7 +1,7 @@
 """Smart Turn v3.2 on this CPU: where a call's time goes, what onnxruntime's options change, and
 how much its answer moves with the trailing silence it hears.
 
-    OMP_NUM_THREADS=1 python bench/smart_turn.py [--calls 15]
+    OMP_NUM_THREADS=1 python bench/smart_turn.py [--calls 15] [--skip-speed] [--replay]
 
 1. One call at batch 1: the features (transformers' WhisperFeatureExtractor) and the ONNX model,
    each timed alone, p50 / p95 over `--calls`, for each graph optimisation level and intra-op
@@ -11,6 +11,9 @@ how much its answer moves with the trailing silence it hears.
    from its value at the smart pause (160 ms), and how often the 0.5 decision differs. This is
    what decides whether an answer computed at the first silent window may stand for the one at
    the pause (voicebot/audio/turn.py, `TurnPolicy`'s early question).
+3. `--replay`: only bench/turn_offline.py's replay of the silence rule and the default smart policy
+   at several answer times. In digital silence the early question's answer is the pause's own,
+   128 ms sooner, so this is the early question's effect on latency and cut-ins.
 """
 
 from __future__ import annotations
@@ -149,11 +152,32 @@ def padded_tail(early_ms: int) -> None:
     model.close()
 
 
+def replay() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import turn_offline
+
+    default = EndpointConfig()
+    model = SmartTurn()
+    bs = turn_offline.boundaries(render_all(TURNS), model, HANGOVER_MS)
+    model.close()
+    policies = (turn_offline.Policy("silence 500", None),
+                turn_offline.Policy(f"smart {default.smart_pause_ms}/{default.smart_reask_ms} @{default.smart_threshold}",
+                                    default.smart_pause_ms, default.smart_reask_ms, default.smart_threshold))
+    print(f"{len(bs)} boundaries; hangover {HANGOVER_MS} ms; answer time: asked to answered")
+    for model_ms in (250, 150, 80, 22):
+        for policy in policies:
+            print(f"answer {model_ms:>3} ms  {policy.name:>20}: {turn_offline.report(policy, bs, HANGOVER_MS, model_ms)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=15)
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--replay", action="store_true", help="only the replay (section 3)")
     args = parser.parse_args()
+    if args.replay:
+        replay()
+        return
     if not args.skip_speed:
         speed(args.calls)
     trailing_silence()
