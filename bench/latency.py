@@ -1,11 +1,13 @@
-"""End of turn to first reply audio, and false cut-ins, for three turn policies at 1, 4 and 8 clients.
+"""End of turn to first reply audio, and false cut-ins, for the turn policies at 1, 4 and 8 clients.
 
     python bench/latency.py [--config configs/default.yaml] [--clients 1 4 8] [--turns 6]
-                            [--policies silence smart prepared]
+                            [--policies silence smart prepared smart@160 prep@160]
 
-Policies: `silence` (endpoint.turn: silence, the 500 ms rule), `smart` (Smart Turn v3.2 asked at
-each pause, replies started once the turn is decided), `prepared` (smart, and replies prepared
-during the pause). Each runs its own server (a subprocess on 127.0.0.1) with the given config.
+Policies: `silence` (endpoint.turn: silence, the 500 ms rule), `smart` (Smart Turn v3.2 asked
+about each pause, early: at its first silent window; replies started once the turn is decided),
+`prepared` (smart, and replies prepared during the pause); `smart@160` and `prep@160` the same
+with no early question (`smart_early_ms: 0`: asked once the 160 ms pause is heard). Each runs its
+own server (a subprocess on 127.0.0.1) with the given config.
 
 The turns are tests/turn_set.py's: espeak-ng English and Mandarin, half of them with pauses of
 300-900 ms inside ("I would like to, ... order a pizza."), each with its true end known. Every
@@ -28,7 +30,7 @@ Then where the time went, per stage (p50 / p95 over the turns that got a reply a
 from the client's clock and the server's turn.end timings (docs/protocol.md); the two processes
 share the machine's monotonic clock:
 - end -> VAD speech end: the chunk that held the last sample (40 ms) and Silero's hangover;
-- speech end -> asked: the model's last question (the segment's pause, `smart_pause_ms`, or a re-ask);
+- speech end -> asked: the model's last question (early, `smart_early_ms`; at the pause; or a re-ask);
 - queued: that question waiting behind the call in progress; model: the call (features + model);
 - answer -> turn.end: waiting for the transcript of the segment (by: smart);
 - turn.end -> first frame: responder, synthesis, prebuffer (nothing left to do if prepared and kept).
@@ -75,6 +77,9 @@ POLICIES = {
     "silence": {"turn": "silence"},
     "smart": {"turn": "smart", "prepare_replies": False},
     "prepared": {"turn": "smart", "prepare_replies": True},
+    # The same, the model first asked only once the pause is heard (no early question): what the early one saves.
+    "smart@160": {"turn": "smart", "prepare_replies": False, "smart_early_ms": 0},
+    "prep@160": {"turn": "smart", "prepare_replies": True, "smart_early_ms": 0},
 }
 TARGET_P50_MS, TARGET_P95_MS = 250, 400
 EMPTY_TRANSCRIPT = "empty transcript"

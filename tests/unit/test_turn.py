@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.turn_set import PAUSED_EN, SAMPLE_RATE, TURNS, render
-from voicebot.audio.turn import WINDOW_SAMPLES, Action, SmartTurn, TurnPolicy, last_window, model_path
+from voicebot.audio.turn import WINDOW_SAMPLES, Action, SmartTurn, TurnPolicy, last_window, model_path, with_silence
 from voicebot.config import ConfigError, EndpointConfig, load_settings
 
 
@@ -105,7 +105,7 @@ def policy(**fields) -> TurnPolicy:
 
 
 def test_policy_asks_after_the_pause_and_once_at_a_time():
-    turn = policy(smart_pause_ms=160, smart_reask_ms=320, smart_limit_ms=1500)
+    turn = policy(smart_pause_ms=160, smart_early_ms=0, smart_reask_ms=320, smart_limit_ms=1500)
     assert turn.on_silence(0) is Action.NONE
     assert turn.on_silence(128) is Action.NONE
     assert turn.on_silence(160) is Action.ASK
@@ -127,7 +127,7 @@ def test_policy_ends_at_the_limit_whatever_the_model_says():
 
 
 def test_a_slow_answer_does_not_ask_for_a_pause_already_past():
-    turn = policy(smart_pause_ms=160, smart_reask_ms=320, smart_limit_ms=1500)
+    turn = policy(smart_pause_ms=160, smart_early_ms=0, smart_reask_ms=320, smart_limit_ms=1500)
     assert turn.on_silence(160) is Action.ASK
     turn.on_answer(turn.question, 0.1, 900)  # the answer took long: the next question at 1120, not 480
     assert turn.on_silence(1100) is Action.NONE
@@ -135,7 +135,7 @@ def test_a_slow_answer_does_not_ask_for_a_pause_already_past():
 
 
 def test_speech_again_starts_the_schedule_over_and_drops_the_stale_answer():
-    turn = policy(smart_pause_ms=160)
+    turn = policy(smart_pause_ms=160, smart_early_ms=0)
     assert turn.on_silence(160) is Action.ASK
     stale = turn.question
     assert turn.on_silence(0) is Action.NONE  # the user went on
@@ -143,6 +143,51 @@ def test_speech_again_starts_the_schedule_over_and_drops_the_stale_answer():
     assert turn.on_silence(128) is Action.NONE
     assert turn.on_silence(160) is Action.ASK
     assert turn.question == stale + 1
+
+
+def test_the_early_question_is_about_the_pause_and_its_complete_waits_for_it():
+    turn = policy(smart_pause_ms=160, smart_early_ms=32, smart_reask_ms=320)
+    assert turn.on_silence(32) is Action.ASK
+    assert turn.asked_for_ms == 160  # its input is padded to the pause
+    assert turn.on_answer(turn.question, 0.9, 96) is False  # before the pause: held
+    assert turn.on_silence(128) is Action.NONE
+    assert turn.on_silence(160) is Action.COMPLETE
+    assert turn.end("smart", 160).probability == 0.9
+
+
+def test_an_early_complete_after_the_pause_ends_the_turn_at_once():
+    turn = policy(smart_pause_ms=160, smart_early_ms=32)
+    assert turn.on_silence(64) is Action.ASK
+    assert turn.on_silence(160) is Action.NONE  # the answer is not in: no second question
+    assert turn.on_answer(turn.question, 0.9, 192) is True
+
+
+def test_speech_discards_a_held_early_complete():
+    turn = policy(smart_pause_ms=160, smart_early_ms=32)
+    assert turn.on_silence(32) is Action.ASK
+    turn.on_answer(turn.question, 0.9, 64)
+    assert turn.on_silence(0) is Action.NONE  # the user went on
+    assert turn.on_silence(32) is Action.ASK  # a new pause, a new early question
+    assert turn.on_silence(160) is Action.NONE
+
+
+def test_an_early_incomplete_stands_for_the_pause_next_question_at_the_reask():
+    turn = policy(smart_pause_ms=160, smart_early_ms=32, smart_reask_ms=320)
+    assert turn.on_silence(32) is Action.ASK
+    assert turn.on_answer(turn.question, 0.1, 128) is False
+    assert [turn.on_silence(ms) for ms in (160, 448)] == [Action.NONE] * 2
+    assert turn.on_silence(480) is Action.ASK
+    assert turn.asked_for_ms == 480
+
+
+def test_with_silence_repeats_the_silence_heard():
+    audio = np.concatenate([np.ones(10, np.float32), np.array([0.1, -0.1, 0.2], np.float32)])
+    padded = with_silence(audio, 3, 8)
+    assert len(padded) == len(audio) + 5
+    assert padded[:13].tolist() == audio.tolist()
+    assert padded[13:].tolist() == pytest.approx([0.1, -0.1, 0.2, 0.1, -0.1])
+    assert with_silence(audio, 3, 3) is audio  # the pause is already heard
+    assert not with_silence(np.zeros(4, np.float32), 2, 50).any()  # digital silence stays exactly that
 
 
 def test_silence_rule_never_asks():
@@ -154,6 +199,8 @@ def test_silence_rule_never_asks():
 def test_config_refuses_a_pause_past_the_limit():
     with pytest.raises(ConfigError, match="smart_pause_ms"):
         load_settings(None, endpoint={"smart_pause_ms": 800, "smart_limit_ms": 600})
+    with pytest.raises(ConfigError, match="smart_early_ms"):
+        load_settings(None, endpoint={"smart_pause_ms": 160, "smart_early_ms": 160})
     assert load_settings(None).endpoint.turn == "smart"
 
 

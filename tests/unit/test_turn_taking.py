@@ -1,5 +1,6 @@
-"""TurnTaking.next_input: when a client that stops sending is taken to be silent (the wall clock).
-The end of a turn through the real server is tests/integration/test_turn_taking.py's."""
+"""TurnTaking.next_input: when a client that stops sending is taken to be silent (the wall clock);
+the early Smart Turn question, on a held model. The end of a turn through the real server is
+tests/integration/test_turn_taking.py's."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import numpy as np
+
+from voicebot.asr.base import Hypothesis
+from voicebot.audio.turn import Answer
 from voicebot.config import EndpointConfig
-from voicebot.messages import AudioIn, InputEnd
+from voicebot.messages import AudioIn, InputEnd, Utterance
 from voicebot.metrics import Metrics
 from voicebot.session.outbox import Outbox
 from voicebot.session.turn_taking import STALL_GRACE_S, TurnTaking
@@ -84,3 +89,84 @@ def test_the_sessions_own_silence_rule_is_the_limit_not_the_servers():
         return await asyncio.wait_for(tt.next_input(queue), 5)
 
     assert isinstance(asyncio.run(run()), AudioIn)
+
+
+class HeldModel:
+    """Smart Turn as TurnTaking calls it: each question waits until the test answers it."""
+
+    def __init__(self) -> None:
+        self.asked: list[np.ndarray] = []
+        self.cancelled = 0
+        self.answers: asyncio.Queue[float] = asyncio.Queue()
+
+    async def ask(self, audio: np.ndarray) -> Answer:
+        self.asked.append(audio)
+        try:
+            return Answer(await self.answers.get(), queued_s=0.0, model_s=0.1)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def smart_turn_taking(model: HeldModel, heard: np.ndarray, turns: list) -> tuple[TurnTaking, SimpleNamespace]:
+    endpointer = SimpleNamespace(in_utterance=True, config=EndpointConfig(endpoint_silence_ms=160))
+    front_end = SimpleNamespace(resampler=SimpleNamespace(in_rate=RATE), endpointer=endpointer, silence_ms=0.0,
+                                speech_start_sample=0, audio_since=lambda sample: heard[sample:])
+    metrics = Metrics()
+
+    async def queue_turn(turn):
+        turns.append(turn)
+
+    config = EndpointConfig(smart_pause_ms=160, smart_early_ms=32, prepare_replies=False)
+    return TurnTaking(config, model, front_end, Outbox(metrics), metrics, queue_turn, lambda turn: None), front_end
+
+
+def utterance(text: str) -> Utterance:
+    return Utterance("u1", Hypothesis(text, None, "test"), time.monotonic(), 1000.0, 0, 0.16, 0.01)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_the_early_answer_decides_the_pause_before_the_segment_has_ended():
+    async def run():
+        model, turns = HeldModel(), []
+        room = np.full(RATE * 32 // 1000, 0.01, np.float32)
+        heard = np.concatenate([np.ones(RATE, np.float32), room])  # 1 s of "speech", then 32 ms of the room
+        taking, front_end = smart_turn_taking(model, heard, turns)
+        front_end.silence_ms = 32.0
+        await taking.after_chunk(32.0)  # the segment is still open: asked anyway, about the 160 ms pause
+        await settle()
+        (asked,) = model.asked
+        assert len(asked) == RATE + RATE * 160 // 1000 and np.all(asked[RATE:] == np.float32(0.01))
+        await model.answers.put(0.9)
+        await settle()
+        front_end.silence_ms = 96.0
+        await taking.after_chunk(96.0)
+        assert turns == []  # "complete" before the pause: held
+        front_end.silence_ms, front_end.endpointer.in_utterance = 160.0, False
+        taking.on_endpoint()  # the pause: the held answer stands, the turn ends with the transcript
+        await taking.on_utterance(utterance("hello there"))
+        assert [t.text for t in turns] == ["hello there"] and len(model.asked) == 1
+
+    asyncio.run(run())
+
+
+def test_speech_after_the_early_question_drops_it_and_asks_afresh():
+    async def run():
+        model, turns = HeldModel(), []
+        taking, front_end = smart_turn_taking(model, np.ones(RATE, np.float32), turns)
+        front_end.silence_ms = 32.0
+        await taking.after_chunk(32.0)
+        await settle()
+        front_end.silence_ms = 0.0
+        await taking.after_chunk(0.0)  # the user goes on: the question is cancelled
+        assert model.cancelled == 1
+        front_end.silence_ms = 64.0
+        await taking.after_chunk(64.0)  # the next pause is asked about afresh, padded from its own silence
+        await settle()
+        assert len(model.asked) == 2 and len(model.asked[1]) == RATE + RATE * 96 // 1000
+
+    asyncio.run(run())

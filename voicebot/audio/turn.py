@@ -7,9 +7,10 @@ turn is complete. The model file ships in the pipecat-ai wheel, which is install
 (its dependencies pin soxr and pull numba, openai, aiohttp, Pillow... none of which this needs): it
 is found through the distribution's file list, and pipecat itself is never imported.
 
-`TurnPolicy` decides, for one stream, when to ask and what the answer means: ask once the VAD has
-heard `smart_pause_ms` of silence; "complete" ends the turn; "incomplete" keeps listening and asks
-again every `smart_reask_ms` of further silence, until `smart_limit_ms` ends the turn anyway.
+`TurnPolicy` decides, for one stream, when to ask and what the answer means: ask about a pause of
+`smart_pause_ms` of VAD silence (early, at `smart_early_ms`, so the call overlaps the pause);
+"complete" at the pause ends the turn; "incomplete" keeps listening and asks again every
+`smart_reask_ms` of further silence, until `smart_limit_ms` ends the turn anyway.
 """
 
 from __future__ import annotations
@@ -53,6 +54,20 @@ def last_window(audio: np.ndarray) -> np.ndarray:
     """The last 8 s of `audio`, zero-padded at the front (as the model was trained)."""
     audio = np.asarray(audio, np.float32)[-WINDOW_SAMPLES:]
     return np.pad(audio, (WINDOW_SAMPLES - len(audio), 0))
+
+
+def with_silence(audio: np.ndarray, silent_samples: int, total_silent_samples: int) -> np.ndarray:
+    """`audio`, whose last `silent_samples` are the silence heard so far, with that silence repeated
+    until `total_silent_samples` of it: the input an early question asks about for a later pause.
+
+    Repeating the room (not zeros) keeps its level: the model's answer moves with the tail's level
+    (bench/smart_turn.py), and a tail of digital silence stays exactly what the pause would hear.
+    """
+    missing = total_silent_samples - silent_samples
+    if missing <= 0 or silent_samples <= 0:
+        return audio
+    tail = audio[-silent_samples:]
+    return np.concatenate([audio, np.tile(tail, -(-missing // len(tail)))[:missing]])
 
 
 @dataclass(frozen=True)
@@ -139,7 +154,8 @@ class SmartTurn:
 
 class Action(enum.Enum):
     NONE = "none"
-    ASK = "ask"  # a pause long enough to ask the model (and to start preparing a reply)
+    ASK = "ask"  # ask the model (at the pause: and start preparing a reply)
+    COMPLETE = "complete"  # the pause is reached and the early question's answer, held until then, says "complete"
     END = "end"  # the turn is over: by silence (the limit, or the silence rule)
 
 
@@ -155,6 +171,11 @@ class TurnPolicy:
 
     Fed the length of the current silence after each chunk of audio (0 while the user speaks);
     answers with an `Action`. Synchronous and model-free, so the session decides what to run.
+
+    The first question of a pause is asked early, at `smart_early_ms`, about the pause to come
+    (`asked_for_ms`: the silence its input must be padded to, `with_silence`), so that its answer
+    is in at about the pause instead of a model call after it. An answer that comes before the
+    pause is held until the pause is reached; speech meanwhile discards it.
     """
 
     def __init__(self, config: EndpointConfig, smart: bool) -> None:
@@ -166,8 +187,10 @@ class TurnPolicy:
     def reset(self) -> None:
         """A new turn (or the user spoke again): the schedule starts over."""
         self.asking = False  # a question is out; no second one until its answer
-        self.next_ask_ms = float(self.config.smart_pause_ms)
+        self.next_ask_ms = float(self.config.smart_early_ms or self.config.smart_pause_ms)
+        self.asked_for_ms = 0.0  # the silence the question out (or last asked) is about
         self.probability: float | None = None
+        self.held = False  # an early "complete", waiting for the pause
 
     @property
     def limit_ms(self) -> float:
@@ -180,22 +203,32 @@ class TurnPolicy:
             return Action.NONE
         if silence_ms >= self.limit_ms:
             return Action.END
+        if self.held and silence_ms >= self.config.smart_pause_ms:
+            self.held = False
+            return Action.COMPLETE
         if self.smart and not self.asking and silence_ms >= self.next_ask_ms:
             self.asking = True
             self.question += 1
+            self.asked_for_ms = max(silence_ms, float(self.config.smart_pause_ms))
             return Action.ASK
         return Action.NONE
 
     def on_answer(self, question: int, probability: float, silence_ms: float) -> bool:
         """The model's answer to `question`, heard at `silence_ms`: True ends the turn.
 
-        An answer to an earlier question (the user spoke again since) is ignored.
+        An answer to an earlier question (the user spoke again since) is ignored; an early
+        "complete" before the pause is held (on_silence answers COMPLETE at the pause).
         """
         if question != self.question or not self.asking:
             return False
         self.asking = False
         self.probability = probability
+        # An answer stands for the pause it was asked about: the next question is a re-ask after it.
+        self.next_ask_ms = max(self.next_ask_ms, self.asked_for_ms + self.config.smart_reask_ms)
         if probability >= self.config.smart_threshold:
+            if silence_ms < self.config.smart_pause_ms:
+                self.held = True
+                return False
             return True
         while self.next_ask_ms <= silence_ms:
             self.next_ask_ms += self.config.smart_reask_ms

@@ -28,7 +28,8 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from voicebot import protocol
-from voicebot.audio.turn import Action, Answer, SmartTurn, TurnPolicy
+from voicebot.audio.rates import LISTEN_RATE
+from voicebot.audio.turn import Action, Answer, SmartTurn, TurnPolicy, with_silence
 from voicebot.config import EndpointConfig
 from voicebot.messages import AudioIn, Inbound, InputEnd, Turn, Utterance
 from voicebot.metrics import Metrics
@@ -111,7 +112,8 @@ class TurnTaking:
         self._recognizing = True
         if not self._segments:
             self._turn_start = self._front_end.speech_start_sample
-        self._consider(self._front_end.silence_ms)
+        if self._consider(self._front_end.silence_ms) is Action.COMPLETE:  # the early answer stands
+            self._decided_complete()
 
     async def on_utterance(self, utterance: Utterance, input_end: bool = False) -> None:
         """A segment ended at a pause, at the utterance length limit, or at the client's input.end."""
@@ -134,16 +136,20 @@ class TurnTaking:
             await self._prepare_reply()
 
     async def after_chunk(self, silence_ms: float) -> None:
-        """After every chunk of input: how long the user has been silent."""
-        if not self.open:
+        """After every chunk of input: how long the user has been silent (in an utterance too:
+        the pause's question is asked before the endpointer ends it)."""
+        if not (self.open or self._front_end.endpointer.in_utterance):
             return
         if silence_ms == 0:  # the user goes on: the question and the prepared reply are moot
             await self._drop_question()
             self._answered = None
             await self._discard("user_went_on")
             self._complete_early = False
-        if self._consider(silence_ms) is Action.END:
+        action = self._consider(silence_ms)
+        if action is Action.END and self.open:
             await self._end("silence")
+        elif action is Action.COMPLETE and not self._decided_complete() and self.open:
+            await self._end("smart")
 
     async def next_input(self, queue: asyncio.Queue[Inbound]) -> Inbound:
         """The session's next input. While the user is in an utterance or a turn is open, a
@@ -183,7 +189,11 @@ class TurnTaking:
     def _consider(self, silence_ms: float) -> Action:
         action = self.policy.on_silence(silence_ms)
         if action is Action.ASK:
-            audio = self._front_end.audio_since(self._turn_start)
+            if not self._segments:  # the turn's first segment, still open
+                self._turn_start = self._front_end.speech_start_sample
+            heard = self._front_end.audio_since(self._turn_start)
+            audio = with_silence(heard, min(len(heard), round(silence_ms * LISTEN_RATE / 1000)),
+                                 round(self.policy.asked_for_ms * LISTEN_RATE / 1000))
             self._ask = asyncio.create_task(self._asking(self.policy.question, audio, time.monotonic()))
         return action
 
@@ -213,10 +223,15 @@ class TurnTaking:
         self._metrics.smart_turn.observe(answered_at - asked_at)
         if self.policy.on_answer(question, answer.probability, self._front_end.silence_ms):
             self._ask = None  # this task is ending the turn: _end must not cancel it
-            if self._recognizing:
-                self._complete_early = True  # on_utterance ends the turn once its transcript is in
-            elif self.open:
+            if not self._decided_complete() and self.open:
                 await self._end("smart")
+
+    def _decided_complete(self) -> bool:
+        """The model said "complete" at the pause: True if the turn ends once the transcript is in
+        (on_utterance), False if the caller is to end it now."""
+        if self._recognizing:
+            self._complete_early = True
+        return self._recognizing
 
     async def _drop_question(self) -> None:
         task, self._ask = self._ask, None

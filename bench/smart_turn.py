@@ -1,0 +1,189 @@
+"""Smart Turn v3.2 on this CPU: where a call's time goes, what onnxruntime's options change, and
+how much its answer moves with the trailing silence it hears.
+
+    OMP_NUM_THREADS=1 python bench/smart_turn.py [--calls 15] [--skip-speed] [--replay]
+
+1. One call at batch 1: the features (transformers' WhisperFeatureExtractor) and the ONNX model,
+   each timed alone, p50 / p95 over `--calls`, for each graph optimisation level and intra-op
+   thread count, side by side in one run. Whether the model takes a window shorter than 8 s.
+2. On tests/turn_set.py, every boundary (each pause inside a turn, each true end) asked with
+   0-160 ms of trailing silence (plus the endpointer's hangover): how far the probability moves
+   from its value at the smart pause (160 ms), and how often the 0.5 decision differs. This is
+   what decides whether an answer computed at the first silent window may stand for the one at
+   the pause (voicebot/audio/turn.py, `TurnPolicy`'s early question).
+3. `--replay`: only bench/turn_offline.py's replay of the silence rule and the default smart policy
+   at several answer times. In digital silence the early question's answer is the pause's own,
+   128 ms sooner, so this is the early question's effect on latency and cut-ins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.turn_set import SAMPLE_RATE, TURNS, render_all  # noqa: E402
+from voicebot.audio.turn import WINDOW_SAMPLES, SmartTurn, last_window, with_silence  # noqa: E402
+from voicebot.config import EndpointConfig  # noqa: E402
+
+HANGOVER_MS = 32  # bench/turn_offline.py's default: the endpointer's median lag (12 ms) and half a 40 ms chunk
+SILENCES_MS = (0, 32, 64, 96, 128, 160)
+
+
+def pct(values: list[float]) -> str:
+    return f"{np.percentile(values, 50) * 1000:6.1f} / {np.percentile(values, 95) * 1000:6.1f}"
+
+
+def speed(calls: int) -> None:
+    import onnxruntime
+
+    audio = np.random.default_rng(0).standard_normal(WINDOW_SAMPLES).astype(np.float32) * 0.1
+    model = SmartTurn()
+    feature_s = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        features = model._features([last_window(audio)], sampling_rate=SAMPLE_RATE, padding="max_length",
+                                   max_length=WINDOW_SAMPLES, truncation=True, do_normalize=True,
+                                   return_tensors="np").input_features.astype(np.float32)
+        feature_s.append(time.perf_counter() - t0)
+    print(f"features (numpy WhisperFeatureExtractor), ms p50 / p95: {pct(feature_s)}")
+    levels = {"disable_all": onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL,
+              "basic": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+              "all": onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    sessions = {}
+    for threads in (1, 2):
+        for name, level in levels.items():
+            options = onnxruntime.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            options.graph_optimization_level = level
+            sessions[(threads, name)] = onnxruntime.InferenceSession(str(model.path), options, providers=["CPUExecutionProvider"])
+    times = {key: [] for key in sessions}
+    for _ in range(calls):  # interleaved, so a change in the box's load falls on every variant alike
+        for key, session in sessions.items():
+            t0 = time.perf_counter()
+            session.run(None, {"input_features": features})
+            times[key].append(time.perf_counter() - t0)
+    print("ONNX model, batch 1, ms p50 / p95 (interleaved):")
+    for (threads, name), t in times.items():
+        print(f"  intra-op threads {threads}, graph {name:>11}: {pct(t)}")
+    for frames in (400, 200):
+        try:
+            sessions[(1, "all")].run(None, {"input_features": features[:, :, -frames:]})
+            print(f"  a {frames // 100} s window ({frames} frames): accepted")
+        except Exception as exc:  # onnxruntime's own error type for a shape the graph refuses
+            print(f"  a {frames // 100} s window ({frames} frames): refused ({str(exc).splitlines()[0][:120]})")
+    model.close()
+
+
+def trailing_silence() -> None:
+    rendered = render_all(TURNS)
+    model = SmartTurn()
+    pre = np.zeros(SAMPLE_RATE * EndpointConfig().pre_speech_ms // 1000, np.float32)
+    rows = []  # (is_end, probabilities by SILENCES_MS)
+    for r in rendered:
+        for start, end in [*r.pauses, (r.end_s, None)]:
+            speech = np.concatenate([pre, r.audio[: int(start * SAMPLE_RATE)]])
+            windows = [np.concatenate([speech, np.zeros(SAMPLE_RATE * (ms + HANGOVER_MS) // 1000, np.float32)])
+                       for ms in SILENCES_MS]
+            rows.append((end is None, model.predict(windows)))
+    model.close()
+    p = np.array([row[1] for row in rows])
+    ends = np.array([row[0] for row in rows])
+    at_pause = p[:, -1]
+    print(f"\n{len(rows)} boundaries ({ends.sum()} ends, {(~ends).sum()} pauses); VAD silence + {HANGOVER_MS} ms hangover")
+    print(f"{'VAD silence':>12} {'|p - p(160)| p50':>17} {'p95':>6} {'max':>6} {'0.5 differs':>12} {'share >= 0.5':>13}")
+    for i, ms in enumerate(SILENCES_MS):
+        delta = np.abs(p[:, i] - at_pause)
+        differs = int(((p[:, i] >= 0.5) != (at_pause >= 0.5)).sum())
+        print(f"{ms:>9} ms {np.percentile(delta, 50):>17.3f} {np.percentile(delta, 95):>6.3f} {delta.max():>6.3f} "
+              f"{differs:>6}/{len(rows):<5} {100 * np.mean(p[:, i] >= 0.5):>12.0f}%")
+
+
+def padded_tail(early_ms: int) -> None:
+    """The early question's input (the audio up to `early_ms` of VAD silence, its silent tail
+    repeated up to the pause) against the pause's real input, in digital silence and in white room
+    noise; and, in noise, the pause's input against itself in another noise sample."""
+    rendered = render_all(TURNS)
+    model = SmartTurn()
+    pause_ms = EndpointConfig().smart_pause_ms
+    pre_samples = SAMPLE_RATE * EndpointConfig().pre_speech_ms // 1000
+    rng = np.random.default_rng(0)
+    print(f"\nthe early question at {early_ms} ms, its tail repeated to {pause_ms} ms, against the real {pause_ms} ms input "
+          f"(and the real input in another noise sample)")
+    print(f"{'room':>10} {'|p_early - p| p50':>18} {'p95':>6} {'max':>6} {'0.5 differs':>12}   {'other noise: differs':>20}")
+    for noise_dbfs in (None, -60, -50):
+        real, early, other = [], [], []
+        for r in rendered:
+            for start, _ in [*r.pauses, (r.end_s, None)]:
+                cut = pre_samples + int(start * SAMPLE_RATE)
+                heard = np.concatenate([np.zeros(pre_samples, np.float32), r.audio])[:cut]
+                heard = np.concatenate([heard, np.zeros(SAMPLE_RATE, np.float32)])  # what follows: silence (the ends; a pause's own)
+                noise = np.zeros(len(heard), np.float32)
+                if noise_dbfs is not None:
+                    noise = rng.standard_normal(len(heard)).astype(np.float32) * 10 ** (noise_dbfs / 20)
+                heard = heard + noise
+                at_pause = heard[: cut + SAMPLE_RATE * (pause_ms + HANGOVER_MS) // 1000]
+                at_early = heard[: cut + SAMPLE_RATE * (early_ms + HANGOVER_MS) // 1000]
+                at_early = with_silence(at_early, SAMPLE_RATE * (early_ms + HANGOVER_MS) // 1000, len(at_pause) - cut)
+                if noise_dbfs is not None:  # the same pause in another sample of the same room: the answer's own spread
+                    again = at_pause - noise[: len(at_pause)] + rng.standard_normal(len(at_pause)).astype(np.float32) * 10 ** (noise_dbfs / 20)
+                    other.append(again)
+                real.append(at_pause)
+                early.append(at_early)
+        p_real = np.concatenate([model.predict(real[i : i + 16]) for i in range(0, len(real), 16)])
+        p_early = np.concatenate([model.predict(early[i : i + 16]) for i in range(0, len(early), 16)])
+        delta = np.abs(p_real - p_early)
+        differs = int(((p_real >= 0.5) != (p_early >= 0.5)).sum())
+        room = "silence" if noise_dbfs is None else f"{noise_dbfs} dBFS"
+        spread = "-"
+        if other:
+            p_other = np.concatenate([model.predict(other[i : i + 16]) for i in range(0, len(other), 16)])
+            spread = f"{int(((p_real >= 0.5) != (p_other >= 0.5)).sum())}/{len(other)}"
+        print(f"{room:>10} {np.percentile(delta, 50):>18.3f} {np.percentile(delta, 95):>6.3f} {delta.max():>6.3f} "
+              f"{differs:>6}/{len(real):<5}   {spread:>20}")
+    model.close()
+
+
+def replay() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import turn_offline
+
+    default = EndpointConfig()
+    model = SmartTurn()
+    bs = turn_offline.boundaries(render_all(TURNS), model, HANGOVER_MS)
+    model.close()
+    policies = (turn_offline.Policy("silence 500", None),
+                turn_offline.Policy(f"smart {default.smart_pause_ms}/{default.smart_reask_ms} @{default.smart_threshold}",
+                                    default.smart_pause_ms, default.smart_reask_ms, default.smart_threshold))
+    print(f"{len(bs)} boundaries; hangover {HANGOVER_MS} ms; answer time: asked to answered")
+    for model_ms in (250, 150, 80, 22):
+        for policy in policies:
+            print(f"answer {model_ms:>3} ms  {policy.name:>20}: {turn_offline.report(policy, bs, HANGOVER_MS, model_ms)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=15)
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--replay", action="store_true", help="only the replay (section 3)")
+    args = parser.parse_args()
+    if args.replay:
+        replay()
+        return
+    if not args.skip_speed:
+        speed(args.calls)
+    trailing_silence()
+    for early_ms in (32, 64):
+        padded_tail(early_ms)
+
+
+if __name__ == "__main__":
+    main()
