@@ -1,12 +1,13 @@
 """End of turn to first reply audio, and false cut-ins, for the turn policies at 1, 4 and 8 clients.
 
     python bench/latency.py [--config configs/default.yaml] [--clients 1 4 8] [--turns 6]
-                            [--policies silence smart prepared smart@160 prep@160]
+                            [--policies silence smart prepared smart+early prep+early]
 
 Policies: `silence` (endpoint.turn: silence, the 500 ms rule), `smart` (Smart Turn v3.2 asked
-about each pause, early: at its first silent window; replies started once the turn is decided),
-`prepared` (smart, and replies prepared during the pause); `smart@160` and `prep@160` the same
-with no early question (`smart_early_ms: 0`: asked once the 160 ms pause is heard). Each runs its
+about each pause once 160 ms of it is heard; replies started once the turn is decided),
+`prepared` (smart, and replies prepared during the pause); `smart+early` and `prep+early` the same
+with the early question (`smart_early_ms: 32`: asked at the pause's first silent window, about the
+pause to come). Each runs its
 own server (a subprocess on 127.0.0.1) with the given config.
 
 The turns are tests/turn_set.py's: espeak-ng English and Mandarin, half of them with pauses of
@@ -77,9 +78,9 @@ POLICIES = {
     "silence": {"turn": "silence"},
     "smart": {"turn": "smart", "prepare_replies": False},
     "prepared": {"turn": "smart", "prepare_replies": True},
-    # The same, the model first asked only once the pause is heard (no early question): what the early one saves.
-    "smart@160": {"turn": "smart", "prepare_replies": False, "smart_early_ms": 0},
-    "prep@160": {"turn": "smart", "prepare_replies": True, "smart_early_ms": 0},
+    # The same with the early question (off by default: more cut-ins): what it saves.
+    "smart+early": {"turn": "smart", "prepare_replies": False, "smart_early_ms": 32},
+    "prep+early": {"turn": "smart", "prepare_replies": True, "smart_early_ms": 32},
 }
 TARGET_P50_MS, TARGET_P95_MS = 250, 400
 EMPTY_TRANSCRIPT = "empty transcript"

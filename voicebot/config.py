@@ -131,8 +131,9 @@ class EndpointConfig(Section):
     # repeated to the pause's length; its answer stands for the pause's if the user stays silent
     # until then. Exact in digital silence; in room noise it agrees with the pause's own answer
     # about as often as two noise samples do (bench/smart_turn.py). Sooner, a "complete" also lands
-    # inside more short pauses: on the espeak set 26 -> 29 cut-ins of 80 (bench/smart_turn.py --replay) ...
-    smart_early_ms: int = Field(32, ge=0, le=2000)
+    # inside more short pauses: on the espeak set 26 -> 29 cut-ins of 80 (bench/smart_turn.py --replay),
+    # which is why it is off by default: ~130 ms sooner for the shows that accept that ...
+    smart_early_ms: int = Field(0, ge=0, le=2000)
     # ... then again each time the pause grows by this much while the answer is "incomplete" ...
     smart_reask_ms: int = Field(320, ge=32, le=5000)
     # ... and the turn ends anyway after this much silence (a thinking pause, a model that keeps
