@@ -1,7 +1,7 @@
 """Smart Turn v3.2 on this CPU: where a call's time goes, what onnxruntime's options change, and
 how much its answer moves with the trailing silence it hears.
 
-    OMP_NUM_THREADS=1 python bench/smart_turn.py [--calls 15] [--skip-speed] [--replay]
+    OMP_NUM_THREADS=1 python bench/smart_turn.py [--calls 15] [--skip-speed] [--replay] [--memory]
 
 1. One call at batch 1: the features (transformers' WhisperFeatureExtractor) and the ONNX model,
    each timed alone, p50 / p95 over `--calls`, for each graph optimisation level and intra-op
@@ -14,11 +14,16 @@ how much its answer moves with the trailing silence it hears.
 3. `--replay`: only bench/turn_offline.py's replay of the silence rule and the default smart policy
    at several answer times. In digital silence the early question's answer is the pause's own,
    128 ms sooner, so this is the early question's effect on latency and cut-ins.
+4. `--memory`: only the memory a batch leaves held, with onnxruntime's CPU arena (its default) and
+   without it (the server's SmartTurn): RSS above the loaded model after each batch of a sequence
+   (1, 2, 4, 8, 2, 1, 8), each variant in a fresh process; then each batch's time, both
+   variants interleaved in one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.turn_set import SAMPLE_RATE, TURNS, render_all  # noqa: E402
-from voicebot.audio.turn import WINDOW_SAMPLES, SmartTurn, last_window, with_silence  # noqa: E402
+from voicebot.audio.turn import WINDOW_SAMPLES, SmartTurn, last_window, model_path, with_silence  # noqa: E402
 from voicebot.config import EndpointConfig  # noqa: E402
 
 HANGOVER_MS = 32  # bench/turn_offline.py's default: the endpointer's median lag (12 ms) and half a 40 ms chunk
@@ -169,12 +174,71 @@ def replay() -> None:
             print(f"answer {model_ms:>3} ms  {policy.name:>20}: {turn_offline.report(policy, bs, HANGOVER_MS, model_ms)}")
 
 
+BATCHES = (1, 2, 4, 8, 2, 1, 8)
+
+
+def _session(arena: bool):
+    """Smart Turn's ONNX session: the server's own (no arena), or the same options with the arena."""
+    import onnxruntime
+
+    if not arena:
+        model = SmartTurn()
+        model.close()  # its worker thread; the session stays usable
+        return model._session
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    return onnxruntime.InferenceSession(str(model_path()), sess_options=options, providers=["CPUExecutionProvider"])
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def memory_child(arena: bool) -> None:
+    session = _session(arena)
+    loaded = _rss_mb()
+    held = []
+    for batch in BATCHES:
+        session.run(None, {"input_features": np.zeros((batch, 80, 800), np.float32)})
+        held.append(f"{_rss_mb() - loaded:6.0f}")
+    print(" ".join(held))
+
+
+def memory() -> None:
+    print("RSS held above the loaded model after each batch, MB (a fresh process each):")
+    print(f"{'batch':>24} " + " ".join(f"{b:>6}" for b in BATCHES))
+    for arena, name in ((True, "arena (onnxruntime's default)"), (False, "no arena (the server's)")):
+        out = subprocess.run([sys.executable, __file__, "--memory-child", "on" if arena else "off"], capture_output=True,
+                             text=True, check=True, timeout=600).stdout.strip()
+        print(f"{name:>24} {out}")
+    sessions = {arena: _session(arena) for arena in (True, False)}
+    print("time per batch, ms (min of 3, interleaved):")
+    for batch in (1, 4):
+        features = np.zeros((batch, 80, 800), np.float32)
+        times = {True: [], False: []}
+        for _ in range(4):
+            for arena, session in sessions.items():
+                t0 = time.perf_counter()
+                session.run(None, {"input_features": features})
+                times[arena].append(time.perf_counter() - t0)
+        print(f"  batch {batch}: arena {min(times[True][1:]) * 1000:6.0f}   no arena {min(times[False][1:]) * 1000:6.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=15)
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--replay", action="store_true", help="only the replay (section 3)")
+    parser.add_argument("--memory", action="store_true", help="only the memory a batch leaves held (section 4)")
+    parser.add_argument("--memory-child", choices=["on", "off"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_child:
+        memory_child(args.memory_child == "on")
+        return
+    if args.memory:
+        memory()
+        return
     if args.replay:
         replay()
         return

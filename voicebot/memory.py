@@ -4,10 +4,11 @@ Two behaviours of glibc's malloc make a long-running server's RSS climb in steps
 back down:
 - Arenas. A thread that finds its arena locked by another moves to a new one, up to 8 per core,
   each a 64 MB heap region. The engines' worker threads, onnxruntime's and OpenMP's pools all
-  allocate, so arenas keep appearing as contention peaks happen, hours in, and each then holds the
-  high-water mark of whatever was allocated on it. A 66-minute soak (10 sessions, 2 cores) grew by one
-  step of ~65 MB at minute 17 and stayed there, with about a dozen arenas 20-68 MB resident each.
-  `limit_heap_arenas` caps them before the engines start their threads, as MALLOC_ARENA_MAX would.
+  allocate, and each arena keeps the high-water mark of what was allocated on it: a soak's server
+  (10 sessions, 2 cores) held about a dozen arenas, 20-68 MB resident each, their sizes moving
+  from one to another between snapshots. `limit_heap_arenas` caps them before the engines start
+  their threads, as MALLOC_ARENA_MAX would. (That soak's one late step of ~65 MB was not glibc's
+  but onnxruntime's own arena: voicebot/audio/turn.py.)
 - Free pages. Memory freed inside a heap stays resident until something calls `malloc_trim`:
   fragmented by small blocks that outlive it, it is never returned on its own (a pocketsphinx Decoder
   is about 90 MB). `release_freed_memory` returns every free page. It walks the heaps (tens of ms
@@ -21,16 +22,12 @@ import asyncio
 import ctypes
 import ctypes.util
 import functools
-import logging
 import os
 
-log = logging.getLogger("voicebot.memory")
 
 # mallopt's parameter number for the arena cap (glibc's malloc.h).
 _M_ARENA_MAX = -8
-# Two arenas: the event loop's thread keeps the main one, all other threads share the second. A
-# first look with MALLOC_ARENA_MAX=2 (18-minute soak, 10 sessions) showed no step and a level 3 %
-# below the uncapped run's; bench/soak.py over an hour is the measure of it.
+# Two arenas: the event loop's thread keeps the main one, all other threads share the second.
 HEAP_ARENAS = 2
 TRIM_INTERVAL_S = 60.0
 
