@@ -213,8 +213,8 @@ def memory() -> None:
                              text=True, check=True, timeout=600).stdout.strip()
         print(f"{name:>24} {out}")
     sessions = {arena: _session(arena) for arena in (True, False)}
-    print("time per batch, ms (min of 3, interleaved):")
-    for batch in (1, 4):
+    print("time per batch, ms (min of 3, interleaved), and per row:")
+    for batch in (1, 2, 4, 8):
         features = np.zeros((batch, 80, 800), np.float32)
         times = {True: [], False: []}
         for _ in range(4):
@@ -222,7 +222,8 @@ def memory() -> None:
                 t0 = time.perf_counter()
                 session.run(None, {"input_features": features})
                 times[arena].append(time.perf_counter() - t0)
-        print(f"  batch {batch}: arena {min(times[True][1:]) * 1000:6.0f}   no arena {min(times[False][1:]) * 1000:6.0f}")
+        on, off = min(times[True][1:]) * 1000, min(times[False][1:]) * 1000
+        print(f"  batch {batch}: arena {on:6.0f} ({on / batch:4.0f} a row)   no arena {off:6.0f} ({off / batch:4.0f} a row)")
 
 
 def main() -> None:

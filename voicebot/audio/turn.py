@@ -93,9 +93,10 @@ class SmartTurn:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
-        # onnxruntime's CPU arena keeps the largest batch's activations for good: one batch of 8 left
-        # 161 MB held (a later one 239 MB), a late step in a soak's RSS that never came back. Without
-        # it the same batch leaves 69 MB, and calls take as long (batch 1: 67 vs 68 ms, batch 4: 526 vs 559).
+        # onnxruntime's CPU arena keeps the largest batch's activations for good: after batches of
+        # 1, 2, 4, 8, 2, 1, 8 it held 152 MB, then 232 MB (a late step in a soak's RSS that never came
+        # back); without it 43, then 106 MB, at about the same cost: 90-94 ms a row at batch 1, 92 at
+        # batch 8 (bench/smart_turn.py --memory).
         options.enable_cpu_mem_arena = False
         try:
             self._session = onnxruntime.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
