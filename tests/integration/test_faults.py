@@ -469,23 +469,36 @@ def failing_vad_step(request, monkeypatch):
     return step
 
 
-def test_a_vad_step_failing_mid_utterance_loses_that_utterance_and_the_next_turn_works(voice, failing_vad_step):
-    counted = failures(voice, "vad", "chunk")
-    dropped_before, overloaded_before = dropped(voice, "engine_error"), dropped(voice, "overload")
+def _fault_mid_utterance(voice, fault):
+    """FIRST spoken with `fault` (a context manager) entered at its speech start until the session's
+    error; then the next turn. Returns speech.started, the error, (the events and the history once that
+    utterance is over), and the history after the next turn."""
 
     async def scenario():
         async with VoiceClient.connect(voice.ws_url) as c:
             streaming = asyncio.create_task(c.stream(speech_pcm(FIRST), speed=4))
             started = await c.wait_for("speech.started")
-            failing_vad_step.armed.set()  # the next step is mid-utterance
-            error = await c.wait_for("error")
+            with fault():
+                error = await c.wait_for("error")
             await streaming
             await asyncio.sleep(1.5)  # the rest of that utterance, and whatever it would cause
             lost = (list(c.events), history(voice, c))
             await next_turn_works(c, ends_before=0)
             return started, error, lost, history(voice, c)
 
-    started, error, (events_after_fault, history_after_fault), messages = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_a_vad_step_failing_mid_utterance_loses_that_utterance_and_the_next_turn_works(voice, failing_vad_step):
+    counted = failures(voice, "vad", "chunk")
+    dropped_before, overloaded_before = dropped(voice, "engine_error"), dropped(voice, "overload")
+
+    @contextlib.contextmanager
+    def armed():
+        failing_vad_step.armed.set()  # the next step is mid-utterance
+        yield
+
+    started, error, (events_after_fault, history_after_fault), messages = _fault_mid_utterance(voice, armed)
     assert failing_vad_step.fired.is_set()
     assert error["code"] == "engine_error" and error["engine"] == "vad" and error["stage"] == "chunk"
     assert error["utterance_id"] == started["utterance_id"]
@@ -504,22 +517,15 @@ def test_a_full_vad_batcher_answers_busy_and_loses_that_utterance_and_the_next_t
     counted, overloads = failures(voice, "vad", "chunk"), voice.metric("voicebot_engine_overloads_total", 'engine="vad"')
     engine_errors, dropped_before = dropped(voice, "engine_error"), dropped(voice, "overload")
 
-    async def scenario():
-        async with VoiceClient.connect(voice.ws_url) as c:
-            streaming = asyncio.create_task(c.stream(speech_pcm(FIRST), speed=4))
-            started = await c.wait_for("speech.started")
-            bound, batcher.max_pending = batcher.max_pending, 0  # the real bound, reached by the next chunk
-            try:
-                error = await c.wait_for("error")
-            finally:
-                batcher.max_pending = bound
-            await streaming
-            await asyncio.sleep(1.5)  # the rest of that utterance, and whatever it would cause
-            lost = (list(c.events), history(voice, c))
-            await next_turn_works(c, ends_before=0)
-            return started, error, lost, history(voice, c)
+    @contextlib.contextmanager
+    def full():
+        bound, batcher.max_pending = batcher.max_pending, 0  # the real bound, reached by the next chunk
+        try:
+            yield
+        finally:
+            batcher.max_pending = bound
 
-    started, error, (events_after_fault, history_after_fault), messages = asyncio.run(scenario())
+    started, error, (events_after_fault, history_after_fault), messages = _fault_mid_utterance(voice, full)
     assert error["code"] == "busy" and error["engine"] == "vad" and error["overloaded"] == "vad"
     assert error["retry_after_s"] > 0 and error["utterance_id"] == started["utterance_id"]
     assert not [e for e in events_after_fault if e["type"] in ("asr.final", "turn.end", "reply.delta", "audio.start")]
