@@ -31,10 +31,11 @@ came within the hangover before it. A block that no pending block could start a 
 that no mute in progress reaches, is released at once, before it is decided. So the output is
 delayed by the lookahead (50 ms, 10 blocks) only from the onset of a possible impulse until it
 is decided (a click, the first 50 ms of a word after a pause); in silence, through sustained
-sound and at its end, by no more than the part of a block not yet filled. What is released is exactly what deciding gives (the same samples, the same mutes);
-only when it leaves changes. The output has exactly the input's length once flushed, and
-decisions depend only on block order, so it is the same for any input chunking. Memory bound:
-lookahead + one block of samples, and the energies (floats) of the last `relearn_s` of blocks.
+sound and at its end, by no more than the part of a block not yet filled. What is released is
+exactly what deciding gives (the same samples, the same mutes); only when it leaves changes. The
+output has exactly the input's length once flushed, and decisions depend only on block order, so
+it is the same for any input chunking. Memory bound: lookahead + one block of samples, and the
+energies (floats) of the last `relearn_s` of blocks.
 """
 
 from __future__ import annotations
