@@ -283,7 +283,10 @@ def test_a_recognizer_failing_at_an_utterances_end_is_named_and_counted(open_ser
 
     url = f"ws://127.0.0.1:{open_server.settings.server.port}/funasr"
     rt = open_server.runtime
-    failures = lambda: open_server.metric("voicebot_engine_failures_total", 'engine="asr",stage="finish"')  # noqa: E731
+
+    def failures() -> float:
+        return open_server.metric("voicebot_engine_failures_total", 'engine="asr",stage="finish"')
+
     counted = failures()
     received = []
 
