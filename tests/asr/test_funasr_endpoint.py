@@ -288,6 +288,7 @@ def test_a_recognizer_failing_at_an_utterances_end_is_named_and_counted(open_ser
         return open_server.metric("voicebot_engine_failures_total", 'engine="asr",stage="finish"')
 
     counted = failures()
+    lost_before = open_server.metric("voicebot_input_dropped_seconds_total", 'reason="engine_error"')
     received = []
 
     async def run():
@@ -306,3 +307,6 @@ def test_a_recognizer_failing_at_an_utterances_end_is_named_and_counted(open_ser
     assert final["engine"] == "asr" and final["stage"] == "finish"
     assert closed.value.rcvd.code == CloseCode.INTERNAL_ERROR and closed.value.rcvd.reason == "engine_error"
     assert failures() == counted + 1
+    # The first utterance, with no transcript: counted as lost.
+    lost = open_server.metric("voicebot_input_dropped_seconds_total", 'reason="engine_error"') - lost_before
+    assert lost >= 0.9 * len(espeak_speech("今天天气很好", voice="cmn")) / 16000

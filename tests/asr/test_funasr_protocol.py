@@ -331,16 +331,18 @@ class BrokenAt:
         return stream
 
 
-@pytest.mark.parametrize("broken, engine, stage", [
-    (lambda r: (r, BrokenSegmenter()), "vad", "chunk"),
-    (lambda r: (BrokenAt(r, "accept"), ScriptedSegmenter()), "asr", "feed"),
-    (lambda r: (BrokenAt(r, "finish"), ScriptedSegmenter(utterance_samples=16000)), "asr", "finish"),
+@pytest.mark.parametrize("broken, engine, stage, lost_samples", [
+    (lambda r: (r, BrokenSegmenter()), "vad", "chunk", FRAME_SAMPLES),  # the piece never judged
+    (lambda r: (BrokenAt(r, "accept"), ScriptedSegmenter()), "asr", "feed", FRAME_SAMPLES),  # the piece not taken
+    # the utterance the scripted endpointer ended after 1 s, with no transcript
+    (lambda r: (BrokenAt(r, "finish"), ScriptedSegmenter(utterance_samples=16000)), "asr", "finish", -(-16000 // FRAME_SAMPLES) * FRAME_SAMPLES),
 ])
-def test_an_engine_failure_names_the_engine_and_stage_that_failed(recognizer, broken, engine, stage):
+def test_an_engine_failure_names_the_engine_and_stage_that_failed(recognizer, broken, engine, stage, lost_samples):
     engines, segmenter = broken(recognizer)
+    metrics = Metrics()
 
     async def run():
-        session = FunasrSession(engines, segmenter, Metrics())
+        session = FunasrSession(engines, segmenter, metrics)
         await session.on_text(json.dumps({"mode": "2pass"}))
         for start in range(0, len(PCM), FRAME):
             await session.on_audio(PCM[start : start + FRAME])
@@ -349,3 +351,5 @@ def test_an_engine_failure_names_the_engine_and_stage_that_failed(recognizer, br
         asyncio.run(run())
     assert (failed.value.engine, failed.value.stage) == (engine, stage)
     assert "broke" in str(failed.value) and isinstance(failed.value.__cause__, RuntimeError)
+    lost = metrics.registry.get_sample_value("voicebot_input_dropped_seconds_total", {"reason": "engine_error"})
+    assert lost == pytest.approx(lost_samples / 16000)

@@ -41,7 +41,9 @@ clients print it), and a C++-style `ERROR.` text is the end of a stream to them.
 fields they do not know (funasr-client returns the dict; the runtime's clients read only theirs).
 What is lost is counted: voicebot_engine_overloads_total{engine="vad"} and
 voicebot_input_dropped_seconds_total{reason="overload"} (the piece, what was heard of the
-utterance, and the rest of it as it comes).
+utterance, and the rest of it as it comes). What a failing engine loses is counted as
+reason="engine_error": the piece the VAD or the streaming pass failed on, or the utterance whose
+end the recognizer failed on.
 
 No `timestamp` is sent: the streaming Paraformer has no per-character times, and clients that get
 one zip it with the characters. `hotwords` and `itn` are accepted and ignored (the Paraformer
@@ -255,6 +257,9 @@ class FunasrSession:
             events = await self._segmenter_call(self.segmenter.process, audio)
         except VadOverloaded as exc:
             return await self._overloaded(len(audio), exc)
+        except EngineFailed:
+            self._count_lost("engine_error", len(audio))  # never judged; what came before is still finished
+            raise
         return await self._events(events)
 
     async def _segmenter_call(self, call, *args) -> list[VadEvent]:
@@ -268,20 +273,22 @@ class FunasrSession:
     async def _overloaded(self, samples: int, exc: VadOverloaded) -> list[dict]:
         """The VAD had no room for this piece: it is lost, and so is the utterance it was part of
         (the module doc says what the client gets)."""
-        dropped = samples
-        lost = ""
+        dropped, and_utterance = samples, ""
         if self._in_utterance and not self._lost:
             dropped += self._heard
             self._lost = True
             await self._drop_stream()
-            lost = "; the utterance it was part of is lost"
+            and_utterance = "; the utterance it was part of is lost"
         self.metrics.engine_overloads.labels("vad").inc()
-        self.metrics.input_dropped.labels("overload").inc(dropped / SAMPLE_RATE)
+        self._count_lost("overload", dropped)
         self.metrics.errors.labels(ErrorCode.BUSY).inc()
-        reason = f"voice detection is at capacity ({exc}): {samples / SAMPLE_RATE:.2f} s of audio was dropped{lost}"
+        reason = f"voice detection is at capacity ({exc}): {samples / SAMPLE_RATE:.2f} s of audio was dropped{and_utterance}"
         return [self._message(OFFLINE, "") | {"error": reason, "code": ErrorCode.BUSY, "retry_after_s": VAD_RETRY_AFTER_S,
                                               "overloaded": "vad", "engine": "vad", "stage": "chunk",
                                               "dropped_s": round(dropped / SAMPLE_RATE, 3)}]
+
+    def _count_lost(self, reason: str, samples: int) -> None:
+        self.metrics.input_dropped.labels(reason).inc(samples / SAMPLE_RATE)
 
     async def _drop_stream(self) -> None:
         """The recognizer's stream of a lost utterance closed: the next utterance opens a fresh one."""
@@ -298,23 +305,26 @@ class FunasrSession:
             if event.kind in (EventKind.START, EventKind.AUDIO) and len(event.audio):
                 self._in_utterance = True
                 if self._lost:  # the rest of an utterance lost to an overload
-                    self.metrics.input_dropped.labels("overload").inc(len(event.audio) / SAMPLE_RATE)
+                    self._count_lost("overload", len(event.audio))
                     continue
-                self._heard += len(event.audio)
                 try:
                     if self._stream is None:
                         self._stream = self.recognizer.open()
                     partial = await self._stream.accept(event.audio)
                 except Exception as exc:
+                    self._count_lost("engine_error", len(event.audio))
                     raise EngineFailed("asr", "feed", exc) from exc
+                self._heard += len(event.audio)
                 if partial is not None and self.config.mode != "offline":
                     messages.append(self._partial(partial))
             elif event.kind is EventKind.END:
-                was_lost, self._lost, self._in_utterance, self._heard = self._lost, False, False, 0
+                was_lost, heard = self._lost, self._heard
+                self._lost, self._in_utterance, self._heard = False, False, 0
                 if self._stream is not None and not was_lost:  # a lost one's end was its overload's notice
                     try:
                         hypothesis = await self._stream.finish()
                     except Exception as exc:
+                        self._count_lost("engine_error", heard)  # the utterance, with no transcript
                         raise EngineFailed("asr", "finish", exc) from exc
                     messages.extend(self._final(hypothesis))
                     self._sent = ""
