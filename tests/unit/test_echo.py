@@ -196,3 +196,41 @@ def test_aec3_runs_with_a_short_initial_state():
     in_force.restype = ctypes.c_char_p
     assert AEC3_FIELD_TRIALS in in_force()
     assert b"WebRTC-Aec3UseDot6SecondsInitialStateDuration/Enabled/" in AEC3_FIELD_TRIALS
+
+
+def kept_per_frame(out: np.ndarray, voice: np.ndarray, start: int, lag: int = 0) -> list[float]:
+    """The speech's gain in `out` (`lag` samples late) in each 200 ms frame of its first second, in
+    dB: its projection on the speech, so echo left in `out` is no part of it."""
+    gains = []
+    for w in range(start, start + 16000, 3200):
+        said, heard = voice[w : w + 3200], out[w + lag : w + lag + 3200]
+        gains.append(20 * np.log10(max(float(np.dot(heard, said)), 1e-12) / float(np.dot(said, said))))
+    return gains
+
+
+@pytest.mark.parametrize("delay_ms, residual_db", [(150, 10), (300, 5)])
+def test_the_recognizer_hears_the_words_spoken_over_a_new_replys_echo(reply_24k, delay_ms, residual_db):
+    # AEC3's suppressor took 5-27 dB off each 100 ms of the first 0.6-0.9 s of words spoken over a
+    # new reply's echo, and pocketsphinx made '' of them. The linear output keeps them, at the
+    # input's sample positions, and leaves some echo (why the VAD, so barge-in, gets the other).
+    speech = espeak_speech(BARGE_IN, "en-gb") * 0.7
+    start = int(1.5 * 16000)  # into the first reply: both cancellers cold
+    canceller, echo, voice, suppressed, linear = run_case(reply_24k, delay_ms, -6, speech, speech_at_s=start / 16000)
+    spoken = slice(start, start + 16000)
+
+    def best_lag(out: np.ndarray) -> int:
+        return max(range(0, 480, 16), key=lambda k: float(np.dot(out[start + k : start + k + 16000], voice[spoken])))
+
+    linear_kept = kept_per_frame(linear, voice, start)
+    suppressed_kept = kept_per_frame(suppressed, voice, start, best_lag(suppressed))
+    echo_only = (voice == 0) & (echo != 0) & (np.arange(len(linear)) > len(linear) // 2)
+    residual = db(echo[echo_only]) - db(linear[echo_only])
+    print(f"\nspeech over a new reply's echo {delay_ms} ms -6 dB, kept per 200 ms: linear "
+          f"{' '.join(f'{k:+.1f}' for k in linear_kept)} dB, suppressed {' '.join(f'{k:+.1f}' for k in suppressed_kept)} dB; "
+          f"echo under the linear output, second reply: {residual:.1f} dB down (suppressed: "
+          f"{db(echo[echo_only]) - db(suppressed[echo_only]):.1f})")
+    assert best_lag(linear) == 0, "the linear output is not at the input's sample positions"
+    assert min(linear_kept) >= -6, f"the linear output lost {-min(linear_kept):.1f} dB of the words in a 200 ms frame"
+    assert min(suppressed_kept) < min(linear_kept) - 3  # what it is for: the suppressor takes the words
+    assert residual >= residual_db, f"the linear canceller took only {residual:.1f} dB off the converged echo"
+    assert abs(canceller.delay_ms - delay_ms) <= 10
