@@ -173,7 +173,7 @@ async def run_case(url: str, case: CaseResult, barge_speech: np.ndarray) -> Case
             await reader
 
     user_from = barge_at if barge_at is not None else len(room.voice)  # before it, only the bot spoke
-    if case.barge and case.gain_db is not None and user_from + RATE <= k:
+    if case.aec and case.barge and case.gain_db is not None and user_from + RATE <= k:
         words_kept(case, room, k, user_from)
     started = {e["utterance_id"]: at for at, e in log if e["type"] == "speech.started"}
     case.echo_utterances = sum(1 for at in started.values() if at < user_from)
@@ -217,7 +217,8 @@ def words_kept(case: CaseResult, room: Room, end: int, user_from: int) -> None:
     case.kept_suppressed_db = (worst, mean)
     worst, mean, left = kept(linear)
     case.kept_linear_db = (worst, mean)
-    case.linear_echo_down_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(left, left)), 1e-12)))
+    if np.any(echo):  # else the reply was over (or cut) before the user spoke
+        case.linear_echo_down_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(left, left)), 1e-12)))
 
 
 def cpu_cost(seconds: float = 10.0, rounds: int = 5) -> None:
@@ -309,9 +310,10 @@ def main() -> None:
         heard = f"{r.echo_transcripts[:2]}" + (f" / {r.heard!r}" if r.barge else "")
         print(f"{'on' if r.aec else 'off':>6} {r.delay_ms:>3} ms {gain:>6} {'yes' if r.barge else 'no':>8} {att:>14} "
               f"{r.false_barge_ins:>15} {delay:>14} {r.echo_utterances:>15}  {heard}")
-        if r.kept_linear_db is not None and r.aec:  # the offline figures do not depend on the server's setting
+        if r.kept_linear_db is not None:
+            down = "-" if r.linear_echo_down_db is None else f"{r.linear_echo_down_db:.1f} dB"
             words.append(f"{r.delay_ms:>3} ms {gain:>6}  {r.kept_suppressed_db[0]:+9.1f} {r.kept_suppressed_db[1]:+8.1f}"
-                         f"  {r.kept_linear_db[0]:+9.1f} {r.kept_linear_db[1]:+8.1f}  {r.linear_echo_down_db:>10.1f} dB")
+                         f"  {r.kept_linear_db[0]:+9.1f} {r.kept_linear_db[1]:+8.1f}  {down:>13}")
     if words:
         print("\nwords kept, the barge-in's first second (offline, the same input, the far end as it played): the "
               "speech's gain in each output per 200 ms, worst and mean, and the echo under it in the linear one")
