@@ -24,8 +24,9 @@ Per case:
   canceller here, the far end given as it played, and both of its outputs compared with what the
   user said over each 200 ms of the first second of the barge-in: the speech's gain in the output
   (its projection, the worst frame and the mean) for AEC3's suppressed output (the gate, the VAD and
-  barge-in hear it) and the linear one (the recognizer hears it), and how far the echo under the
-  words is down in the linear output.
+  barge-in hear it) and the linear one (the recognizer hears it), and the echo that came in under
+  the words over the rest of the linear output there (what is not the speech: echo left, and the
+  canceller's own distortion of the speech, which dominates it when the echo is quiet).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class CaseResult:
     # The barge-in's first second in each output, offline: the speech's gain, (worst 200 ms, mean) dB.
     kept_suppressed_db: tuple[float, float] | None = None
     kept_linear_db: tuple[float, float] | None = None
-    linear_echo_down_db: float | None = None  # the echo under those words, in the linear output
+    linear_echo_over_rest_db: float | None = None  # the echo in under those words over what is not them in the linear output
 
 
 class Room:
@@ -218,7 +219,7 @@ def words_kept(case: CaseResult, room: Room, end: int, user_from: int) -> None:
     worst, mean, left = kept(linear)
     case.kept_linear_db = (worst, mean)
     if np.any(echo):  # else the reply was over (or cut) before the user spoke
-        case.linear_echo_down_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(left, left)), 1e-12)))
+        case.linear_echo_over_rest_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(left, left)), 1e-12)))
 
 
 def cpu_cost(seconds: float = 10.0, rounds: int = 5) -> None:
@@ -311,13 +312,13 @@ def main() -> None:
         print(f"{'on' if r.aec else 'off':>6} {r.delay_ms:>3} ms {gain:>6} {'yes' if r.barge else 'no':>8} {att:>14} "
               f"{r.false_barge_ins:>15} {delay:>14} {r.echo_utterances:>15}  {heard}")
         if r.kept_linear_db is not None:
-            down = "-" if r.linear_echo_down_db is None else f"{r.linear_echo_down_db:.1f} dB"
+            down = "-" if r.linear_echo_over_rest_db is None else f"{r.linear_echo_over_rest_db:.1f} dB"
             words.append(f"{r.delay_ms:>3} ms {gain:>6}  {r.kept_suppressed_db[0]:+9.1f} {r.kept_suppressed_db[1]:+8.1f}"
                          f"  {r.kept_linear_db[0]:+9.1f} {r.kept_linear_db[1]:+8.1f}  {down:>13}")
     if words:
         print("\nwords kept, the barge-in's first second (offline, the same input, the far end as it played): the "
-              "speech's gain in each output per 200 ms, worst and mean, and the echo under it in the linear one")
-        print(f"{'delay':>6} {'gain':>6}  {'suppressed':>18}  {'linear':>18}  {'echo down':>13}")
+              "speech's gain in each output per 200 ms, worst and mean; the echo in under it over the rest of the linear output")
+        print(f"{'delay':>6} {'gain':>6}  {'suppressed':>18}  {'linear':>18}  {'echo / rest':>13}")
         print(f"{'':>14}{'worst':>9} {'mean':>8}  {'worst':>9} {'mean':>8}")
         print("\n".join(words))
 
