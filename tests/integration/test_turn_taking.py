@@ -44,9 +44,10 @@ async def turn_of(client: VoiceClient, parts: list[np.ndarray]) -> None:
     await client.stream(to_pcm16(audio), chunk_ms=20)
 
 
-def test_readyz_says_what_ends_turns(server):
-    turn = server.get("/readyz").json()["turn"]
-    assert turn == {"mode": "smart", "configured": "smart", "problem": None}
+def test_readyz_says_what_ends_turns_and_how_echo_is_heard(server):
+    ready = server.get("/readyz").json()
+    assert ready["turn"] == {"mode": "smart", "configured": "smart", "problem": None}
+    assert ready["echo"] == {"problem": None}  # libspeexdsp loaded: the recognizer hears the linear canceller
 
 
 def test_a_prepared_reply_is_kept_and_sent_at_once(server, sse):

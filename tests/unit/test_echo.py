@@ -234,3 +234,19 @@ def test_the_recognizer_hears_the_words_spoken_over_a_new_replys_echo(reply_24k,
     assert min(suppressed_kept) < min(linear_kept) - 3  # what it is for: the suppressor takes the words
     assert residual >= residual_db, f"the linear canceller took only {residual:.1f} dB off the converged echo"
     assert abs(canceller.delay_ms - delay_ms) <= 10
+
+
+def test_without_libspeexdsp_the_recognizer_hears_the_suppressed_output(reply_24k, monkeypatch):
+    # A host without the system library: sessions still cancel echo (AEC3), the recognizer gets AEC3's
+    # output as before, and the server can say why (start-up log, /readyz's echo.problem).
+    from voicebot.audio import echo
+
+    monkeypatch.setattr(echo, "_speexdsp", lambda: None)
+    assert echo.linear_canceller_problem() == echo.SPEEXDSP_MISSING
+    with pytest.raises(RuntimeError, match="libspeexdsp1"):
+        echo.LinearCanceller()
+    canceller = EchoCanceller(reply_rate=24000)
+    canceller.play(reply_24k[:24000], sent_at=0.0)
+    near = StreamResampler(24000, 16000).process(reply_24k[:24000]) * 0.5
+    out = canceller.process(near, arrived=1.0)
+    assert len(out.linear) > 0 and np.array_equal(out.linear, out.suppressed)

@@ -126,12 +126,16 @@ def _configure_aec3() -> None:
         init(_field_trials)
 
 
+SPEEXDSP_MISSING = ("libspeexdsp is not installed (Debian: libspeexdsp1; scripts/setup installs it): the recognizer "
+                    "hears AEC3's suppressed output, which loses the first words spoken over the bot's echo")
+
+
 @functools.cache
-def _speexdsp() -> ctypes.CDLL:
+def _speexdsp() -> ctypes.CDLL | None:
+    """The system's libspeexdsp, looked up once (find_library runs ldconfig); None where it is missing."""
     path = ctypes.util.find_library("speexdsp")
     if path is None:
-        raise RuntimeError("libspeexdsp is not installed (Debian: libspeexdsp1): the recognizer would hear "
-                           "the input with no echo cancelled, or AEC3's suppressed output, which loses words")
+        return None
     lib = ctypes.CDLL(path)
     lib.speex_echo_state_init.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.speex_echo_state_init.restype = ctypes.c_void_p
@@ -140,6 +144,11 @@ def _speexdsp() -> ctypes.CDLL:
     lib.speex_echo_cancellation.restype = None
     lib.speex_echo_state_destroy.argtypes = [ctypes.c_void_p]
     return lib
+
+
+def linear_canceller_problem() -> str | None:
+    """Why the recognizer cannot hear the linear canceller (start-up log, /readyz); None when it can."""
+    return SPEEXDSP_MISSING if _speexdsp() is None else None
 
 
 def _pcm16(audio: np.ndarray) -> np.ndarray:
@@ -156,8 +165,11 @@ class Cancelled(NamedTuple):
 class LinearCanceller:
     """speexdsp's MDF adaptive filter on 10 ms blocks: the echo it predicts from the far end, subtracted."""
 
-    def __init__(self) -> None:
-        lib = _speexdsp()
+    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+        self._lib = lib or _speexdsp()
+        if self._lib is None:
+            raise RuntimeError(SPEEXDSP_MISSING)
+        lib = self._lib
         self._state = lib.speex_echo_state_init(BLOCK, round(LINEAR_FILTER_S * SAMPLE_RATE))
         rate = ctypes.c_int(SAMPLE_RATE)
         lib.speex_echo_ctl(self._state, SPEEX_ECHO_SET_SAMPLING_RATE, ctypes.byref(rate))
@@ -167,7 +179,7 @@ class LinearCanceller:
     def process(self, near: np.ndarray, far: np.ndarray) -> np.ndarray:
         """One block of each end, int16; the near end less the echo, float32."""
         near, far = np.ascontiguousarray(near), np.ascontiguousarray(far)
-        _speexdsp().speex_echo_cancellation(self._state, near.ctypes.data, far.ctypes.data, self._out.ctypes.data)
+        self._lib.speex_echo_cancellation(self._state, near.ctypes.data, far.ctypes.data, self._out.ctypes.data)
         return self._out.astype(np.float32) / 32768.0
 
 
@@ -277,7 +289,8 @@ class EchoCanceller:
         self._far: deque[tuple[np.ndarray, float | None]] = deque()
         self._played_until = float("-inf")  # when the reply audio sent so far ends playing
         self._far_samples = 0
-        self._linear = LinearCanceller()
+        # Without libspeexdsp the recognizer hears the suppressed output (said at start-up and in /readyz).
+        self._linear = None if (lib := _speexdsp()) is None else LinearCanceller(lib)
         # Far blocks matched with input, waiting out each canceller's hold.
         self._aec3_hold, self._linear_hold = FarHold(), FarHold()
         self._near_partial = np.zeros(0, np.float32)
@@ -376,7 +389,7 @@ class EchoCanceller:
             self._apm.process_reverse_stream(_pcm16(aec3_reference).tobytes())
             cleaned = np.frombuffer(self._apm.process_stream(near_pcm.tobytes()), "<i2").astype(np.float32) / 32768.0
             suppressed[start : start + BLOCK] = cleaned
-            linear[start : start + BLOCK] = self._linear.process(near_pcm, _pcm16(linear_reference))
+            linear[start : start + BLOCK] = cleaned if self._linear is None else self._linear.process(near_pcm, _pcm16(linear_reference))
             if np.any(far_block):
                 self._near_energy += float(np.dot(near_block, near_block))
                 self._out_energy += float(np.dot(cleaned, cleaned))
