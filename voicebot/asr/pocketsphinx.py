@@ -3,7 +3,9 @@
 With `phrases` configured it decodes against a closed JSGF grammar of those phrases: deterministic,
 for tests and demos. Without, it uses its general English language model: honest but weak
 (20-35 % of words right on synthetic speech). Each stream holds a Decoder while it lives; calls
-run on the engine's worker so the event loop never waits for the decoder.
+run on the engine's worker, but the binding holds the GIL for a whole call (a thread decoding 10 s
+of audio in one call kept another from running for 2.4 s): the event loop waits out every call,
+so each is kept short (a chunk at a time; no search after the utterance: `new_decoder`).
 
 A Decoder is the model: about 90 MB with the general English LM (27 MB with a grammar, which needs
 no LM) and 0.3 s of CPU to build. Building one per session and freeing it at its end cost 90 MB of
