@@ -67,12 +67,16 @@ class PocketsphinxRecognizer(Recognizer):
         from pocketsphinx import Decoder
 
         # lm=None: a grammar search never reads the general LM, which is two thirds of a decoder.
-        # What end_utt runs is latency: the user has stopped and the reply waits for it. The
-        # lattice's best path cost a grammar utterance of tests/turn_set.py 4.6 ms of CPU at p50 and
-        # 240 ms at worst, for no better words (word match 0.78 with, 0.81 without; the LM's the same
-        # either way); the general LM's flat second pass is PocketsphinxConfig.second_pass.
-        options = {"lm": None} if self._grammar else {"fwdflat": self.config.second_pass}
-        decoder = Decoder(samprate=16000, loglevel="FATAL", bestpath=False, **options)
+        # What end_utt runs is latency: the user has stopped and the reply waits for it
+        # (bench/pocketsphinx_finish.py, on tests/turn_set.py). A grammar's lattice best path cost
+        # 5 ms of CPU at p50 and 240 ms at worst, for worse words (word match 0.78, 0.81 without).
+        # The general LM's flat second pass cost 180 ms at p50 for none better (0.37 with it and
+        # the best path, 0.38 with the best path alone, at 38 ms): PocketsphinxConfig.second_pass.
+        if self._grammar:
+            options = {"lm": None, "bestpath": False}
+        else:
+            options = {"bestpath": True, "fwdflat": self.config.second_pass}
+        decoder = Decoder(samprate=16000, loglevel="FATAL", **options)
         if self._grammar:
             decoder.add_jsgf_string("phrases", self._grammar)
             decoder.activate_search("phrases")
