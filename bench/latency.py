@@ -27,14 +27,18 @@ is (the protocol ties no reply_id to a turn: matched by order, since the server 
 turn's reply before its turn.end).
 Once that first frame is in, the client interrupts the reply (its length tells nothing) and goes on.
 
-Then where the time went, per stage (p50 / p95 over the turns that got a reply after their end),
-from the client's clock and the server's turn.end timings (docs/protocol.md); the two processes
-share the machine's monotonic clock:
-- end -> VAD speech end: the chunk that held the last sample (40 ms) and Silero's hangover;
-- speech end -> asked: the model's last question (early, `smart_early_ms`; at the pause; or a re-ask);
-- queued: that question waiting behind the call in progress; model: the call (features + model);
-- answer -> turn.end: waiting for the transcript of the segment (by: smart);
+Then where the time went, hop by hop (p50 / p95 over the turns that got a reply after their end,
+and the hops' means, which add up to the total), from the client's clock and the server's turn.end
+and asr.final timings (docs/protocol.md); the two processes share the machine's monotonic clock:
+- end -> VAD speech end: Silero's hangover, and turn.end's way to the client;
+- pause heard: VAD speech end to the endpoint: the pause the endpointer waits for, the chunk that
+  completed it (40 ms), and the chunk's wait in the session's input queue behind earlier ones;
+- recognizer final: the recognizer's finish (asr.final's asr_final_ms);
+- transcript -> turn.end: nothing for the silence rule; smart: the model's answer, if it was not in;
 - turn.end -> first frame: responder, synthesis, prebuffer (nothing left to do if prepared and kept).
+Of the decision, overlapping the pause and the transcript: speech end -> asked (the model's last
+question: early, `smart_early_ms`; at the pause; or a re-ask), queued (behind the call in
+progress), model (the call: features + model).
 And each false cut-in, with what decided it, to tell a policy's mistakes from load noise.
 
 A turn with no reply audio after its end is told by what the server sent during it (`fate`): an
@@ -98,6 +102,7 @@ class TurnResult:
     cut_ins: list[str] = field(default_factory=list)  # "by p=probability at pause_ms" of each turn.end before the end
     fate: str | None = None  # with no reply after the end: what happened to the turn (see what_happened)
     late_turn_ends: int = 0  # turn.end events of an earlier turn that arrived during this one
+    asr_timings: dict = field(default_factory=dict)  # the asr.final timings of that turn.end's utterance
 
     @property
     def empty_transcript(self) -> bool:
@@ -230,7 +235,13 @@ def result(log: EventLog, turn: TurnItem, start: float, end: float, first: float
         [f"{e['by']} p={e['probability']} at {e['timings']['pause_ms']} ms" for e in early],
         None if first is not None else what_happened(log, start, end),
         len(late),
+        asr_final_timings(log, deciding[0][1]["utterance_id"]) if deciding else {},
     )
+
+
+def asr_final_timings(log: EventLog, utterance_id: str) -> dict:
+    finals = [e for _, e in log.events("asr.final") if e["utterance_id"] == utterance_id]
+    return finals[-1].get("timings", {}) if finals else {}
 
 
 async def speak(client: Client, turn: RenderedTurn) -> TurnResult:
@@ -300,27 +311,37 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+# The hops of one answered turn, in order: each starts where the one before ended, so a turn's
+# hops add up to its end -> first frame.
+CHAIN = ("end -> VAD speech end", "pause heard", "recognizer final", "transcript -> turn.end", "turn.end -> first frame")
+# What the decision's time held, overlapping the chain's pause and transcript (smart only).
+DECISION = ("speech end -> asked", "queued", "model")
+
+
 def stages(r: TurnResult) -> dict[str, float | None]:
-    """One answered turn's time, stage by stage (ms; None where the stage did not happen)."""
-    t = r.timings
-    speech_end = None if r.turn_end_ms is None or "end_of_speech_ms" not in t else r.turn_end_ms - t["end_of_speech_ms"]
-    wait = None
-    if t.get("decision_ms") is not None and t.get("asked_ms") is not None:
-        wait = t["end_of_speech_ms"] - t["asked_ms"] - t["decision_ms"]
-    return {
-        "end -> VAD speech end": speech_end,
-        "speech end -> asked": t.get("asked_ms"),
-        "queued": t.get("queued_ms"),
-        "model": t.get("model_ms"),
-        "answer -> turn.end": wait,
-        "turn.end -> first frame": None if r.turn_end_ms is None else r.first_audio_ms - r.turn_end_ms,
-        "end -> first frame": r.first_audio_ms,
-    }
+    """One answered turn's time, hop by hop (ms; None where a hop did not happen or was not reported)."""
+    t, asr = r.timings, r.asr_timings
+    if r.turn_end_ms is None or "end_of_speech_ms" not in t or "endpoint_delay_ms" not in asr:
+        chain = dict.fromkeys(CHAIN)
+    else:
+        chain = {
+            "end -> VAD speech end": r.turn_end_ms - t["end_of_speech_ms"],
+            "pause heard": asr["endpoint_delay_ms"],  # speech end -> the endpointer ended the segment
+            "recognizer final": asr["asr_final_ms"],
+            "transcript -> turn.end": t["end_of_speech_ms"] - asr["endpoint_delay_ms"] - asr["asr_final_ms"],
+            "turn.end -> first frame": r.first_audio_ms - r.turn_end_ms,
+        }
+    return {**chain, **{name: t.get(key) for name, key in zip(DECISION, ("asked_ms", "queued_ms", "model_ms"))},
+            "end -> first frame": r.first_audio_ms}
 
 
 def print_stages(rows: list) -> None:
-    names = list(stages(TurnResult("", False, False, 0.0)))
+    names = [*CHAIN, *DECISION, "end -> first frame"]
     print("\nwhere the time goes (ms from the turn's true end; p50 / p95 over answered turns; n = turns with that stage)")
+    print(f"  hops, in order: {' + '.join(CHAIN)} = end -> first frame, turn by turn (the means below add up);")
+    print("  pause heard: VAD speech end to the endpoint (the pause, the chunk that completed it, the input queue);")
+    print("  transcript -> turn.end: the silence rule ends at once; smart waits for the model's answer if it is not in;")
+    print(f"  {', '.join(DECISION)}: the model's last question, overlapping the pause and the transcript")
     print(f"{'policy':>9} {'clients':>7}  " + "  ".join(f"{n:>23}" for n in names))
     for policy, n, results, _ in rows:
         per_turn = [stages(r) for r in results if r.first_audio_ms is not None]
@@ -329,6 +350,13 @@ def print_stages(rows: list) -> None:
             values = [s[name] for s in per_turn if s[name] is not None]
             cells.append(f"{pct(values, 50):>6.0f} / {pct(values, 95):>5.0f} (n={len(values):>2})" if values else f"{'-':>23}")
         print(f"{policy:>9} {n:>7}  " + "  ".join(f"{c:>23}" for c in cells))
+    print("\nthe hops' means (ms), over the turns with every hop reported: they add up to the total")
+    for policy, n, results, _ in rows:
+        chained = [s for s in (stages(r) for r in results if r.first_audio_ms is not None) if s[CHAIN[0]] is not None]
+        if chained:
+            means = [float(np.mean([s[name] for s in chained])) for name in CHAIN]
+            total = float(np.mean([s["end -> first frame"] for s in chained]))
+            print(f"{policy:>9} {n:>7}  " + " + ".join(f"{m:.0f}" for m in means) + f" = {sum(means):.0f} (total {total:.0f}, n={len(chained)})")
 
 
 def print_cut_ins(rows: list) -> None:

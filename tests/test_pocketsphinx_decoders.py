@@ -69,3 +69,28 @@ def test_a_reused_decoder_decodes_like_a_new_one(recognizer):
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_freed_memory_is_handed_back_on_glibc():
     assert pocketsphinx.release_freed_memory()
+
+
+@pytest.mark.parametrize("second_pass", [False, True])
+def test_the_general_lms_second_pass_runs_only_when_configured(second_pass):
+    """What runs at end_utt is latency: the flat second pass (~180 ms of CPU, no better words on the
+    turn set) only when asked for; the best path (~14 ms, better words without that pass) always."""
+    engine = PocketsphinxRecognizer(PocketsphinxConfig(second_pass=second_pass))
+    decoder = engine.new_decoder()
+    assert decoder.config["bestpath"] is True
+    assert decoder.config["fwdflat"] is second_pass
+
+
+def test_a_grammar_decoder_finds_its_phrase_without_the_lattice(recognizer):
+    decoder = recognizer.new_decoder()
+    assert decoder.config["bestpath"] is False
+    audio = np.concatenate([np.zeros(4800, np.float32), espeak_speech(TEST_PHRASES[1]), np.zeros(8000, np.float32)])
+
+    async def scenario() -> str:
+        stream = recognizer.open()
+        try:
+            return await transcribe(stream, audio)
+        finally:
+            await stream.close()
+
+    assert asyncio.run(scenario()) == TEST_PHRASES[1]

@@ -171,6 +171,10 @@ class ResetConfig(Section):
 class PocketsphinxConfig(Section):
     # Phrases for a closed grammar (deterministic, for tests and demos); empty = general English LM.
     phrases: list[str] = []
+    # The general LM's flat-lexicon second pass over the whole utterance, run after it ends: 180 ms
+    # of CPU per utterance at p50 before its transcript is in (38 ms without), for no better words
+    # on tests/turn_set.py's English turns (bench/pocketsphinx_finish.py). Off: the reply starts sooner.
+    second_pass: bool = False
 
 
 class DialectFallbackConfig(Section):

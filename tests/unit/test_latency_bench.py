@@ -4,7 +4,7 @@ inside the next turn are late, never that turn's cut-in or its reply."""
 
 from __future__ import annotations
 
-from bench.latency import LEAD_S, EventLog, result
+from bench.latency import CHAIN, DECISION, LEAD_S, EventLog, result, stages
 from tests.turn_set import TurnItem
 
 COMPLETE = TurnItem("en-complete-00", "en", ("I would like to order a pizza.",), ())
@@ -125,3 +125,31 @@ def test_a_reply_is_the_turns_whose_turn_end_came_last_before_it():
     assert log.replies(8.0) == {"r2"}
     assert log.first_frame(8.0, 10.0) is None
     assert result(log, COMPLETE, 8.0, 10.0, None).fate == "turn.end ['x'], empty reply text"
+
+
+def test_a_turns_hops_add_up_to_its_end_to_first_frame():
+    """From the client's clock (turn.end and the first frame) and the server's timings of the turn's
+    last utterance: every hop is measured, none is left over."""
+    log = EventLog()
+    log.append(0.6, {"type": "speech.started", "utterance_id": "u1"})
+    log.append(2.58, {"type": "asr.final", "utterance_id": "u1", "text": "x",
+                      "timings": {"endpoint_delay_ms": 540.0, "asr_final_ms": 12.0}})
+    end = {**turn_end("u1"), "timings": {"pause_ms": 512, "asked_ms": 190.0, "queued_ms": 0.0, "model_ms": 80.0,
+                                         "decision_ms": 90.0, "end_of_speech_ms": 600.0}}
+    log.append(2.64, end)  # the turn ended at 2.0: turn.end 640 ms after it, 600 after the VAD's speech end
+    reply(log, 2.66, "r1")
+    r = result(log, COMPLETE, 0.0, 2.0, log.first_frame(0.0, 2.0))
+    hops = stages(r)
+    assert [round(hops[name]) for name in CHAIN] == [40, 540, 12, 48, 30]
+    assert round(sum(hops[name] for name in CHAIN)) == round(r.first_audio_ms) == 670
+    assert [hops[name] for name in DECISION] == [190.0, 0.0, 80.0]
+
+
+def test_a_turn_without_its_transcripts_timings_has_no_chain():
+    log = EventLog()
+    first_turn(log)  # its asr.final carries no timings
+    log.append(2.64, turn_end("u1"))
+    reply(log, 2.66, "r1")
+    hops = stages(result(log, COMPLETE, 0.0, 2.0, log.first_frame(0.0, 2.0)))
+    assert all(hops[name] is None for name in CHAIN)
+    assert round(hops["end -> first frame"]) == 670

@@ -127,11 +127,33 @@ def test_policy_ends_at_the_limit_whatever_the_model_says():
 
 
 def test_a_slow_answer_does_not_ask_for_a_pause_already_past():
-    turn = policy(smart_pause_ms=160, smart_early_ms=0, smart_reask_ms=320, smart_limit_ms=1500)
+    # (a limit far enough that the next answer, 740 ms after its question too, comes before it)
+    turn = policy(smart_pause_ms=160, smart_early_ms=0, smart_reask_ms=320, smart_limit_ms=3000)
     assert turn.on_silence(160) is Action.ASK
     turn.on_answer(turn.question, 0.1, 900)  # the answer took long: the next question at 1120, not 480
     assert turn.on_silence(1100) is Action.NONE
     assert turn.on_silence(1120) is Action.ASK
+
+
+def test_no_question_whose_answer_would_come_after_the_limit():
+    turn = policy(smart_pause_ms=160, smart_early_ms=0, smart_reask_ms=320, smart_limit_ms=1500)
+    assert turn.on_silence(160) is Action.ASK
+    turn.on_answer(turn.question, 0.1, 260)  # answered after 100 ms of silence
+    for silence_ms, asked_at in ((480, 560), (800, 880), (1120, 1200)):
+        assert turn.on_silence(silence_ms) is Action.ASK
+        turn.on_answer(turn.question, 0.1, asked_at)
+    assert turn.on_silence(1440) is Action.NONE  # its answer would come at 1520: the limit ends the turn first
+    assert turn.on_silence(1500) is Action.END
+
+
+def test_the_answer_time_carries_to_the_next_turn_and_follows_the_last_answer():
+    turn = policy(smart_pause_ms=160, smart_early_ms=0, smart_reask_ms=320, smart_limit_ms=1500)
+    assert turn.on_silence(160) is Action.ASK
+    turn.on_answer(turn.question, 0.9, 1450)  # a loaded server: 1290 ms for an answer
+    turn.end("smart", 1450)
+    assert turn.on_silence(160) is Action.ASK  # 160 + 1290 < 1500: still worth asking
+    turn.on_answer(turn.question, 0.1, 200)  # quick again
+    assert turn.on_silence(480) is Action.ASK
 
 
 def test_speech_again_starts_the_schedule_over_and_drops_the_stale_answer():

@@ -10,7 +10,8 @@ is found through the distribution's file list, and pipecat itself is never impor
 `TurnPolicy` decides, for one stream, when to ask and what the answer means: ask about a pause of
 `smart_pause_ms` of VAD silence (early, at `smart_early_ms`, so the call overlaps the pause);
 "complete" at the pause ends the turn; "incomplete" keeps listening and asks again every
-`smart_reask_ms` of further silence, until `smart_limit_ms` ends the turn anyway.
+`smart_reask_ms` of further silence (not when the last answer's time says this one would come
+after the limit), until `smart_limit_ms` ends the turn anyway.
 """
 
 from __future__ import annotations
@@ -183,6 +184,11 @@ class TurnPolicy:
         self.config = config
         self.smart = smart
         self.question = 0  # numbers the questions, so an answer to a stale one is ignored
+        # How long the last answer took, in silence heard meanwhile (ms): a question whose answer
+        # would come after the silence limit is not asked. Its call would be thrown away (the
+        # limit ends the turn first) and, under load, lengthen every other session's batch.
+        self.answer_ms = 0.0
+        self._asked_at_ms = 0.0
         self.reset()
 
     def reset(self) -> None:
@@ -207,8 +213,9 @@ class TurnPolicy:
         if self.held and silence_ms >= self.config.smart_pause_ms:
             self.held = False
             return Action.COMPLETE
-        if self.smart and not self.asking and silence_ms >= self.next_ask_ms:
+        if self.smart and not self.asking and silence_ms >= self.next_ask_ms and silence_ms + self.answer_ms < self.limit_ms:
             self.asking = True
+            self._asked_at_ms = silence_ms
             self.question += 1
             self.asked_for_ms = max(silence_ms, float(self.config.smart_pause_ms))
             return Action.ASK
@@ -223,6 +230,7 @@ class TurnPolicy:
         if question != self.question or not self.asking:
             return False
         self.asking = False
+        self.answer_ms = silence_ms - self._asked_at_ms
         self.probability = probability
         # An answer stands for the pause it was asked about: the next question is a re-ask after it.
         self.next_ask_ms = max(self.next_ask_ms, self.asked_for_ms + self.config.smart_reask_ms)
