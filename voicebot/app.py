@@ -24,6 +24,7 @@ from voicebot import __version__, auth, limits, memory, openai_audio, protocol
 from voicebot.asr.funasr_ws import funasr_segmenter, serve_funasr
 from voicebot.channels import run_listener
 from voicebot.config import Settings, load_settings
+from voicebot.loop_watch import LoopWatch
 from voicebot.obs_plugin import ObsSocket
 from voicebot.protocol import CloseCode, ErrorCode
 from voicebot.realtime import RealtimeSocket, RefusingInOpenAIShape
@@ -53,7 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         rt.loop = asyncio.get_running_loop()
         await asyncio.to_thread(rt.load)
         await rt.start_cluster()
-        lag = asyncio.create_task(rt.metrics.watch_loop_lag())
+        lag = asyncio.create_task(LoopWatch(rt.metrics).run())
         load = asyncio.create_task(rt.admission.watch(lambda: len(rt.sessions), lambda: _report_load(rt)))
         trim = asyncio.create_task(memory.trim_periodically())
         _drain_on_sigterm(rt)
