@@ -75,7 +75,7 @@ class LoopWatch:
         self._loop_thread: int | None = None
         # The watchdog's findings for the tick in progress, reset by the heartbeat at each tick.
         self._watchdog_late_s = 0.0  # how late the watchdog itself woke, at most, during the tick
-        self._loop_stack: list[str] | None = None  # the loop thread's stack, sampled while overdue
+        self._loop_stack: list[str] | None = None  # the loop thread's stack sampled while overdue ([]: it was idle)
         self._threads_on_wake = ""  # the other threads' stacks when the watchdog last woke late
         self._stop = threading.Event()
         self._last_log = -LOG_EVERY_S
@@ -104,13 +104,12 @@ class LoopWatch:
     def _stalled(self, lag: float, gc_s: float) -> None:
         if gc_s >= lag / 2:
             cause, detail = "gc", f"{1000 * gc_s:.0f} ms of it in Python's cyclic GC"
-        elif self._watchdog_late_s >= lag / 2:
-            cause = "gil"
-            detail = (f"the GIL was held {1000 * self._watchdog_late_s:.0f} ms (a C call that keeps it, or no CPU); "
-                      f"busy threads as the watchdog woke: {self._threads_on_wake}")
+        elif self._loop_stack and self._watchdog_late_s < lag / 2:
+            cause, detail = "callback", "in a callback on the loop: " + " < ".join(self._loop_stack)
         else:
-            cause = "callback"
-            detail = "in a callback on the loop: " + " < ".join(self._loop_stack or ["(not sampled)"])
+            cause = "gil"
+            detail = (f"the loop's thread was waiting for the GIL (the watchdog woke up to {1000 * self._watchdog_late_s:.0f} ms late): "
+                      f"a C call that keeps it, or no CPU; busy threads as the watchdog last woke late: {self._threads_on_wake}")
         self.metrics.loop_stalls.labels(cause).inc()
         now = time.monotonic()
         if now - self._last_log >= LOG_EVERY_S:
@@ -130,15 +129,20 @@ class LoopWatch:
             overdue = now - self._beat_started - self.beat_s
             if overdue > self.threshold_s / 2 and self._loop_stack is None:
                 frame = sys._current_frames().get(self._loop_thread)
-                self._loop_stack = _innermost(frame)
+                # Found in the selector or the loop's own frames, it ran no callback: it waited for the GIL.
+                self._loop_stack = [] if frame is None or _waiting(frame) else _innermost(frame)
 
     def _busy_threads(self) -> str:
         """The innermost frames of each thread but this one, leaving out those waiting for work."""
         names = {t.ident: t.name for t in threading.enumerate()}
         me = threading.get_ident()
         busy = [f"{names.get(ident, ident)}: {' < '.join(_innermost(frame))}" for ident, frame in sys._current_frames().items()
-                if ident != me and os.path.basename(frame.f_code.co_filename) not in _WAITING]
+                if ident != me and not _waiting(frame)]
         return "; ".join(busy) or "(none)"
+
+
+def _waiting(frame) -> bool:
+    return os.path.basename(frame.f_code.co_filename) in _WAITING
 
 
 def _innermost(frame) -> list[str]:
