@@ -92,3 +92,19 @@ def test_a_long_collection_is_a_gc_stall_and_its_pause_is_measured(caplog):
     assert _stalls(metrics)["gc"] == 1
     assert "cause gc" in lines[0] and "cyclic GC" in lines[0]
     assert metrics.gc_pause.labels("2")._sum.get() >= HOLD_S / 2
+
+
+def test_a_running_server_freezes_its_heap_and_counts_a_stall_on_its_loop():
+    from tests.conftest import make_settings, running_server
+
+    with running_server(make_settings()) as server:
+        assert gc.get_freeze_count() > 0  # start-up's objects out of every collection
+        before = server.metric("voicebot_event_loop_stalls_total", 'cause="callback"')
+        server.on_loop(_slow_callback_on_the_loop)
+        deadline = time.monotonic() + 10
+        while server.metric("voicebot_event_loop_stalls_total", 'cause="callback"') == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.metric("voicebot_event_loop_stalls_total", 'cause="callback"') >= before + 1
+        assert server.metric("voicebot_event_loop_lag_seconds_count") > 0
+        assert 'voicebot_gc_pause_seconds_count{generation="2"}' in server.get("/metrics").text
+    assert gc.get_freeze_count() == 0  # thawed at shutdown: a later app can free this one's engines
