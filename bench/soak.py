@@ -17,7 +17,8 @@ clients on 127.0.0.1, each in a role, round robin:
 Every report prints the server process's RSS (the mean of a reading every second since the last
 report), open file descriptors, threads, asyncio tasks,
 event-loop lag (from /metrics: mean, p99 and max, and the stalls over 100 ms by what held the loop:
-gc/gil/callback, voicebot/loop_watch.py), first-audio p50/p95 of the replies that ended in the interval
+gc/gil/callback, voicebot/loop_watch.py; the summary adds the server's GC collections by
+generation, with their mean pause), first-audio p50/p95 of the replies that ended in the interval
 (`audio.end` timings), reply frames promised (`audio.end.frames` + `audio.interrupted.frames_sent`)
 against frames received, lost audio (frames promised and never received, plus the server's
 `frames_dropped{overload}` and dropped input) and session deaths without an error event (a socket
@@ -368,7 +369,7 @@ async def run(url: str, probe: ServerProbe, process: subprocess.Popen, args) -> 
           f"reset every {args.reset_s:g} s; a report every {args.report_s:g} s")
     print(f"{'min':>5} {'RSS MB':>7} {'fds':>5} {'thr':>4} {'tasks':>6} {'lag ms':>7} {'lag p99':>7} {'lag max':>7} {'stalls':>11} {'replies':>7} {'cut':>4} "
           f"{'1st p50':>7} {'p95':>6} {'promised':>9} {'received':>9} {'lost':>5} {'deaths':>6} {'resumed':>8} {'fuzz':>6} {'vadq':>4} {'schq':>4} {'load':>5}", flush=True)
-    rows = []
+    rows, metrics = [], {}
     # Ctrl-C ends an hours-long soak early with its table and summary, as its deadline would.
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
@@ -405,9 +406,20 @@ async def run(url: str, probe: ServerProbe, process: subprocess.Popen, args) -> 
             "lag_p99_ms_worst": max((r["lag_p99_ms"] for r in rows), default=None),
             "lag_max_ms": max((r["lag_max_ms"] for r in rows), default=None),
             "stalls": {c: sum(r["stalls"][c] for r in rows) for c in ("gc", "gil", "callback")},
+            "gc_pauses": gc_pauses(metrics),
             "rss_mb_first": rows[0]["rss_mb"] if rows else None, "rss_mb_last": rows[-1]["rss_mb"] if rows else None,
             "rss_blocks": blocks, "rss_max_block_drift_pct": round(max(drifts), 2) if drifts else None,
             "server_alive": process.poll() is None, "rows": rows}
+
+
+def gc_pauses(m: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The server's cyclic GC collections since start-up, by generation: how many, their mean."""
+    pauses = {}
+    for generation in "012":
+        count = m.get(f"voicebot_gc_pause_seconds_count{{generation={generation}}}", 0.0)
+        total = m.get(f"voicebot_gc_pause_seconds_sum{{generation={generation}}}", 0.0)
+        pauses[generation] = {"count": int(count), "mean_ms": round(1000 * total / count, 2) if count else None}
+    return pauses
 
 
 def rss_blocks(rows: list[dict], block_min: float, warmup_min: float) -> list[dict]:

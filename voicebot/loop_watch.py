@@ -8,12 +8,13 @@ witnesses that are not the loop:
 
 - gc: Python's cyclic collector ran for at least half the stall (`gc.callbacks` time every
   collection, voicebot_gc_pause_seconds), in whichever thread triggered it.
-- gil: a watchdog thread, asleep between polls, woke late by at least half the stall: the whole
-  interpreter was held, by a C extension that keeps the GIL through a long call (on a worker thread
-  too: running it "off the loop" does not help) or by a starved CPU. The log names every thread's
-  innermost frames as the watchdog found them on waking: the holder's are just past its call.
-- callback: neither; the loop's own thread ran one callback that long. The watchdog sampled that
-  thread's stack while the heartbeat was overdue, and the log line names it.
+- callback: the loop's own thread ran one callback that long. A watchdog thread, asleep between
+  polls, samples that thread's stack once the heartbeat is overdue, and the log line names it.
+- gil: the rest. The watchdog found the loop's thread idle (waiting to take the GIL back after its
+  selector), or was held itself for at least half the stall: the whole interpreter was held, by a C
+  extension that keeps the GIL through a long call (on a worker thread too: running it "off the
+  loop" does not help) or by a starved CPU. The log names the busy threads' innermost frames as the
+  watchdog found them when it woke late: the holder's are just past its call.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 
 from voicebot.metrics import Metrics
 
@@ -76,7 +76,7 @@ class LoopWatch:
         # The watchdog's findings for the tick in progress, reset by the heartbeat at each tick.
         self._watchdog_late_s = 0.0  # how late the watchdog itself woke, at most, during the tick
         self._loop_stack: list[str] | None = None  # the loop thread's stack sampled while overdue ([]: it was idle)
-        self._threads_on_wake = ""  # the other threads' stacks when the watchdog last woke late
+        self._threads_on_wake = ""  # the busy threads' stacks when the watchdog last woke late
         self._stop = threading.Event()
         self._last_log = -LOG_EVERY_S
 
@@ -89,7 +89,7 @@ class LoopWatch:
         try:
             while True:
                 gc_before = self.gc_clock.total_s
-                self._watchdog_late_s, self._loop_stack = 0.0, None
+                self._watchdog_late_s, self._loop_stack, self._threads_on_wake = 0.0, None, ""
                 self._beat_started = start = time.monotonic()
                 await asyncio.sleep(self.beat_s)
                 lag = max(0.0, time.monotonic() - start - self.beat_s)
@@ -109,7 +109,8 @@ class LoopWatch:
         else:
             cause = "gil"
             detail = (f"the loop's thread was waiting for the GIL (the watchdog woke up to {1000 * self._watchdog_late_s:.0f} ms late): "
-                      f"a C call that keeps it, or no CPU; busy threads as the watchdog last woke late: {self._threads_on_wake}")
+                      f"a C call that keeps it, or no CPU; busy threads as the watchdog last woke late: "
+                      f"{self._threads_on_wake or '(it never woke that late)'}")
         self.metrics.loop_stalls.labels(cause).inc()
         now = time.monotonic()
         if now - self._last_log >= LOG_EVERY_S:
@@ -146,8 +147,11 @@ def _waiting(frame) -> bool:
 
 
 def _innermost(frame) -> list[str]:
-    """`file:line function` of a stack's FRAMES_SHOWN innermost frames, innermost first."""
-    if frame is None:
-        return []
-    summary = traceback.extract_stack(frame)[-FRAMES_SHOWN:]
-    return [f"{'/'.join(s.filename.split('/')[-2:])}:{s.lineno} {s.name}" for s in reversed(summary)]
+    """`dir/file:line function` of a stack's FRAMES_SHOWN innermost frames, innermost first (no
+    source read: the watchdog holds the GIL while it looks)."""
+    shown = []
+    while frame is not None and len(shown) < FRAMES_SHOWN:
+        code = frame.f_code
+        shown.append(f"{'/'.join(code.co_filename.split('/')[-2:])}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    return shown
