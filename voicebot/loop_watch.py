@@ -3,7 +3,8 @@
 One process, one loop: anything that holds it delays every session's audio. A heartbeat task on the
 loop measures each tick's lateness (voicebot_event_loop_lag_seconds). When a tick comes more than
 `threshold_s` late, it is a stall: counted by cause in voicebot_event_loop_stalls_total and logged
-(at most one line every LOG_EVERY_S) with what held the loop. Three causes, told apart by two
+with what held the loop (at most one line every LOG_EVERY_S, and every stall longer than all
+before it). Three causes, told apart by two
 witnesses that are not the loop:
 
 - gc: Python's cyclic collector ran for at least half the stall (`gc.callbacks` time every
@@ -79,6 +80,7 @@ class LoopWatch:
         self._threads_on_wake = ""  # the busy threads' stacks when the watchdog last woke late
         self._stop = threading.Event()
         self._last_log = -LOG_EVERY_S
+        self._worst_s = 0.0  # the longest stall logged
 
     async def run(self) -> None:
         """The heartbeat, until cancelled; it starts the watchdog and the GC clock and stops them."""
@@ -113,8 +115,8 @@ class LoopWatch:
                       f"{self._threads_on_wake or '(it never woke that late)'}")
         self.metrics.loop_stalls.labels(cause).inc()
         now = time.monotonic()
-        if now - self._last_log >= LOG_EVERY_S:
-            self._last_log = now
+        if now - self._last_log >= LOG_EVERY_S or lag > self._worst_s:  # the worst so far always logged
+            self._last_log, self._worst_s = now, max(self._worst_s, lag)
             log.warning("event loop held %.0f ms (stall over %.0f ms, cause %s): %s", 1000 * lag,
                         1000 * self.threshold_s, cause, detail)
 

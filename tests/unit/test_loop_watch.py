@@ -94,6 +94,19 @@ def test_a_long_collection_is_a_gc_stall_and_its_pause_is_measured(caplog):
     assert metrics.gc_pause.labels("2")._sum.get() >= HOLD_S / 2
 
 
+def test_between_lines_only_a_stall_longer_than_all_before_it_is_logged(caplog, monkeypatch):
+    monkeypatch.setattr(loop_watch, "LOG_EVERY_S", 600.0)
+
+    async def hold():
+        for held_s in (0.15, 0.6, 0.15):  # the last: shorter than the worst, within the interval
+            time.sleep(held_s)
+            await asyncio.sleep(0.2)
+
+    metrics, lines = asyncio.run(_watched(hold, caplog))
+    assert _stalls(metrics)["callback"] == 3
+    assert len(lines) == 2
+
+
 def test_a_running_server_freezes_its_heap_and_counts_a_stall_on_its_loop():
     from tests.conftest import make_settings, running_server
 
