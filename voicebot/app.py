@@ -103,7 +103,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # Off the loop: rendering every family is ~30 ms of Python on a loaded 2-core box; on a
+        # thread the loop gets the GIL back every switch interval instead of waiting all of it.
+        exposition = await asyncio.to_thread(generate_latest, rt.metrics.registry)
+        return Response(exposition, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/voices")
     async def voices() -> dict:

@@ -154,6 +154,7 @@ def _innermost(frame) -> list[str]:
     shown = []
     while frame is not None and len(shown) < FRAMES_SHOWN:
         code = frame.f_code
-        shown.append(f"{'/'.join(code.co_filename.split('/')[-2:])}:{frame.f_lineno} {code.co_name}")
+        if not code.co_filename.startswith("<frozen importlib"):  # an import's machinery: show who imports
+            shown.append(f"{'/'.join(code.co_filename.split('/')[-2:])}:{frame.f_lineno} {code.co_name}")
         frame = frame.f_back
     return shown
