@@ -6,11 +6,13 @@ for tests and demos. Without, it uses its general English language model: honest
 run on the engine's worker so the event loop never waits for the decoder.
 
 A Decoder is the model: about 90 MB with the general English LM (27 MB with a grammar, which needs
-no LM) and 0.3 s of CPU to build, all of it holding the GIL (on a worker, it still stops the event loop). Building one per session and freeing it at its end cost 90 MB of
+no LM) and 0.3 s of CPU to build, all of it holding the GIL: on a worker, it still stops the event
+loop (bench/soak.py's stalls). Building one per session and freeing it at its end cost 90 MB of
 RSS per concurrent session for good: glibc kept the freed pages (a server went from 385 MB to
 1.29 GB after 10 sessions had come and gone, 1.53 GB after 20). So streams borrow decoders from
 the recognizer and give them back; at most MAX_IDLE_DECODERS wait for the next stream, the others
-are freed and the memory returned to the system (`release_freed_memory`).
+are freed and the memory returned to the system (`release_freed_memory`). A periodic reset renews
+a stream's decoder in place.
 
 pocketsphinx normalises features by a cepstral mean it learns from the audio it has decoded; a
 cold decoder's first utterance is often cut short. New decoders start from the mean of the last
