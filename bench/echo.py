@@ -1,6 +1,7 @@
 """The bot hearing itself: its reply fed back into its input, echo cancellation off and on side by side.
 
     python bench/echo.py [--config configs/default.yaml] [--delays 50 150 300] [--gains -6 -20]
+    python bench/echo.py --cpu   # only the cancellers' CPU time per second of audio
 
 One server (a subprocess on 127.0.0.1); one session per case, so each canceller starts cold, as a
 new stream's does. The client is a speaker and a microphone in one: it streams its input in real
@@ -19,6 +20,13 @@ Per case:
 - barge-in delay: from the first sample of the real barge-in to the `audio.interrupted` that
   stopped the reply (`pacing.barge_in_min_ms` of speech has to be heard first);
 - heard: what the recognizer made of the barge-in itself.
+- words kept: the case's own input (the room's output, sample for sample) run again through a
+  canceller here, the far end given as it played, and both of its outputs compared with what the
+  user said over each 200 ms of the first second of the barge-in: the speech's gain in the output
+  (its projection, the worst frame and the mean) for AEC3's suppressed output (the gate, the VAD and
+  barge-in hear it) and the linear one (the recognizer hears it), and the echo that came in under
+  the words over the rest of the linear output there (what is not the speech: echo left, and the
+  canceller's own distortion of the speech, which dominates it when the echo is quiet).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.latency import start_server  # noqa: E402
 from tests.audio import espeak_speech, to_pcm16  # noqa: E402
+from voicebot.audio.echo import BLOCK, EchoCanceller, LinearCanceller  # noqa: E402
 from voicebot.audio.resample import StreamResampler  # noqa: E402
 
 RATE = 16000
@@ -55,6 +64,7 @@ SAY_AT_S = 0.5  # after the session is ready
 TAIL_S = 1.5  # kept listening after the reply (or the barge-in) ended
 CASE_LIMIT_S = 20.0
 BUFFER_S = CASE_LIMIT_S + 5  # the case's timeline: what was played, what the user said
+FRAME = RATE // 5  # words kept are judged per 200 ms
 
 
 @dataclass
@@ -69,6 +79,10 @@ class CaseResult:
     echo_transcripts: list[str] = field(default_factory=list)
     barge_in_delay_ms: float | None = None
     heard: str = ""
+    # The barge-in's first second in each output, offline: the speech's gain, (worst 200 ms, mean) dB.
+    kept_suppressed_db: tuple[float, float] | None = None
+    kept_linear_db: tuple[float, float] | None = None
+    linear_echo_over_rest_db: float | None = None  # the echo in under those words over what is not them in the linear output
 
 
 class Room:
@@ -160,6 +174,8 @@ async def run_case(url: str, case: CaseResult, barge_speech: np.ndarray) -> Case
             await reader
 
     user_from = barge_at if barge_at is not None else len(room.voice)  # before it, only the bot spoke
+    if case.aec and case.barge and case.gain_db is not None and user_from + RATE <= k:
+        words_kept(case, room, k, user_from)
     started = {e["utterance_id"]: at for at, e in log if e["type"] == "speech.started"}
     case.echo_utterances = sum(1 for at in started.values() if at < user_from)
     for at, e in log:
@@ -176,6 +192,62 @@ async def run_case(url: str, case: CaseResult, barge_speech: np.ndarray) -> Case
     return case
 
 
+def words_kept(case: CaseResult, room: Room, end: int, user_from: int) -> None:
+    """The case's input through a canceller here, each output against what the user said."""
+    canceller = EchoCanceller(reply_rate=RATE)
+    mic, suppressed, linear = [], [], []
+    for k in range(0, end, CHUNK):  # the far end given as the speaker played it, on the room's clock
+        canceller.play(room.played[k : k + CHUNK], sent_at=k / RATE)
+        mic.append(room.mic(k))
+        out = canceller.process(mic[-1], arrived=(k + CHUNK) / RATE)
+        suppressed.append(out.suppressed)
+        linear.append(out.linear)
+    voice = room.voice[user_from : user_from + RATE]
+    echo = np.concatenate(mic)[user_from : user_from + RATE] - voice
+
+    def kept(out: np.ndarray) -> tuple[float, float, np.ndarray]:
+        out = np.concatenate(out)
+        lag = max(range(0, 480, 16), key=lambda d: float(np.dot(out[user_from + d : user_from + d + RATE], voice)))
+        out = out[user_from + lag : user_from + lag + RATE]
+        gains = [float(np.dot(out[i : i + FRAME], voice[i : i + FRAME]) / np.dot(voice[i : i + FRAME], voice[i : i + FRAME]))
+                 for i in range(0, RATE, FRAME)]
+        db = [20 * np.log10(max(g, 1e-6)) for g in gains]
+        return min(db), float(np.mean(db)), out - np.repeat(gains, FRAME) * voice
+
+    worst, mean, _ = kept(suppressed)
+    case.kept_suppressed_db = (worst, mean)
+    worst, mean, left = kept(linear)
+    case.kept_linear_db = (worst, mean)
+    if np.any(echo):  # else the reply was over (or cut) before the user spoke
+        case.linear_echo_over_rest_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(left, left)), 1e-12)))
+
+
+def cpu_cost(seconds: float = 10.0, rounds: int = 5) -> None:
+    """CPU time per second of audio: the whole canceller (AEC3, the tracker, the linear canceller)
+    and the linear canceller alone on the same blocks, in turns, one thread."""
+    reply = espeak_speech(REPLY, "en-us", RATE)
+    n = int(seconds * RATE) // CHUNK * CHUNK
+    far = np.resize(reply, n)
+    near = np.roll(far, RATE * 150 // 1000) * 0.5 + np.resize(espeak_speech(BARGE_IN, "en-gb"), n) * 0.3
+    whole, linear_alone = [], []
+    for _ in range(rounds):
+        canceller = EchoCanceller(reply_rate=RATE)
+        started = time.process_time()
+        for k in range(0, n, CHUNK):
+            canceller.play(far[k : k + CHUNK], sent_at=k / RATE)
+            canceller.process(near[k : k + CHUNK], arrived=(k + CHUNK) / RATE)
+        whole.append((time.process_time() - started) / seconds * 1000)
+        linear = LinearCanceller()
+        near_pcm, far_pcm = (near * 32767).astype("<i2"), (far * 32767).astype("<i2")
+        started = time.process_time()
+        for k in range(0, n, BLOCK):
+            linear.process(near_pcm[k : k + BLOCK], far_pcm[k : k + BLOCK])
+        linear_alone.append((time.process_time() - started) / seconds * 1000)
+    w, lin = np.percentile(whole, [50, 90]), np.percentile(linear_alone, [50, 90])
+    print(f"CPU per second of audio ({rounds} rounds of {seconds:.0f} s, p50 / p90): whole canceller {w[0]:.1f} / {w[1]:.1f} ms, "
+          f"of which the linear canceller {lin[0]:.1f} / {lin[1]:.1f} ms ({lin[0] / w[0]:.0%} at p50)")
+
+
 def echo_attenuation(base: str) -> tuple[float, int]:
     """(sum, count) of voicebot_echo_attenuation_db so far."""
     text = httpx.get(base + "/metrics", timeout=5).text
@@ -190,7 +262,11 @@ def main() -> None:
     parser.add_argument("--gains", type=int, nargs="+", default=[-6, -20])
     parser.add_argument("--cancel", choices=["off", "on"], nargs="+", default=["off", "on"],
                         help="cancellation off, on, or both (the default, side by side)")
+    parser.add_argument("--cpu", action="store_true", help="only the cancellers' CPU time per second of audio")
     args = parser.parse_args()
+    cpu_cost()
+    if args.cpu:
+        return
 
     barge_speech = espeak_speech(BARGE_IN, "en-gb") * 0.7  # another voice than the bot's
     config = yaml.safe_load(Path(args.config).read_text())
@@ -227,6 +303,7 @@ def main() -> None:
           f"the reply; echo = the client's own playback, delayed and attenuated")
     print(f"{'cancel':>6} {'delay':>6} {'gain':>6} {'barge-in':>8} {'attenuation':>14} {'false barge-ins':>15} "
           f"{'barge-in delay':>14} {'echo utterances':>15}  echo transcripts / what the barge-in was heard as")
+    words = []
     for r in results:
         att = "-" if r.attenuation_db is None else f"{r.attenuation_db:.1f} dB" + (" (+user)" if r.barge else "")
         delay = "n/a" if not r.barge else "-" if r.barge_in_delay_ms is None else f"{r.barge_in_delay_ms:.0f} ms"
@@ -234,6 +311,16 @@ def main() -> None:
         heard = f"{r.echo_transcripts[:2]}" + (f" / {r.heard!r}" if r.barge else "")
         print(f"{'on' if r.aec else 'off':>6} {r.delay_ms:>3} ms {gain:>6} {'yes' if r.barge else 'no':>8} {att:>14} "
               f"{r.false_barge_ins:>15} {delay:>14} {r.echo_utterances:>15}  {heard}")
+        if r.kept_linear_db is not None:
+            down = "-" if r.linear_echo_over_rest_db is None else f"{r.linear_echo_over_rest_db:.1f} dB"
+            words.append(f"{r.delay_ms:>3} ms {gain:>6}  {r.kept_suppressed_db[0]:+9.1f} {r.kept_suppressed_db[1]:+8.1f}"
+                         f"  {r.kept_linear_db[0]:+9.1f} {r.kept_linear_db[1]:+8.1f}  {down:>13}")
+    if words:
+        print("\nwords kept, the barge-in's first second (offline, the same input, the far end as it played): the "
+              "speech's gain in each output per 200 ms, worst and mean; the echo in under it over the rest of the linear output")
+        print(f"{'delay':>6} {'gain':>6}  {'suppressed':>18}  {'linear':>18}  {'echo / rest':>13}")
+        print(f"{'':>14}{'worst':>9} {'mean':>8}  {'worst':>9} {'mean':>8}")
+        print("\n".join(words))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import time
 from typing import Any
 
 from openai import AsyncOpenAI
 
 from tests.conftest import TEST_PHRASES, RunningServer, speech_pcm
+from voicebot.realtime_events import Clear, RealtimeTranslator
 
 RATE = 24000
 CHUNK_BYTES = RATE // 10 * 2  # 100 ms of pcm16
@@ -273,6 +275,85 @@ def test_clear_mid_utterance_drops_it_and_the_next_one_is_heard(server):
     # At least the speech the endpointer needs before it calls an utterance started was dropped.
     min_speech_s = server.settings.endpoint.min_speech_ms / 1000
     assert server.metric("voicebot_input_dropped_seconds_total", 'reason="cleared"') >= cleared_before + min_speech_s
+
+
+async def append_until(connection, events: Recorder, pcm: bytes, kind: str, count: int) -> int:
+    """Append `pcm` until the `count`-th `kind` event has come; the bytes sent."""
+    for sent in range(0, len(pcm), CHUNK_BYTES):
+        await connection.input_audio_buffer.append(audio=base64.b64encode(pcm[sent : sent + CHUNK_BYTES]).decode())
+        await asyncio.sleep(0.05)
+        if len(events.of_type(kind)) >= count:
+            return sent + CHUNK_BYTES
+    return len(pcm)
+
+
+def test_a_clear_after_a_commit_leaves_the_item_and_its_turn_to_be_answered():
+    """The translator alone: under semantic_vad a committed utterance stays an item through a clear;
+    the turn it opened, answered by voicebot, is what the next response.create asks for."""
+    t = RealtimeTranslator("gpt-realtime", ["en"])
+
+    def server(kind: str, **fields) -> list[str]:
+        return [e["type"] for e in t.server_text(json.dumps({"type": kind, **fields}))]
+
+    def client(kind: str, **fields) -> list:
+        return t.client_event(json.dumps({"type": kind, **fields}))
+
+    server("session.ready", session_id="s", voice="en")
+    update = client("session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}})
+    assert json.loads(update[-1].wire)["endpointing"] == {"turn": "smart"}
+    server("speech.started", utterance_id="u1")
+    assert "input_audio_buffer.committed" in server("asr.final", utterance_id="u1", text="hello", confidence=None, model="m",
+                                                     fallback=None, gate_muted_ms=0)
+    server("speech.started", utterance_id="u2")
+    assert client("input_audio_buffer.clear") == [Clear()]
+    assert server("input.cleared", utterance_id="u2") == ["input_audio_buffer.cleared"]  # nothing of u1 retracted
+    assert server("turn.end", text="hello") == []
+    assert client("response.create") == []  # the reply to the kept turn is on its way: nothing to refuse
+
+
+def test_clear_in_an_open_smart_turn_drops_only_the_uncommitted_utterance():
+    """OpenAI's clear discards the input audio buffer; audio the server already committed is an item,
+    no longer in it. Under semantic_vad (smart) each utterance is committed at its pause, before the
+    end of the turn is decided: a clear then drops only the utterance in progress, and the turn's
+    committed utterances are answered when it ends (docs/realtime.md)."""
+    from tests.conftest import make_settings, running_server
+
+    kept, lost = TEST_PHRASES[1], TEST_PHRASES[3]
+
+    async def scenario(server):
+        async with realtime(server) as (connection, events):
+            await connection.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}})
+            assert (await events.wait("session.updated"))["session"]["voicebot"]["turn"] == "smart"
+            # The first utterance, its pause, and the second one up to its start: one turn, still open.
+            first = speech_pcm(kept, rate=RATE)
+            second = speech_pcm(lost, rate=RATE)
+            await append_speech(connection, first)
+            sent = await append_until(connection, events, second, "input_audio_buffer.speech_started", count=2)
+            assert len(events.of_type("input_audio_buffer.speech_started")) == 2 and sent < len(second) // 2
+            committed = await events.wait("input_audio_buffer.committed")
+            assert not events.of_type("response.created")  # the turn is not decided yet
+            await connection.input_audio_buffer.clear()
+            await events.wait("input_audio_buffer.cleared")
+            await append_speech(connection, bytes(RATE * 2 * 3), speed=4)  # 3 s of silence: past smart_limit_ms
+            done = (await events.wait("response.done"))["response"]
+            return events, committed, done, history(server, events)
+
+    settings = make_settings(endpoint={"turn": "smart", "smart_threshold": 0.999, "smart_limit_ms": 2000})
+    with running_server(settings) as server:
+        cleared_before = server.metric("voicebot_input_dropped_seconds_total", 'reason="cleared"')
+        ends_before = server.metric("voicebot_turn_ends_total", 'by="silence"')
+        events, committed, done, messages = run(scenario(server))
+        cleared = server.metric("voicebot_input_dropped_seconds_total", 'reason="cleared"') - cleared_before
+        ends = server.metric("voicebot_turn_ends_total", 'by="silence"') - ends_before
+    second_item = events.of_type("input_audio_buffer.speech_started")[1]["item_id"]
+    assert [e["item_id"] for e in events.of_type("input_audio_buffer.committed")] == [committed["item_id"]] != [second_item]
+    assert [e["transcript"] for e in events.of_type("conversation.item.input_audio_transcription.completed")] == [kept]
+    assert done["status"] == "completed" and len(events.of_type("response.created")) == 1
+    assert "".join(e["delta"] for e in events.of_type("response.output_audio_transcript.delta")) == kept
+    assert messages == [{"role": "user", "content": kept}, {"role": "assistant", "content": kept}]
+    assert ends == 1  # the kept turn ended at the silence limit, as an open turn does
+    assert cleared >= server.settings.endpoint.min_speech_ms / 1000  # what was heard of the cleared one
+    assert not events.of_type("error")
 
 
 def test_realtime_sessions_and_audio_requests_share_max_sessions():

@@ -92,6 +92,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "engines": [e.__dict__ for e in engines],
             # What ends a turn; `problem` says why smart turn is not in use when it was configured.
             "turn": {"mode": rt.turn_mode, "configured": settings.endpoint.turn, "problem": rt.turn_problem},
+            # Where echo is cancelled (/obs/audio, or asked in session.start): why the recognizer would lose words.
+            "echo": {"problem": rt.echo_problem},
             "active_sessions": len(rt.sessions),
             "max_sessions": settings.server.max_sessions,
             "capacity": rt.admission.report() if rt.admission else {},

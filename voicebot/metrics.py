@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 REPLY_ERROR_KINDS = ("connect", "status", "server_error", "first_token_timeout", "idle_timeout", "total_timeout", "dropped",
                      "malformed", "internal")
 # (engine, stage) of voicebot_engine_failures_total, exported as 0 from the start.
-ENGINE_FAILURES = (("asr", "feed"), ("asr", "finish"), ("vad", "chunk"), ("funasr", "stream"), ("responder", "stream"), ("tts", "synthesis"))
+ENGINE_FAILURES = (("asr", "feed"), ("asr", "finish"), ("vad", "chunk"), ("responder", "stream"), ("tts", "synthesis"))
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
 
@@ -65,7 +65,7 @@ class Metrics:
         self.loop_stalls = Counter("voicebot_event_loop_stalls_total", "Event loop ticks over 100 ms late, by what held the loop (gc, gil: another thread kept the GIL, callback: a slow call on the loop)", ["cause"], registry=r)
         self.gc_pause = Histogram("voicebot_gc_pause_seconds", "Python cyclic garbage collections, by generation: each holds every thread, the loop's too", ["generation"],
                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
-        self.engine_failures = Counter("voicebot_engine_failures_total", "Engine calls that failed in a session, by engine (asr, vad, funasr, responder, tts) and stage (feed, finish, chunk, stream, synthesis)", ["engine", "stage"], registry=r)
+        self.engine_failures = Counter("voicebot_engine_failures_total", "Engine calls that failed in a session, by engine (asr, vad, responder, tts) and stage (feed, finish, chunk, stream, synthesis)", ["engine", "stage"], registry=r)
         self.engine_overloads = Counter("voicebot_engine_overloads_total", "Input an engine had no room for in a session (answered busy, not an engine failure), by engine (vad)", ["engine"], registry=r)
         self.engine_overloads.labels("vad")
         for engine, stage in ENGINE_FAILURES:

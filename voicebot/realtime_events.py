@@ -101,7 +101,8 @@ class Send:
 
 @dataclass(frozen=True)
 class Clear:
-    """Drop the utterance in progress (input_audio_buffer.clear); the session answers input.cleared."""
+    """Drop the utterance in progress, the uncommitted audio (input_audio_buffer.clear); the session
+    answers input.cleared."""
 
 
 Action = Forward | Answer | Truncate | Instruct | SetThreshold | Send | Clear
@@ -253,6 +254,8 @@ class RealtimeTranslator:
         return [_voice_message("input.end")]  # its utterance's asr.final brings `committed`
 
     def _clear(self, event: dict) -> list[Action]:
+        # The buffer only: utterances already committed (at their end, `_final`; under semantic_vad
+        # before the turn is decided) are items, as in OpenAI's API, and their turn is answered.
         self.uncommitted_bytes = 0  # what is appended after the clear is a new buffer
         return [Clear()]  # `cleared` when the session has dropped it (_cleared)
 

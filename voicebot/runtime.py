@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from voicebot import memory
 from voicebot.asr.base import Recognizer
+from voicebot.audio.echo import linear_canceller_problem
 from voicebot.audio.turn import SmartTurn, SmartTurnUnavailable
 from voicebot.channels import ChannelHub
 from voicebot.cluster import CLUSTER_UNAVAILABLE, Cluster
@@ -68,6 +69,7 @@ class Runtime:
     # Smart Turn v3.2, shared by every session (endpoint.turn: smart); None: the silence rule.
     smart_turn: SmartTurn | None = None
     turn_problem: str | None = None  # why smart turn is not in use although configured
+    echo_problem: str | None = None  # why the recognizer hears AEC3's suppressed output (voicebot/audio/echo.py)
     sessions: dict[str, LiveSession] = field(default_factory=dict)
     ready: bool = False
     draining: bool = False
@@ -117,6 +119,9 @@ class Runtime:
                 self.turn_problem = str(exc)
                 log.warning("endpoint.turn is smart but the end-of-turn model cannot be used (%s): "
                             "turns end by the silence rule (%d ms)", exc, s.endpoint.endpoint_silence_ms)
+        self.echo_problem = linear_canceller_problem()
+        if self.echo_problem:
+            log.warning("echo cancellation: %s", self.echo_problem)
         # The VAD batcher is one thread of its own that outlives a failing batch; threads that die
         # and are replaced are the Workers' (voicebot/serving/worker.py): the pools', and those kept
         # out of admission (the end-of-turn model's, CosyVoice 2's voice derivations).

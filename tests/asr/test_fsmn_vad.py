@@ -14,6 +14,7 @@ from voicebot.asr.paraformer import ParaformerRecognizer
 from voicebot.audio.endpoint import EventKind
 from voicebot.audio.resample import float_to_pcm16
 from voicebot.config import ParaformerConfig
+from voicebot.metrics import Metrics
 
 SILENCE = np.zeros(16000, np.float32)
 
@@ -74,7 +75,7 @@ def test_funasr_session_ends_utterances_by_fsmn_vad(recognizer):
     pcm = float_to_pcm16(speech_with_pauses(3, seed=200))
 
     async def run():
-        session = FunasrSession(recognizer, recognizer.vad.segmenter())
+        session = FunasrSession(recognizer, recognizer.vad.segmenter(), Metrics())
         replies = await session.on_text(json.dumps({"mode": "2pass", "wav_name": "w"}))
         for start in range(0, len(pcm), 1920):
             replies += await session.on_audio(pcm[start : start + 1920])

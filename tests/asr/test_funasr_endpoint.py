@@ -18,7 +18,8 @@ import soundfile
 
 from tests.asr.server import serve
 from tests.audio import espeak_speech, to_pcm16
-from tests.conftest import make_settings
+from tests.conftest import RunningServer, make_settings, running_server
+from voicebot.protocol import CloseCode
 
 TOKEN = "funasr-secret"
 FINAL_MODES = {"2pass-online", "2pass-offline"}
@@ -192,3 +193,120 @@ def test_a_client_that_ends_twice_and_closes_leaves_no_traceback(server_url, cap
     with caplog.at_level("DEBUG"):
         asyncio.run(asyncio.wait_for(run(), 30))
     assert not [r for r in caplog.records if r.exc_info or r.levelname in ("ERROR", "CRITICAL")], caplog.text
+
+
+# ---- an overloaded VAD and a failing recognizer, under funasr-client ------------------------------
+
+@pytest.fixture(scope="module")
+def open_server(tiny_models):
+    """The same app without a token, its runtime at hand (tests/conftest.running_server)."""
+    settings = make_settings(asr={"engine": "paraformer", "paraformer": {"model": str(tiny_models["streaming"])}},
+                             tts={"voice": "zh"})
+    with running_server(settings) as server:
+        yield server
+
+
+class FullAt:
+    """The server's VAD batcher as it is, but full for its `at`-th request (0-based): its own bound
+    set to 0 for that one call, so the real check refuses it."""
+
+    def __init__(self, batcher, at: int) -> None:
+        self.batcher, self.at, self.calls, self.submit = batcher, at, 0, batcher.submit
+
+    def __call__(self, vad, windows):
+        self.calls += 1
+        if self.calls - 1 != self.at:
+            return self.submit(vad, windows)
+        bound, self.batcher.max_pending = self.batcher.max_pending, 0
+        try:
+            return self.submit(vad, windows)
+        finally:
+            self.batcher.max_pending = bound
+
+
+def metric_values(server: RunningServer) -> dict[str, float]:
+    return {"overloads": server.metric("voicebot_engine_overloads_total", 'engine="vad"'),
+            "dropped": server.metric("voicebot_input_dropped_seconds_total", 'reason="overload"'),
+            "busy": server.metric("voicebot_errors_total", 'code="busy"'),
+            "vad_failures": server.metric("voicebot_engine_failures_total", 'engine="vad",stage="chunk"')}
+
+
+def test_a_full_vad_batcher_loses_one_utterance_and_the_stream_goes_on(open_server, audio_file, speech):
+    url = f"ws://127.0.0.1:{open_server.settings.server.port}/funasr"
+    first_sentence = espeak_speech("今天天气很好", voice="cmn")
+    # funasr-client sends a wav in 60 ms frames, each one VAD request: this one is inside the first sentence.
+    at = (4000 + len(first_sentence) // 2) // 960
+    batcher = open_server.runtime.vad
+    before = metric_values(open_server)
+    batcher.submit = FullAt(batcher, at)  # an instance attribute: what VadBatcher.probabilities calls
+    try:
+        messages = stream(url, audio_file("wav"), "2pass")
+    finally:
+        del batcher.submit
+    (busy,) = [m for m in messages if "error" in m]
+    assert busy["code"] == "busy" and busy["overloaded"] == "vad" and busy["retry_after_s"] > 0
+    assert busy["mode"] == "2pass-offline" and busy["text"] == "" and not busy["is_final"]
+    # The first sentence is lost (its end was the notice); the second is recognised; one final at the end.
+    after_busy = messages[messages.index(busy) + 1 :]
+    assert not [m for m in messages[: messages.index(busy)] if m["mode"] == "2pass-offline"]
+    assert len(finals(after_busy)) == 1 and any(m["mode"] == "2pass-online" for m in after_busy)
+    assert messages[-1]["is_final"] and sum(m["is_final"] for m in messages) == 1
+    after = metric_values(open_server)
+    assert after["overloads"] == before["overloads"] + 1 and after["busy"] == before["busy"] + 1
+    assert after["vad_failures"] == before["vad_failures"]  # capacity, not a broken engine
+    # The whole first utterance: what was heard of it, the refused frame, and the rest of it.
+    assert after["dropped"] - before["dropped"] >= 0.9 * len(first_sentence) / 16000
+
+
+class FailingFinish:
+    """The server's recognizer, its streams' finish raising (the offline pass, the fallback...)."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def open(self, language=None):
+        stream = self.real.open(language)
+
+        async def finish():
+            raise RuntimeError("the second pass broke")
+
+        stream.finish = finish
+        return stream
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_recognizer_failing_at_an_utterances_end_is_named_and_counted(open_server, audio_file):
+    from funasr_client import async_file_asr_stream
+    from websockets.exceptions import ConnectionClosedError
+
+    url = f"ws://127.0.0.1:{open_server.settings.server.port}/funasr"
+    rt = open_server.runtime
+
+    def failures() -> float:
+        return open_server.metric("voicebot_engine_failures_total", 'engine="asr",stage="finish"')
+
+    counted = failures()
+    lost_before = open_server.metric("voicebot_input_dropped_seconds_total", 'reason="engine_error"')
+    received = []
+
+    async def run():
+        async for message in async_file_asr_stream(audio_file("wav"), url, mode="2pass"):
+            received.append(message)
+
+    real = rt.recognizer
+    open_server.on_loop(lambda: setattr(rt, "recognizer", FailingFinish(real)))
+    try:
+        with pytest.raises(ConnectionClosedError) as closed:  # the server closes while funasr-client still sends
+            asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        open_server.on_loop(lambda: setattr(rt, "recognizer", real))
+    final = received[-1]
+    assert final["is_final"] and final["text"].startswith("ERROR. an engine failed") and "second pass broke" in final["error"]
+    assert final["engine"] == "asr" and final["stage"] == "finish"
+    assert closed.value.rcvd.code == CloseCode.INTERNAL_ERROR and closed.value.rcvd.reason == "engine_error"
+    assert failures() == counted + 1
+    # The first utterance, with no transcript: counted as lost.
+    lost = open_server.metric("voicebot_input_dropped_seconds_total", 'reason="engine_error"') - lost_before
+    assert lost >= 0.9 * len(espeak_speech("今天天气很好", voice="cmn")) / 16000

@@ -16,10 +16,12 @@ import pytest
 import soundfile
 
 from tests.asr.tiny_models import synthetic_speech
-from voicebot.asr.funasr_protocol import FunasrSession
-from voicebot.audio.files import FILE_FORMATS
+from voicebot.asr.funasr_protocol import EngineFailed, FunasrSession
 from voicebot.audio.endpoint import EventKind, VadEvent
+from voicebot.audio.files import FILE_FORMATS
 from voicebot.audio.resample import float_to_pcm16
+from voicebot.metrics import Metrics
+from voicebot.serving.vad import VadOverloaded
 
 FRAME = 1920  # bytes: the 60 ms frames FunASR clients send
 
@@ -49,7 +51,7 @@ class ScriptedSegmenter:
 
 def converse(recognizer, mode: str, pcm: bytes, frame: int = FRAME, segmenter=None, **fields) -> list[dict]:
     async def run():
-        session = FunasrSession(recognizer, segmenter or ScriptedSegmenter())
+        session = FunasrSession(recognizer, segmenter or ScriptedSegmenter(), Metrics())
         init = {"mode": mode, "chunk_size": [5, 10, 5], "chunk_interval": 10, "wav_name": "clip",
                 "wav_format": "pcm", "audio_fs": 16000, "is_speaking": True, "hotwords": "", "itn": True} | fields
         replies = await session.on_text(json.dumps(init))
@@ -120,7 +122,7 @@ def test_frames_splitting_samples_and_8k_input(recognizer):
     pcm_8k = float_to_pcm16(synthetic_speech(2.0, seed=41, sample_rate=8000))
 
     async def run():
-        session = FunasrSession(recognizer, ScriptedSegmenter())
+        session = FunasrSession(recognizer, ScriptedSegmenter(), Metrics())
         await session.on_text(json.dumps({"mode": "offline", "audio_fs": 8000}))
         await session.on_audio(pcm_8k)
         return await session.on_text(json.dumps({"is_speaking": False}))
@@ -130,7 +132,7 @@ def test_frames_splitting_samples_and_8k_input(recognizer):
 
 def test_is_end_is_acknowledged(recognizer):
     async def run():
-        session = FunasrSession(recognizer, ScriptedSegmenter())
+        session = FunasrSession(recognizer, ScriptedSegmenter(), Metrics())
         await session.on_text(json.dumps({"mode": "2pass"}))
         await session.on_audio(PCM[:32000])
         return await session.on_text(json.dumps({"is_speaking": False, "is_end": True}))
@@ -181,7 +183,7 @@ def test_refused_first_message_ends_the_stream_with_an_error_result(recognizer, 
     # As the C++ server ends a stream it cannot decode: a final result whose text says why, with
     # the client's wav_name; the audio that follows is dropped, counted and reported.
     async def run():
-        session = FunasrSession(recognizer, ScriptedSegmenter())
+        session = FunasrSession(recognizer, ScriptedSegmenter(), Metrics())
         first = await session.on_text(json.dumps({"wav_name": "mine.wav", "is_speaking": True} | fields))
         dropped = await session.on_audio(PCM[:FRAME])
         end = await session.on_text(json.dumps({"is_speaking": False}))
@@ -197,14 +199,14 @@ def test_refused_first_message_ends_the_stream_with_an_error_result(recognizer, 
 
 @pytest.mark.parametrize("message, complaint", [("{not json", "not JSON"), ('["a list"]', "JSON object")])
 def test_unreadable_message_ends_the_stream(recognizer, message, complaint):
-    session = FunasrSession(recognizer, ScriptedSegmenter())
+    session = FunasrSession(recognizer, ScriptedSegmenter(), Metrics())
     (error,) = asyncio.run(session.on_text(message))
     assert error["is_final"] and complaint in error["error"] and error["text"].startswith("ERROR.")
 
 
 def test_refusal_mid_stream_keeps_what_was_said_then_a_new_stream_starts(recognizer):
     async def run():
-        session = FunasrSession(recognizer, ScriptedSegmenter())
+        session = FunasrSession(recognizer, ScriptedSegmenter(), Metrics())
         await session.on_text(json.dumps({"mode": "2pass", "wav_name": "a"}))
         for start in range(0, len(PCM), FRAME):
             await session.on_audio(PCM[start : start + FRAME])
@@ -218,3 +220,136 @@ def test_refusal_mid_stream_keeps_what_was_said_then_a_new_stream_starts(recogni
     assert refused[-2]["mode"] == "2pass-offline" and refused[-2]["text"] == one_shot(recognizer)
     assert refused[-1]["is_final"] and "mode must be" in refused[-1]["error"]
     assert again[-1]["wav_name"] == "b" and again[-1]["text"] == one_shot(recognizer) and dropped_bytes == 0
+
+
+# ---- an overloaded VAD, and engines that fail ---------------------------------------------------
+
+class OverloadedAt(ScriptedSegmenter):
+    """The VAD batcher full at the `at`-th process call (0-based): that piece is never judged."""
+
+    def __init__(self, at: int, utterance_samples: int = 10**9) -> None:
+        super().__init__(utterance_samples)
+        self.at, self.calls = at, 0
+
+    async def process(self, audio: np.ndarray) -> list[VadEvent]:
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            raise VadOverloaded("1024 VAD requests waiting (bound 1024)")
+        return await super().process(audio)
+
+
+def overloaded(metrics: Metrics) -> tuple[float, float, float]:
+    """(overloads, seconds dropped for overload, busy results sent) so far."""
+    sample = metrics.registry.get_sample_value
+    return (sample("voicebot_engine_overloads_total", {"engine": "vad"}),
+            sample("voicebot_input_dropped_seconds_total", {"reason": "overload"}) or 0.0,
+            sample("voicebot_errors_total", {"code": "busy"}) or 0.0)
+
+
+def stream_frames(recognizer, segmenter, mode: str = "2pass") -> tuple[list[dict], Metrics]:
+    metrics = Metrics()
+
+    async def run():
+        session = FunasrSession(recognizer, segmenter, metrics)
+        replies = await session.on_text(json.dumps({"mode": mode, "wav_name": "clip"}))
+        for start in range(0, len(PCM), FRAME):
+            replies += await session.on_audio(PCM[start : start + FRAME])
+        replies += await session.on_text(json.dumps({"is_speaking": False}))
+        await session.close()
+        return replies
+
+    return asyncio.run(run()), metrics
+
+
+FRAME_SAMPLES = FRAME // 2
+UTTERANCE = 16000 * 2  # the scripted endpointer's utterances: 2 s of the audio it judged
+
+
+@pytest.mark.parametrize("mode", ["2pass", "online"])
+def test_an_overload_mid_utterance_loses_that_utterance_and_the_stream_goes_on(recognizer, mode):
+    replies, metrics = stream_frames(recognizer, OverloadedAt(10, utterance_samples=UTTERANCE), mode)
+    (busy,) = [r for r in replies if "error" in r]
+    at = replies.index(busy)
+    # Told at once, as the lost utterance's end: no text (clients concatenate it), not final.
+    assert busy["mode"] == "2pass-offline" and busy["text"] == "" and not busy["is_final"] and busy["wav_name"] == "clip"
+    assert busy["code"] == "busy" and busy["retry_after_s"] > 0 and busy["overloaded"] == "vad"
+    assert "capacity" in busy["error"] and "utterance" in busy["error"]
+    assert 0 < at and all(r["mode"] == "2pass-online" for r in replies[:at])  # partials of the lost one only
+    # Nothing more of it: the next results are the second utterance's, recognised afresh.
+    first_frames = -(-UTTERANCE // FRAME_SAMPLES) + 1  # the scripted VAD's first utterance, the lost piece included
+    second = synthetic_speech(4.0, seed=40)[first_frames * FRAME_SAMPLES :]
+    finals = [r for r in replies[at + 1 :] if r["mode"] == "2pass-offline"]
+    assert [r["text"] for r in finals] == [recognizer.streaming.decode_blocking(second).text]
+    assert finals[-1] is replies[-1] and replies[-1]["is_final"] and sum(r["is_final"] for r in replies) == 1
+    # Every sample of the lost utterance counted: what was heard, the piece, the rest as it came.
+    assert overloaded(metrics) == (1, pytest.approx(first_frames * FRAME_SAMPLES / 16000), 1)
+    assert busy["dropped_s"] == pytest.approx(11 * FRAME_SAMPLES / 16000, abs=1e-3)  # at the notice: heard + the piece
+
+
+def test_an_overload_between_utterances_drops_only_that_piece(recognizer):
+    # The first piece, before the endpointer has started anything: nothing else is lost.
+    replies, metrics = stream_frames(recognizer, OverloadedAt(0), "offline")
+    busy, final = replies
+    assert busy["code"] == "busy" and "utterance" not in busy["error"] and not busy["is_final"]
+    assert busy["dropped_s"] == pytest.approx(FRAME_SAMPLES / 16000, abs=1e-3)
+    rest = synthetic_speech(4.0, seed=40)[FRAME_SAMPLES:]
+    assert final["is_final"] and "error" not in final and final["text"] == recognizer.streaming.decode_blocking(rest).text
+    assert overloaded(metrics) == (1, pytest.approx(FRAME_SAMPLES / 16000), 1)
+
+
+def test_an_overload_at_the_clients_end_is_followed_by_a_clean_final(recognizer):
+    # The tail flushed at is_speaking=false finds the VAD full: the notice, then the final result.
+    async def run():
+        session = FunasrSession(recognizer, OverloadedAt(1), Metrics())
+        await session.on_text(json.dumps({"mode": "2pass", "audio_fs": 8000}))  # a resampler tail to flush
+        await session.on_audio(float_to_pcm16(synthetic_speech(1.0, seed=41, sample_rate=8000)))
+        return await session.on_text(json.dumps({"is_speaking": False}))
+
+    *_, busy, final = asyncio.run(run())
+    assert busy["code"] == "busy" and not busy["is_final"]
+    assert final["is_final"] and final["text"] == "" and "error" not in final
+
+
+class BrokenSegmenter(ScriptedSegmenter):
+    async def process(self, audio: np.ndarray) -> list[VadEvent]:
+        raise RuntimeError("onnxruntime broke")
+
+
+class BrokenAt:
+    """The recognizer, its streams raising at `method` (accept or finish)."""
+
+    def __init__(self, real, method: str) -> None:
+        self.real, self.method = real, method
+
+    def open(self, language=None):
+        stream = self.real.open(language)
+
+        async def broken(*args):
+            raise RuntimeError(f"{self.method} broke")
+
+        setattr(stream, self.method, broken)
+        return stream
+
+
+@pytest.mark.parametrize("broken, engine, stage, lost_samples", [
+    (lambda r: (r, BrokenSegmenter()), "vad", "chunk", FRAME_SAMPLES),  # the piece never judged
+    (lambda r: (BrokenAt(r, "accept"), ScriptedSegmenter()), "asr", "feed", FRAME_SAMPLES),  # the piece not taken
+    # the utterance the scripted endpointer ended after 1 s, with no transcript
+    (lambda r: (BrokenAt(r, "finish"), ScriptedSegmenter(utterance_samples=16000)), "asr", "finish", -(-16000 // FRAME_SAMPLES) * FRAME_SAMPLES),
+])
+def test_an_engine_failure_names_the_engine_and_stage_that_failed(recognizer, broken, engine, stage, lost_samples):
+    engines, segmenter = broken(recognizer)
+    metrics = Metrics()
+
+    async def run():
+        session = FunasrSession(engines, segmenter, metrics)
+        await session.on_text(json.dumps({"mode": "2pass"}))
+        for start in range(0, len(PCM), FRAME):
+            await session.on_audio(PCM[start : start + FRAME])
+
+    with pytest.raises(EngineFailed) as failed:
+        asyncio.run(run())
+    assert (failed.value.engine, failed.value.stage) == (engine, stage)
+    assert "broke" in str(failed.value) and isinstance(failed.value.__cause__, RuntimeError)
+    lost = metrics.registry.get_sample_value("voicebot_input_dropped_seconds_total", {"reason": "engine_error"})
+    assert lost == pytest.approx(lost_samples / 16000)

@@ -563,15 +563,16 @@ async def funasr_stream(url: str, pcm: bytes, arm: threading.Event | None = None
 
 def test_a_vad_step_failing_on_funasr_ends_the_stream_with_an_error_result_and_the_next_stream_works(voice, failing_vad_step):
     url = voice.ws_url.replace("/v1/voice", "/funasr")
-    counted = failures(voice, "funasr", "stream")
+    counted = failures(voice, "vad", "chunk")
     errors = voice.metric("voicebot_errors_total", 'code="engine_error"')
     results, code = asyncio.run(funasr_stream(url, speech_pcm(FIRST), arm=failing_vad_step.armed))
     assert failing_vad_step.fired.is_set()
     final = results[-1]
     assert final["is_final"] and final["mode"] == "2pass-offline" and final["wav_name"] == "w"
     assert final["text"].startswith("ERROR. an engine failed") and final["error"]
+    assert final["engine"] == "vad" and final["stage"] == "chunk"  # the engine that failed, as /v1/voice names it
     assert code == CloseCode.INTERNAL_ERROR
-    assert failures(voice, "funasr", "stream") == counted + 1
+    assert failures(voice, "vad", "chunk") == counted + 1
     assert voice.metric("voicebot_errors_total", 'code="engine_error"') == errors + 1
 
     results, code = asyncio.run(funasr_stream(url, speech_pcm(SECOND)))

@@ -33,7 +33,8 @@ def reply_24k() -> np.ndarray:
 def run_case(reply_24k: np.ndarray, delay_ms: int, gain_db: float | None, speech: np.ndarray | None,
              backlog_chunks: int = 0, speech_at_s: float | None = None):
     """Play the reply, feed it back `delay_ms` late at `gain_db` (None: no echo path at all), plus
-    `speech` over the second reply (or from `speech_at_s` into the first).
+    `speech` over the second reply (or from `speech_at_s` into the first). Returns the canceller,
+    the echo, the speech, and both outputs: AEC3's suppressed one and the linear one.
 
     On a clock of its own: input chunk i arrives at (i + 1) * CHUNK_S, reply chunk m is sent (and
     starts playing) at m * CHUNK_S. With a backlog, the input is processed `backlog_chunks` late:
@@ -51,7 +52,7 @@ def run_case(reply_24k: np.ndarray, delay_ms: int, gain_db: float | None, speech
         start = int(len(far) * 0.7) if speech_at_s is None else int(speech_at_s * 16000)
         voice[start : start + len(speech)] = speech[: n - start]
     canceller = EchoCanceller()
-    near, out = echo + voice, []
+    near, out, linear = echo + voice, [], []
     step = int(CHUNK_S * 16000)
     sent = 0
     for i in range(0, n, step):
@@ -59,15 +60,17 @@ def run_case(reply_24k: np.ndarray, delay_ms: int, gain_db: float | None, speech
             j = sent * step * 3 // 2
             canceller.play(reply_24k[j : j + step * 3 // 2], sent_at=sent * CHUNK_S)
             sent += 1
-        out.append(canceller.process(near[i : i + step], arrived=(i // step + 1) * CHUNK_S))
-    out = np.concatenate(out)
-    return canceller, echo[: len(out)], voice[: len(out)], out
+        cancelled = canceller.process(near[i : i + step], arrived=(i // step + 1) * CHUNK_S)
+        out.append(cancelled.suppressed)
+        linear.append(cancelled.linear)
+    out, linear = np.concatenate(out), np.concatenate(linear)
+    return canceller, echo[: len(out)], voice[: len(out)], out, linear
 
 
 @pytest.mark.parametrize("delay_ms", [50, 150, 300])
 @pytest.mark.parametrize("gain_db", [-6, -20])
 def test_echo_is_removed(reply_24k, delay_ms, gain_db):
-    canceller, echo, _, out = run_case(reply_24k, delay_ms, gain_db, None)
+    canceller, echo, _, out, _ = run_case(reply_24k, delay_ms, gain_db, None)
     half = len(out) // 2
     first, second = db(echo[:half]) - db(out[:half]), db(echo[half:]) - db(out[half:])
     print(f"\necho {delay_ms} ms {gain_db} dB: attenuation {first:.1f} dB (first reply), {second:.1f} dB (second); "
@@ -81,7 +84,7 @@ def test_echo_is_removed(reply_24k, delay_ms, gain_db):
 def test_input_waiting_to_be_processed_does_not_shift_the_echo(reply_24k):
     # A loaded server processes input late; the reply sent meanwhile is matched with the input of
     # when it was sent, so the canceller still sees the 300 ms path, not 300 ms plus the wait.
-    canceller, echo, _, out = run_case(reply_24k, 300, -10, None, backlog_chunks=2)
+    canceller, echo, _, out, _ = run_case(reply_24k, 300, -10, None, backlog_chunks=2)
     half = len(out) // 2
     first, second = db(echo[:half]) - db(out[:half]), db(echo[half:]) - db(out[half:])
     print(f"\necho 300 ms behind 400 ms of unprocessed input: attenuation {first:.1f} dB (first reply), {second:.1f} dB (second)")
@@ -93,7 +96,7 @@ def test_input_waiting_to_be_processed_does_not_shift_the_echo(reply_24k):
 @pytest.mark.parametrize("gain_db", [-6, -20])
 def test_speech_over_the_echo_is_kept(reply_24k, delay_ms, gain_db):
     speech = espeak_speech(BARGE_IN, "en-gb") * 0.7
-    _, echo, voice, out = run_case(reply_24k, delay_ms, gain_db, speech)
+    _, echo, voice, out, _ = run_case(reply_24k, delay_ms, gain_db, speech)
     talking = voice != 0
     kept = db(out[talking]) - db(voice[talking])
     # The output may run a few ms behind the input (AEC3's own block delay): align before comparing.
@@ -123,7 +126,7 @@ def test_speech_over_a_reply_with_no_echo_path_is_kept(reply_24k):
     # reply, removed 20-65 dB of the user's speech: barge-in took ~2 s instead of ~0.5 s.
     speech = espeak_speech(BARGE_IN, "en-gb") * 0.7
     speech_at_s = 2.0  # into the first reply, the canceller cold: bench/echo.py's barge-in
-    canceller, _, voice, out = run_case(reply_24k, 0, None, speech, speech_at_s=speech_at_s)
+    canceller, _, voice, out, _ = run_case(reply_24k, 0, None, speech, speech_at_s=speech_at_s)
     start = int(speech_at_s * 16000)
     kept = []
     for w in range(0, 16000, 3200):  # each 200 ms frame of the first second of speech
@@ -142,7 +145,7 @@ def test_speech_over_a_reply_with_no_echo_path_is_kept(reply_24k):
 def test_no_echo_path_leaves_the_input_alone(reply_24k):
     speech = espeak_speech(BARGE_IN, "en-gb") * 0.7
     canceller = EchoCanceller()
-    out = np.concatenate([canceller.process(speech[i : i + 3200]) for i in range(0, len(speech), 3200)])
+    out = np.concatenate([canceller.process(speech[i : i + 3200]).suppressed for i in range(0, len(speech), 3200)])
     kept = db(out) - db(speech[: len(out)])
     assert abs(kept) <= 1, f"with the bot silent the input changed by {kept:+.1f} dB"
 
@@ -155,7 +158,7 @@ def test_far_end_is_bounded_and_cut_on_barge_in(reply_24k):
     assert canceller.far_pending_s <= MAX_FAR_S
     canceller.stop()
     assert canceller.far_pending_s == 0
-    assert len(canceller.process(np.zeros(1600, np.float32))) == 1600
+    assert [len(out) for out in canceller.process(np.zeros(1600, np.float32))] == [1600, 1600]
 
 
 @pytest.mark.parametrize("delay_ms", [326, 400, 500])
@@ -163,7 +166,7 @@ def test_an_echo_path_aec3_reaches_is_never_shifted(reply_24k, delay_ms):
     # bench/echo.py's 300 ms room measured 304-348 ms live. Once the tracker confirmed it (~3 s in),
     # holding the far end back by the estimate less HOLD_MARGIN_S moved AEC3's reference by 76-250 ms:
     # AEC3, cancelling 40 dB until then, re-converged, the echo leaked and barged in at ~3.7 s.
-    canceller, echo, _, out = run_case(reply_24k, delay_ms, -6, None)
+    canceller, echo, _, out, _ = run_case(reply_24k, delay_ms, -6, None)
     assert canceller.delay_ms is not None and abs(canceller.delay_ms - delay_ms) <= 10
     assert barge_in_heard_ms(out, 0) is None, "the echo alone was heard as a barge-in"
     half = len(out) // 2
@@ -174,7 +177,7 @@ def test_an_echo_path_beyond_aec3s_reach_is_held_into_it(reply_24k):
     # An OBS mix with buffering: AEC3 alone cancels 10 dB of a 700 ms path; the tracker's hold
     # brings it within reach for the second reply. (The first reply, before the path is confirmed,
     # still leaks: see AEC3_REACH_S.)
-    canceller, echo, _, out = run_case(reply_24k, 700, -6, None)
+    canceller, echo, _, out, _ = run_case(reply_24k, 700, -6, None)
     half = len(out) // 2
     assert abs(canceller.delay_ms - 700) <= 10
     assert db(echo[half:]) - db(out[half:]) >= 20
@@ -193,3 +196,57 @@ def test_aec3_runs_with_a_short_initial_state():
     in_force.restype = ctypes.c_char_p
     assert AEC3_FIELD_TRIALS in in_force()
     assert b"WebRTC-Aec3UseDot6SecondsInitialStateDuration/Enabled/" in AEC3_FIELD_TRIALS
+
+
+def kept_per_frame(out: np.ndarray, voice: np.ndarray, start: int, lag: int = 0) -> list[float]:
+    """The speech's gain in `out` (`lag` samples late) in each 200 ms frame of its first second, in
+    dB: its projection on the speech, so echo left in `out` is no part of it."""
+    gains = []
+    for w in range(start, start + 16000, 3200):
+        said, heard = voice[w : w + 3200], out[w + lag : w + lag + 3200]
+        gains.append(20 * np.log10(max(float(np.dot(heard, said)), 1e-12) / float(np.dot(said, said))))
+    return gains
+
+
+@pytest.mark.parametrize("delay_ms, residual_db", [(150, 10), (300, 5)])
+def test_the_recognizer_hears_the_words_spoken_over_a_new_replys_echo(reply_24k, delay_ms, residual_db):
+    # AEC3's suppressor took 5-27 dB off each 100 ms of the first 0.6-0.9 s of words spoken over a
+    # new reply's echo, and pocketsphinx made '' of them. The linear output keeps them, at the
+    # input's sample positions, and leaves some echo (why the VAD, so barge-in, gets the other).
+    speech = espeak_speech(BARGE_IN, "en-gb") * 0.7
+    start = int(1.5 * 16000)  # into the first reply: both cancellers cold
+    canceller, echo, voice, suppressed, linear = run_case(reply_24k, delay_ms, -6, speech, speech_at_s=start / 16000)
+    spoken = slice(start, start + 16000)
+
+    def best_lag(out: np.ndarray) -> int:
+        return max(range(0, 480, 16), key=lambda k: float(np.dot(out[start + k : start + k + 16000], voice[spoken])))
+
+    linear_kept = kept_per_frame(linear, voice, start)
+    suppressed_kept = kept_per_frame(suppressed, voice, start, best_lag(suppressed))
+    echo_only = (voice == 0) & (echo != 0) & (np.arange(len(linear)) > len(linear) // 2)
+    residual = db(echo[echo_only]) - db(linear[echo_only])
+    print(f"\nspeech over a new reply's echo {delay_ms} ms -6 dB, kept per 200 ms: linear "
+          f"{' '.join(f'{k:+.1f}' for k in linear_kept)} dB, suppressed {' '.join(f'{k:+.1f}' for k in suppressed_kept)} dB; "
+          f"echo under the linear output, second reply: {residual:.1f} dB down (suppressed: "
+          f"{db(echo[echo_only]) - db(suppressed[echo_only]):.1f})")
+    assert best_lag(linear) == 0, "the linear output is not at the input's sample positions"
+    assert min(linear_kept) >= -6, f"the linear output lost {-min(linear_kept):.1f} dB of the words in a 200 ms frame"
+    assert min(suppressed_kept) < min(linear_kept) - 3  # what it is for: the suppressor takes the words
+    assert residual >= residual_db, f"the linear canceller took only {residual:.1f} dB off the converged echo"
+    assert abs(canceller.delay_ms - delay_ms) <= 10
+
+
+def test_without_libspeexdsp_the_recognizer_hears_the_suppressed_output(reply_24k, monkeypatch):
+    # A host without the system library: sessions still cancel echo (AEC3), the recognizer gets AEC3's
+    # output as before, and the server can say why (start-up log, /readyz's echo.problem).
+    from voicebot.audio import echo
+
+    monkeypatch.setattr(echo, "_speexdsp", lambda: None)
+    assert echo.linear_canceller_problem() == echo.SPEEXDSP_MISSING
+    with pytest.raises(RuntimeError, match="libspeexdsp1"):
+        echo.LinearCanceller()
+    canceller = EchoCanceller(reply_rate=24000)
+    canceller.play(reply_24k[:24000], sent_at=0.0)
+    near = StreamResampler(24000, 16000).process(reply_24k[:24000]) * 0.5
+    out = canceller.process(near, arrived=1.0)
+    assert len(out.linear) > 0 and np.array_equal(out.linear, out.suppressed)

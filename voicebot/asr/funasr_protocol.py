@@ -25,6 +25,26 @@ alone), after the results of the audio already received. Audio sent after that i
 new first message starts a new stream; the amount is counted and reported at the client's next
 message.
 
+An engine that fails raises `EngineFailed`, named as voicebot_engine_failures_total names it on
+/v1/voice (the segmenter: vad/chunk; the recognizer: asr/feed, asr/finish, its second pass and
+dialect fallback included), so one engine's failures count under one label whichever route hit
+them; the socket side ends the stream with it (voicebot/asr/funasr_ws.py).
+
+A VAD batcher with no room (`VadOverloaded`: the server is at capacity, nothing is broken) loses
+the piece of audio it was given and the utterance that piece was part of, as on /v1/voice, and the
+stream goes on: a live client keeps its connection through a moment of overload (the runtime's
+clients never reconnect or restart a stream on their own). The client is told at once with a
+non-final `2pass-offline` result with empty `text`, the lost utterance's end, carrying `error`,
+`code: "busy"`, `retry_after_s` and `dropped_s`; its text stays empty because every FunASR client
+concatenates `text` into its transcript (funasr-client merges `2pass-offline`, the runtime's
+clients print it), and a C++-style `ERROR.` text is the end of a stream to them. Clients keep
+fields they do not know (funasr-client returns the dict; the runtime's clients read only theirs).
+What is lost is counted: voicebot_engine_overloads_total{engine="vad"} and
+voicebot_input_dropped_seconds_total{reason="overload"} (the piece, what was heard of the
+utterance, and the rest of it as it comes). What a failing engine loses is counted as
+reason="engine_error": the piece the VAD or the streaming pass failed on, or the utterance whose
+end the recognizer failed on.
+
 No `timestamp` is sent: the streaming Paraformer has no per-character times, and clients that get
 one zip it with the characters. `hotwords` and `itn` are accepted and ignored (the Paraformer
 classes we serve have no hotword biasing and no ITN).
@@ -35,6 +55,7 @@ Endpoints come from a `Segmenter` (the server's VAD), the same one the /v1/voice
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -42,10 +63,15 @@ import numpy as np
 
 from voicebot.asr.base import SAMPLE_RATE, Hypothesis, Recognizer, RecognizerStream
 from voicebot.audio.endpoint import EventKind, VadEvent
-from voicebot.protocol import ErrorCode, load_json
-from voicebot.protocol import ProtocolError as VoiceProtocolError
 from voicebot.audio.files import FILE_FORMATS, UndecodableAudio, decode_file
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
+from voicebot.metrics import Metrics
+from voicebot.protocol import ErrorCode, load_json
+from voicebot.protocol import ProtocolError as VoiceProtocolError
+from voicebot.serving.vad import VadOverloaded
+from voicebot.session.machine import VAD_RETRY_AFTER_S
+
+log = logging.getLogger(__name__)
 
 Mode = Literal["online", "offline", "2pass"]
 _MODES = ("online", "offline", "2pass")
@@ -60,6 +86,15 @@ _FILE_PIECE = SAMPLE_RATE  # samples (1 s)
 
 class ProtocolError(ValueError):
     """A client message we cannot follow; the session ends the stream with its reason."""
+
+
+class EngineFailed(RuntimeError):
+    """An engine failed on this stream: which one and at what stage (the labels of
+    voicebot_engine_failures_total), and why (`__cause__`)."""
+
+    def __init__(self, engine: str, stage: str, cause: Exception) -> None:
+        super().__init__(f"{engine} ({stage}): {type(cause).__name__}: {cause}")
+        self.engine, self.stage = engine, stage
 
 
 class Segmenter(Protocol):
@@ -110,13 +145,17 @@ def _sample_rate(value: object) -> int:
 class FunasrSession:
     """One /funasr connection: client messages in, result messages out."""
 
-    def __init__(self, recognizer: Recognizer, segmenter: Segmenter) -> None:
+    def __init__(self, recognizer: Recognizer, segmenter: Segmenter, metrics: Metrics) -> None:
         self.recognizer = recognizer
         self.segmenter = segmenter
+        self.metrics = metrics
         self.config = ClientConfig()
         self._resampler = StreamResampler(SAMPLE_RATE, SAMPLE_RATE)
         self._stream: RecognizerStream | None = None
         self._sent = ""  # partial text of the current utterance already sent
+        self._in_utterance = False  # the segmenter has started an utterance and not ended it
+        self._heard = 0  # samples of the current utterance given to the recognizer
+        self._lost = False  # the current utterance was lost to an overload: the rest of it is dropped
         self._odd_byte = b""
         self._file = bytearray()  # a whole file (wav_format other than pcm), decoded at the end
         self._refused = False  # the stream ended with an error; audio is dropped until a new first message
@@ -158,8 +197,7 @@ class FunasrSession:
         data = self._odd_byte + data
         # A frame may split a sample; keep the odd byte for the next frame.
         self._odd_byte = data[len(data) & ~1 :]
-        audio = self._resampler.process(pcm16_to_float(data[: len(data) & ~1]))
-        return await self._events(await self.segmenter.process(audio))
+        return await self._hear(self._resampler.process(pcm16_to_float(data[: len(data) & ~1])))
 
     async def close(self) -> None:
         if self._stream is not None:
@@ -173,15 +211,14 @@ class FunasrSession:
             except UndecodableAudio as exc:
                 return await self.refuse(f"the {self.config.wav_format} file: {exc}")
             self._file.clear()
-            events = []
+            messages = []
             for start in range(0, len(audio), _FILE_PIECE):
-                events += await self.segmenter.process(audio[start : start + _FILE_PIECE])
+                messages += await self._hear(audio[start : start + _FILE_PIECE])
         else:
-            events = await self.segmenter.process(self._resampler.flush())
+            messages = await self._hear(self._resampler.flush())
         self._resampler = StreamResampler(self.config.audio_fs, SAMPLE_RATE)
-        events += await self.segmenter.force_end()
-        messages = await self._events(events)
-        if not messages or messages[-1]["mode"] != OFFLINE:
+        messages += await self._events(await self._segmenter_call(self.segmenter.force_end))
+        if not messages or messages[-1]["mode"] != OFFLINE or "error" in messages[-1]:  # an overload's notice is not the end
             messages.append(self._message(OFFLINE, ""))
         messages[-1]["is_final"] = True
         if is_end:  # the runtime's Python client (>= 1.4) waits for this acknowledgement
@@ -194,9 +231,9 @@ class FunasrSession:
         if not self._refused:
             self._drop(len(self._file))
             self._file.clear()
-            events = await self.segmenter.process(self._resampler.flush()) + await self.segmenter.force_end()
+            messages = await self._hear(self._resampler.flush())
             self._resampler = StreamResampler(self.config.audio_fs, SAMPLE_RATE)
-            messages = await self._events(events)
+            messages += await self._events(await self._segmenter_call(self.segmenter.force_end))
         self._refused = True
         return [*messages, self.error_result(reason)]
 
@@ -214,18 +251,83 @@ class FunasrSession:
         self._dropped_unreported = 0
         return self.error_result(reason)
 
+    async def _hear(self, audio: np.ndarray) -> list[dict]:
+        """The results of a piece of 16 kHz audio: through the segmenter, then the recognizer."""
+        try:
+            events = await self._segmenter_call(self.segmenter.process, audio)
+        except VadOverloaded as exc:
+            return await self._overloaded(len(audio), exc)
+        except EngineFailed:
+            self._count_lost("engine_error", len(audio))  # never judged; what came before is still finished
+            raise
+        return await self._events(events)
+
+    async def _segmenter_call(self, call, *args) -> list[VadEvent]:
+        try:
+            return await call(*args)
+        except VadOverloaded:
+            raise  # capacity, not a failure: _hear answers it
+        except Exception as exc:
+            raise EngineFailed("vad", "chunk", exc) from exc
+
+    async def _overloaded(self, samples: int, exc: VadOverloaded) -> list[dict]:
+        """The VAD had no room for this piece: it is lost, and so is the utterance it was part of
+        (the module doc says what the client gets)."""
+        dropped, and_utterance = samples, ""
+        if self._in_utterance and not self._lost:
+            dropped += self._heard
+            self._lost = True
+            await self._drop_stream()
+            and_utterance = "; the utterance it was part of is lost"
+        self.metrics.engine_overloads.labels("vad").inc()
+        self._count_lost("overload", dropped)
+        self.metrics.errors.labels(ErrorCode.BUSY).inc()
+        reason = f"voice detection is at capacity ({exc}): {samples / SAMPLE_RATE:.2f} s of audio was dropped{and_utterance}"
+        return [self._message(OFFLINE, "") | {"error": reason, "code": ErrorCode.BUSY, "retry_after_s": VAD_RETRY_AFTER_S,
+                                              "overloaded": "vad", "engine": "vad", "stage": "chunk",
+                                              "dropped_s": round(dropped / SAMPLE_RATE, 3)}]
+
+    def _count_lost(self, reason: str, samples: int) -> None:
+        self.metrics.input_dropped.labels(reason).inc(samples / SAMPLE_RATE)
+
+    async def _drop_stream(self) -> None:
+        """The recognizer's stream of a lost utterance closed: the next utterance opens a fresh one."""
+        stream, self._stream, self._sent = self._stream, None, ""
+        if stream is not None:
+            try:
+                await stream.close()
+            except Exception:  # its state is dropped with it either way
+                log.exception("/funasr: the recognizer stream of a lost utterance could not be closed")
+
     async def _events(self, events: list[VadEvent]) -> list[dict]:
         messages: list[dict] = []
         for event in events:
             if event.kind in (EventKind.START, EventKind.AUDIO) and len(event.audio):
-                if self._stream is None:
-                    self._stream = self.recognizer.open()
-                partial = await self._stream.accept(event.audio)
+                self._in_utterance = True
+                if self._lost:  # the rest of an utterance lost to an overload
+                    self._count_lost("overload", len(event.audio))
+                    continue
+                try:
+                    if self._stream is None:
+                        self._stream = self.recognizer.open()
+                    partial = await self._stream.accept(event.audio)
+                except Exception as exc:
+                    self._count_lost("engine_error", len(event.audio))
+                    raise EngineFailed("asr", "feed", exc) from exc
+                self._heard += len(event.audio)
                 if partial is not None and self.config.mode != "offline":
                     messages.append(self._partial(partial))
-            elif event.kind is EventKind.END and self._stream is not None:
-                messages.extend(self._final(await self._stream.finish()))
-                self._sent = ""
+            elif event.kind is EventKind.END:
+                was_lost, heard = self._lost, self._heard
+                self._lost, self._in_utterance, self._heard = False, False, 0
+                if self._stream is not None and not was_lost:  # a lost one's end was its overload's notice
+                    try:
+                        hypothesis = await self._stream.finish()
+                    except Exception as exc:
+                        self._count_lost("engine_error", heard)  # the utterance, with no transcript
+                        raise EngineFailed("asr", "finish", exc) from exc
+                    messages.extend(self._final(hypothesis))
+                    self._sent = ""
         return messages
 
     def _partial(self, partial: str) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
 
 from voicebot.asr.base import Recognizer
-from voicebot.asr.funasr_protocol import FunasrSession, ProtocolError, Segmenter
+from voicebot.asr.funasr_protocol import EngineFailed, FunasrSession, ProtocolError, Segmenter
 from voicebot.audio.endpoint import SAMPLE_RATE, WINDOW, Endpointer, VadEvent
 from voicebot.config import EndpointConfig, Settings
 from voicebot.metrics import Metrics
@@ -68,15 +68,16 @@ def funasr_segmenter(recognizer: Recognizer, endpoint: EndpointConfig, vad: VadB
 async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segmenter, settings: Settings, metrics: Metrics) -> None:
     """Serve one accepted connection until the client goes away, floods, goes quiet for
     `server.idle_timeout_s` or an engine fails on its stream; those end it as a refused stream ends
-    (the results so far, then the reason as an error result), and close it (docs/protocol.md)."""
-    session = FunasrSession(recognizer, segmenter)
+    (the results so far, then the reason as an error result), and close it (docs/funasr.md). A VAD
+    with no room is not a failure: the session answers it and the stream goes on."""
+    session = FunasrSession(recognizer, segmenter, metrics)
     limits = settings.limits
     flood = FloodGuard(limits.max_messages_per_s, limits.max_audio_realtime_factor, limits.window_s,
                        audio_burst_s=limits.funasr_audio_burst_s)
     handling = False  # a message is being recognised (a whole file can take a while): not idle
     idle = IdleWatch(settings.server.idle_timeout_s, busy=lambda: handling)
     flooding: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    broken: asyncio.Future[str] = asyncio.get_running_loop().create_future()  # an engine failed: why
+    broken: asyncio.Future[EngineFailed] = asyncio.get_running_loop().create_future()
     quiet = asyncio.create_task(idle.expire())
 
     async def on_message(message: Wire) -> None:
@@ -102,10 +103,10 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
                 replies = await session.on_audio(message)
         except ProtocolError as exc:
             replies = [{"wav_name": session.config.wav_name, "error": str(exc), "is_final": False}]
-        except Exception as exc:  # the VAD or the recognizer broke on this stream: it ends, the server goes on
-            log.error("/funasr: an engine failed on stream %r", session.config.wav_name, exc_info=exc)
-            metrics.engine_failures.labels("funasr", "stream").inc()
-            broken.set_result(f"an engine failed: {type(exc).__name__}: {exc}")  # the receive loop ends here
+        except EngineFailed as exc:  # the VAD or the recognizer broke on this stream: it ends, the server goes on
+            log.error("/funasr: an engine failed on stream %r: %s", session.config.wav_name, exc, exc_info=exc.__cause__)
+            metrics.engine_failures.labels(exc.engine, exc.stage).inc()
+            broken.set_result(exc)  # the receive loop ends here
             return
         for reply in replies:
             await ws.send_text(json.dumps(reply, ensure_ascii=False))
@@ -113,7 +114,9 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
     try:
         await receive_loop(ws, on_message, until=(flooding, quiet, broken))
         if broken.done():
-            await _end(ws, session, metrics, ErrorCode.ENGINE_ERROR, broken.result(), CloseCode.INTERNAL_ERROR)
+            failed = broken.result()
+            await _end(ws, session, metrics, ErrorCode.ENGINE_ERROR, f"an engine failed: {failed}", CloseCode.INTERNAL_ERROR,
+                       engine=failed.engine, stage=failed.stage)
         elif flooding.done():
             await _end(ws, session, metrics, ErrorCode.FLOODING, flooding.result(), CloseCode.FLOODING)
         elif quiet.done():
@@ -123,15 +126,18 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
         await session.close()
 
 
-async def _end(ws: WebSocket, session: FunasrSession, metrics: Metrics, code: str, reason: str, close_code: int) -> None:
-    """The results of the audio received so far, the reason as the final result, then the close."""
+async def _end(ws: WebSocket, session: FunasrSession, metrics: Metrics, code: str, reason: str, close_code: int,
+               **extra: str) -> None:
+    """The results of the audio received so far, the reason as the final result (with `extra`
+    fields), then the close."""
     metrics.errors.labels(code).inc()
     with contextlib.suppress(WebSocketDisconnect, RuntimeError):  # the client may be gone already
         try:
             replies = await session.refuse(reason)
-        except Exception:  # the engine that broke the stream fails on its rest too: only the error is sent
-            log.exception("/funasr: the results so far could not be made")
+        except EngineFailed as exc:  # the engine that broke the stream fails on its rest too: only the error is sent
+            log.warning("/funasr: the results so far could not be made: %s", exc)
             replies = [session.error_result(reason)]
+        replies[-1] |= extra
         for reply in replies:
             await ws.send_text(json.dumps(reply, ensure_ascii=False))
         await ws.close(close_code, code)

@@ -33,16 +33,38 @@ whole window and nothing came back at all, the input under -80 dBFS (`DelayTrack
 an OBS mix without desktop audio, a muted or gated headset mic); AEC3 is then given no reference,
 which leaves the input untouched. The first echo confirmed gives it the reference again, for the rest of the session.
 
+Two outputs, one for each listener. AEC3's suppressor (its non-linear stage) takes 5-27 dB off
+each 100 ms of the first 0.6-0.9 s of a user talking over the reply's echo, and the recognizer made
+'' of that. The gate, the VAD and so barge-in need what it leaves: the echo all but gone (a linear
+canceller leaves residual echo, which must not barge in). The recognizer needs the words: it gets
+the output of a linear canceller, speexdsp's MDF adaptive filter alone (`LinearCanceller`; its
+preprocessor, the residual echo suppressor, never runs), fed the same far end, so the echo's
+estimate is subtracted and nothing else is touched. AEC3's own linear output (`GetLinearAecOutput`)
+is in no PyPI binding (not `aec-audio-processing`, `pywebrtc-audio`, nor livekit's APM). MDF has
+no delay search of its own: its filter covers `LINEAR_FILTER_S`, and a longer path, once the
+tracker has it, is held back into that as AEC3's is. Both outputs have the input's sample
+positions. bench/echo.py, a barge-in 2 s into a new reply: the first second of the words lost
+0.5-1.1 dB on average in the linear output (1.3-4.6 dB in its worst 200 ms) where the suppressed
+one lost 4-16 dB (11-49 dB); but MDF converges slowly on speech, and the echo under them is only
+~9 dB down then (-6 dB of echo at 50-150 ms; none yet at 300 ms, before the hold), 14-21 dB once
+converged (tests/unit/test_echo.py). The recognizer got the barge-in's first words in 3 cases of 6
+(1 before); at -6 dB of echo it still made '' of one.
+
 Bounds: unplayed far end at most `MAX_FAR_S` (more is dropped oldest first and counted); the
-tracker keeps `HISTORY_S` of each end; the input waits at most one 10 ms block.
+tracker keeps `HISTORY_S` of each end; each hold at most `MAX_DELAY_S` of far blocks; the input
+waits at most one 10 ms block.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import functools
 import threading
 import time
+import weakref
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
@@ -74,6 +96,14 @@ ECHO_CONFIRM_S = 0.02
 # 0.6 s of it: no later than a frame. None at all let a "300 ms" echo barge in live last time,
 # perhaps the hold shift that AEC3_REACH_S now avoids (that path measures 304-348 ms); not tried again.
 AEC3_FIELD_TRIALS = b"WebRTC-Aec3UseDot6SecondsInitialStateDuration/Enabled/"
+# The linear canceller's filter: 25 blocks, 250 ms of echo path. A path up to LINEAR_REACH_S is
+# left where it is (its room's tail still fits); a longer one is held back to LINEAR_MARGIN_S
+# (the tracker's estimate is within a few ms; the margin keeps the direct path inside the filter).
+# Longer filters converge more slowly and cost more: 8192 taps cost ~2x 4096 here.
+LINEAR_FILTER_S = 0.25
+LINEAR_REACH_S = 0.2
+LINEAR_MARGIN_S = 0.05
+SPEEX_ECHO_SET_SAMPLING_RATE = 24  # speex_echo.h
 
 _field_trials_lock = threading.Lock()
 _field_trials: ctypes.Array | None = None  # WebRTC keeps the pointer, not a copy: it lives as long as the process
@@ -96,8 +126,81 @@ def _configure_aec3() -> None:
         init(_field_trials)
 
 
-def _pcm16(audio: np.ndarray) -> bytes:
-    return (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+SPEEXDSP_MISSING = ("libspeexdsp is not installed (Debian: libspeexdsp1; scripts/setup installs it): the recognizer "
+                    "hears AEC3's suppressed output, which loses the first words spoken over the bot's echo")
+
+
+@functools.cache
+def _speexdsp() -> ctypes.CDLL | None:
+    """The system's libspeexdsp, looked up once (find_library runs ldconfig); None where it is missing."""
+    path = ctypes.util.find_library("speexdsp")
+    if path is None:
+        return None
+    lib = ctypes.CDLL(path)
+    lib.speex_echo_state_init.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.speex_echo_state_init.restype = ctypes.c_void_p
+    lib.speex_echo_ctl.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.speex_echo_cancellation.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.speex_echo_cancellation.restype = None
+    lib.speex_echo_state_destroy.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def linear_canceller_problem() -> str | None:
+    """Why the recognizer cannot hear the linear canceller (start-up log, /readyz); None when it can."""
+    return SPEEXDSP_MISSING if _speexdsp() is None else None
+
+
+def _pcm16(audio: np.ndarray) -> np.ndarray:
+    return (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2")
+
+
+class Cancelled(NamedTuple):
+    """One stretch of input, echo-cancelled twice, at the same sample positions."""
+
+    suppressed: np.ndarray  # AEC3's: the echo all but gone, and the start of speech over it cut (gate, VAD)
+    linear: np.ndarray  # the echo's estimate subtracted, nothing suppressed (the recognizer)
+
+
+class LinearCanceller:
+    """speexdsp's MDF adaptive filter on 10 ms blocks: the echo it predicts from the far end, subtracted."""
+
+    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+        self._lib = lib or _speexdsp()
+        if self._lib is None:
+            raise RuntimeError(SPEEXDSP_MISSING)
+        lib = self._lib
+        self._state = lib.speex_echo_state_init(BLOCK, round(LINEAR_FILTER_S * SAMPLE_RATE))
+        rate = ctypes.c_int(SAMPLE_RATE)
+        lib.speex_echo_ctl(self._state, SPEEX_ECHO_SET_SAMPLING_RATE, ctypes.byref(rate))
+        weakref.finalize(self, lib.speex_echo_state_destroy, self._state)
+        self._out = np.zeros(BLOCK, "<i2")
+
+    def process(self, near: np.ndarray, far: np.ndarray) -> np.ndarray:
+        """One block of each end, int16; the near end less the echo, float32."""
+        near, far = np.ascontiguousarray(near), np.ascontiguousarray(far)
+        self._lib.speex_echo_cancellation(self._state, near.ctypes.data, far.ctypes.data, self._out.ctypes.data)
+        return self._out.astype(np.float32) / 32768.0
+
+
+class FarHold:
+    """Far blocks held back by a delay. It only changes by MIN_HOLD_CHANGE_S or more: the canceller
+    behind it converges again after every shift."""
+
+    def __init__(self) -> None:
+        self._held: deque[np.ndarray] = deque()  # at most `_blocks`, MAX_DELAY_S / 10 ms
+        self._blocks = 0
+
+    def follow(self, hold_s: float) -> None:
+        if abs(hold_s - self._blocks * BLOCK / SAMPLE_RATE) >= MIN_HOLD_CHANGE_S:
+            self._blocks = round(min(hold_s, MAX_DELAY_S) * SAMPLE_RATE / BLOCK)
+            while len(self._held) > self._blocks:
+                self._held.popleft()
+
+    def shift(self, block: np.ndarray) -> np.ndarray:
+        """`block` in, the one of the hold before it out (silence while the hold fills)."""
+        self._held.append(block)
+        return self._held.popleft() if len(self._held) > self._blocks else np.zeros(BLOCK, np.float32)
 
 
 class DelayTracker:
@@ -186,8 +289,10 @@ class EchoCanceller:
         self._far: deque[tuple[np.ndarray, float | None]] = deque()
         self._played_until = float("-inf")  # when the reply audio sent so far ends playing
         self._far_samples = 0
-        self._held: deque[np.ndarray] = deque()  # far blocks matched with input, waiting out the hold
-        self._hold_blocks = 0
+        # Without libspeexdsp the recognizer hears the suppressed output (said at start-up and in /readyz).
+        self._linear = None if (lib := _speexdsp()) is None else LinearCanceller(lib)
+        # Far blocks matched with input, waiting out each canceller's hold.
+        self._aec3_hold, self._linear_hold = FarHold(), FarHold()
         self._near_partial = np.zeros(0, np.float32)
         self.tracker = DelayTracker()
         self.far_dropped_samples = 0  # reply audio never matched with input (the far queue was full)
@@ -258,34 +363,34 @@ class EchoCanceller:
             return block
 
     def _follow_delay(self) -> None:
-        if self.tracker.delay_s is None:
+        delay_s = self.tracker.delay_s
+        if delay_s is None:
             return
-        hold_s = self.tracker.delay_s - HOLD_MARGIN_S if self.tracker.delay_s > AEC3_REACH_S else 0.0
-        if abs(hold_s - self._hold_blocks * BLOCK / SAMPLE_RATE) >= MIN_HOLD_CHANGE_S:
-            self._hold_blocks = round(hold_s * SAMPLE_RATE / BLOCK)
-            while len(self._held) > self._hold_blocks:
-                self._held.popleft()
+        self._aec3_hold.follow(delay_s - HOLD_MARGIN_S if delay_s > AEC3_REACH_S else 0.0)
+        self._linear_hold.follow(delay_s - LINEAR_MARGIN_S if delay_s > LINEAR_REACH_S else 0.0)
 
-    def process(self, near: np.ndarray, arrived: float | None = None) -> np.ndarray:
+    def process(self, near: np.ndarray, arrived: float | None = None) -> Cancelled:
         """Input (16 kHz float32) whose last sample arrived at `arrived` (monotonic), with the echo
-        removed; at most one 10 ms block is held back."""
+        removed, both ways; at most one 10 ms block is held back."""
         data = np.concatenate([self._near_partial, np.asarray(near, np.float32)])
         n = len(data) // BLOCK * BLOCK
         self._near_partial = data[n:]
-        out = np.empty(n, np.float32)
+        suppressed, linear = np.empty(n, np.float32), np.empty(n, np.float32)
+        silence = np.zeros(BLOCK, np.float32)
         for start in range(0, n, BLOCK):
             near_block = data[start : start + BLOCK]
             far_block = self._far_block(None if arrived is None else arrived - (len(data) - start) / SAMPLE_RATE)
             self.tracker.add(near_block, far_block)
             self._follow_delay()
-            self._held.append(far_block)
-            reference = self._held.popleft() if len(self._held) > self._hold_blocks else np.zeros(BLOCK, np.float32)
+            aec3_reference, linear_reference = self._aec3_hold.shift(far_block), self._linear_hold.shift(far_block)
             if self.tracker.echo_absent:
-                reference = np.zeros(BLOCK, np.float32)
-            self._apm.process_reverse_stream(_pcm16(reference))
-            cleaned = np.frombuffer(self._apm.process_stream(_pcm16(near_block)), "<i2").astype(np.float32) / 32768.0
-            out[start : start + BLOCK] = cleaned
+                aec3_reference = linear_reference = silence
+            near_pcm = _pcm16(near_block)
+            self._apm.process_reverse_stream(_pcm16(aec3_reference).tobytes())
+            cleaned = np.frombuffer(self._apm.process_stream(near_pcm.tobytes()), "<i2").astype(np.float32) / 32768.0
+            suppressed[start : start + BLOCK] = cleaned
+            linear[start : start + BLOCK] = cleaned if self._linear is None else self._linear.process(near_pcm, _pcm16(linear_reference))
             if np.any(far_block):
                 self._near_energy += float(np.dot(near_block, near_block))
                 self._out_energy += float(np.dot(cleaned, cleaned))
-        return out
+        return Cancelled(suppressed, linear)

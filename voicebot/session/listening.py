@@ -4,6 +4,12 @@
             with every session's windows (voicebot/serving/vad.py); endpoint rule) ─► VadEvents
             ─► Listening (recognizer stream; speech.started, asr.partial, asr.final) ─► Utterance
 
+Two signals leave the echo canceller at the same sample positions (voicebot/audio/echo.py): the gate,
+the VAD and the endpoint rule (so barge-in) get AEC3's suppressed output, where the echo is all but
+gone; the audio the events carry, what the recognizer and the end-of-turn model hear, is the linear
+canceller's, which keeps the start of words spoken over the bot (the suppressor took it off). The
+gate's mutes apply to both.
+
 `FrontEnd` owns its state and returns values, so nothing on the worker's or the VAD batcher's
 thread touches the session. `Listening` runs on the event loop and returns
 the `Utterance` of each endpoint; what to do with it (today: queue a Turn) is the session's
@@ -17,7 +23,7 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -68,9 +74,13 @@ class FrontEnd:
         self.endpointer = Endpointer(endpoint)
         self.vad = vad
         self._input_samples = 0  # at input_rate
-        self._recent: deque[np.ndarray] = deque()  # the last TURN_AUDIO_S of what the endpointer heard
+        self._recent: deque[np.ndarray] = deque()  # the last TURN_AUDIO_S of what the recognizer hears
         self._recent_samples = 0
         self._fed = 0  # samples given to the endpointer: _recent ends there
+        # Input in the gate, not yet out (at most its lookahead and one block, ~55 ms): the
+        # suppressed signal it was given, and the recognizer's at the same positions.
+        self._in_gate = np.zeros(0, np.float32)
+        self._heard_in_gate = np.zeros(0, np.float32)
         self.speech_start_sample = 0  # where the latest utterance began (its pre-speech audio included)
         # (end of a chunk in input_rate samples, when it arrived): when the user stopped talking,
         # even if the chunk waited in the session's input queue before it was processed. Counted
@@ -83,27 +93,51 @@ class FrontEnd:
         the endpoint rule here on the loop (a few comparisons per window)."""
         windows, muted = await worker.run(self._prepare, chunk)
         probabilities = await self.vad.probabilities(self.endpointer.vad, windows)
-        events = self.endpointer.decide(windows, probabilities)
-        for event in events:
-            if event.kind is EventKind.START:  # its audio runs to the last window processed
-                self.speech_start_sample = self.endpointer.samples_seen - len(event.audio)
-        return FrontEndOutput(events, muted)
+        return FrontEndOutput(self._decide(windows, probabilities), muted)
+
+    def _decide(self, windows: np.ndarray, probabilities: np.ndarray) -> list[VadEvent]:
+        """The endpoint rule, a window at a time so that each event's audio has its stream
+        positions; that audio is then what the recognizer hears there, an utterance's consecutive
+        audio joined (one array per chunk, as the endpointer gives it)."""
+        spans: list[tuple[VadEvent, int, int]] = []  # an event, where its audio starts and ends
+        for k in range(len(windows)):
+            for event in self.endpointer.decide(windows[k : k + 1], probabilities[k : k + 1]):
+                end = self.endpointer.samples_seen
+                if event.kind is EventKind.START:  # its pre-speech audio included
+                    self.speech_start_sample = end - len(event.audio)
+                joins = event.kind is EventKind.AUDIO and spans and spans[-1][0].kind in (EventKind.START, EventKind.AUDIO)
+                if joins:
+                    spans[-1] = (spans[-1][0], spans[-1][1], end)
+                else:
+                    spans.append((event, end - len(event.audio), end))
+        return [replace(event, audio=self._kept(start, end)) if end > start else event for event, start, end in spans]
 
     def _prepare(self, chunk: AudioIn) -> tuple[np.ndarray, int]:
-        """Blocking (the audio worker): the chunk resampled, echo-cancelled and gated, cut in VAD windows."""
+        """Blocking (the audio worker): the chunk resampled, echo-cancelled and gated, cut in VAD
+        windows; what the recognizer hears of it kept."""
         samples = pcm16_to_float(chunk.pcm)
         self._input_samples += len(samples)
         self._arrivals.append((self._input_samples, chunk.arrived))
-        audio = self.resampler.process(samples)
+        audio = heard = self.resampler.process(samples)
         if self.echo is not None:
-            audio = self.echo.process(audio, chunk.arrived)
+            audio, heard = self.echo.process(audio, chunk.arrived)
         muted = 0
         if self.gate is not None:
             muted_before = self.gate.muted_samples
-            audio = self.gate.process(audio)
+            audio, heard = self._gate(audio, heard)
             muted = self.gate.muted_samples - muted_before
-        self._keep(audio)
+        self._keep(heard)
         return self.endpointer.cut(audio), muted
+
+    def _gate(self, audio: np.ndarray, heard: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The gate decides on `audio`; `heard` is muted where it muted `audio`, and delayed as
+        much. The gate only ever changes a sample by muting it: the samples it changed are its mutes."""
+        gated = self.gate.process(audio)
+        given = np.concatenate([self._in_gate, audio])
+        heard = np.concatenate([self._heard_in_gate, heard])
+        out = len(gated)
+        self._in_gate, self._heard_in_gate = given[out:], heard[out:]
+        return gated, np.where((gated == 0) & (given[:out] != 0), np.float32(0), heard[:out])
 
     def _keep(self, audio: np.ndarray) -> None:
         self._fed += len(audio)
@@ -117,12 +151,23 @@ class FrontEnd:
         return self.endpointer.silence_ms
 
     def audio_since(self, sample: int) -> np.ndarray:
-        """What the endpointer heard from `sample` on, at most the last TURN_AUDIO_S (a copy).
+        """What the recognizer heard from `sample` on, at most the last TURN_AUDIO_S (a copy).
 
         Called between chunks, on the loop: the worker is not processing one then.
         """
-        audio = np.concatenate(self._recent) if self._recent else np.zeros(0, np.float32)
-        return audio[max(0, sample - (self._fed - len(audio))):]
+        return self._kept(sample, self._fed)
+
+    def _kept(self, start: int, end: int) -> np.ndarray:
+        """What the recognizer hears from stream position `start` to `end`, as far as it is kept."""
+        pieces, position = [], self._fed
+        for piece in reversed(self._recent):
+            if position <= start:
+                break
+            piece_start = position - len(piece)
+            if piece_start < end:
+                pieces.append(piece[max(0, start - piece_start) : end - piece_start])
+            position = piece_start
+        return np.concatenate(pieces[::-1]) if pieces else np.zeros(0, np.float32)
 
     def end(self) -> list[VadEvent]:
         """The client sent input.end: end the utterance now."""
