@@ -16,7 +16,9 @@ clients on 127.0.0.1, each in a role, round robin:
 
 Every report prints the server process's RSS (the mean of a reading every second since the last
 report), open file descriptors, threads, asyncio tasks,
-event-loop lag (from /metrics), first-audio p50/p95 of the replies that ended in the interval
+event-loop lag (from /metrics: mean, p99 and max, and the stalls over 100 ms by what held the loop:
+gc/gil/callback, voicebot/loop_watch.py; the summary adds the server's GC collections by
+generation, with their mean pause), first-audio p50/p95 of the replies that ended in the interval
 (`audio.end` timings), reply frames promised (`audio.end.frames` + `audio.interrupted.frames_sent`)
 against frames received, lost audio (frames promised and never received, plus the server's
 `frames_dropped{overload}` and dropped input) and session deaths without an error event (a socket
@@ -328,18 +330,26 @@ class ServerProbe:
                 samples[key] = s.value
         return samples
 
-    def lag_ms(self, m: dict[str, float]) -> tuple[float, float]:
-        """Over the interval since the last call: the mean loop lag, and the upper bound of the
-        slowest histogram bucket any observation fell in."""
-        buckets = {k: v for k, v in m.items() if k.startswith("voicebot_event_loop_lag_seconds_")}
-        before, self._lag_before = self._lag_before, buckets
-        delta = {k: v - before.get(k, 0.0) for k, v in buckets.items()}
+    def lag_ms(self, m: dict[str, float]) -> dict[str, float]:
+        """Over the interval since the last call: the mean loop lag, its p99 and its max (each the
+        upper bound of the histogram bucket it fell in), and the stalls by cause (voicebot/loop_watch.py)."""
+        counters = {k: v for k, v in m.items() if k.startswith(("voicebot_event_loop_lag_seconds_", "voicebot_event_loop_stalls_total"))}
+        before, self._lag_before = self._lag_before, counters
+        delta = {k: v - before.get(k, 0.0) for k, v in counters.items()}
+        stalls = {cause: int(delta.get(f"voicebot_event_loop_stalls_total{{cause={cause}}}", 0)) for cause in ("gc", "gil", "callback")}
         count = delta.get("voicebot_event_loop_lag_seconds_count", 0.0)
         if not count:
-            return 0.0, 0.0
+            return {"lag_ms": 0.0, "lag_p99_ms": 0.0, "lag_max_ms": 0.0, "stalls": stalls}
         bounds = sorted((float(k.split("le=")[1].rstrip("}")), v) for k, v in delta.items() if "_bucket" in k)
+        p99 = next(le for le, v in bounds if v >= 0.99 * count)
         slowest = next(le for le, v in bounds if v >= count)  # the +Inf bucket holds all of them
-        return 1000 * delta["voicebot_event_loop_lag_seconds_sum"] / count, 1000 * slowest
+        return {"lag_ms": round(1000 * delta["voicebot_event_loop_lag_seconds_sum"] / count, 2), "lag_p99_ms": 1000 * p99,
+                "lag_max_ms": 1000 * slowest, "stalls": stalls}
+
+
+def _stalls(by_cause: dict[str, int]) -> str:
+    """gc/gil/callback counts, as one column."""
+    return "/".join(str(by_cause[c]) for c in ("gc", "gil", "callback"))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -357,9 +367,9 @@ async def run(url: str, probe: ServerProbe, process: subprocess.Popen, args) -> 
                                               probe.sample_rss(deadline))]
     print(f"{args.sessions} sessions ({', '.join(ROLES)} in turn) + an idle socket + a fuzzing client; "
           f"reset every {args.reset_s:g} s; a report every {args.report_s:g} s")
-    print(f"{'min':>5} {'RSS MB':>7} {'fds':>5} {'thr':>4} {'tasks':>6} {'lag ms':>7} {'lag max':>7} {'replies':>7} {'cut':>4} "
+    print(f"{'min':>5} {'RSS MB':>7} {'fds':>5} {'thr':>4} {'tasks':>6} {'lag ms':>7} {'lag p99':>7} {'lag max':>7} {'stalls':>11} {'replies':>7} {'cut':>4} "
           f"{'1st p50':>7} {'p95':>6} {'promised':>9} {'received':>9} {'lost':>5} {'deaths':>6} {'resumed':>8} {'fuzz':>6} {'vadq':>4} {'schq':>4} {'load':>5}", flush=True)
-    rows = []
+    rows, metrics = [], {}
     # Ctrl-C ends an hours-long soak early with its table and summary, as its deadline would.
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
@@ -392,9 +402,24 @@ async def run(url: str, probe: ServerProbe, process: subprocess.Popen, args) -> 
             "deaths": len(tally.deaths), "utterances_sent": tally.utterances_sent, "asr_finals": tally.utterances_heard,
             "resumed": tally.resumed, "reconnects": tally.reconnects, "fuzz_messages": tally.fuzz_messages,
             "idle_closes": tally.idle_closes,
+            "lag_ms_mean": round(float(np.mean([r["lag_ms"] for r in rows])), 2) if rows else None,
+            "lag_p99_ms_worst": max((r["lag_p99_ms"] for r in rows), default=None),
+            "lag_max_ms": max((r["lag_max_ms"] for r in rows), default=None),
+            "stalls": {c: sum(r["stalls"][c] for r in rows) for c in ("gc", "gil", "callback")},
+            "gc_pauses": gc_pauses(metrics),
             "rss_mb_first": rows[0]["rss_mb"] if rows else None, "rss_mb_last": rows[-1]["rss_mb"] if rows else None,
             "rss_blocks": blocks, "rss_max_block_drift_pct": round(max(drifts), 2) if drifts else None,
             "server_alive": process.poll() is None, "rows": rows}
+
+
+def gc_pauses(m: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The server's cyclic GC collections since start-up, by generation: how many, their mean."""
+    pauses = {}
+    for generation in "012":
+        count = m.get(f"voicebot_gc_pause_seconds_count{{generation={generation}}}", 0.0)
+        total = m.get(f"voicebot_gc_pause_seconds_sum{{generation={generation}}}", 0.0)
+        pauses[generation] = {"count": int(count), "mean_ms": round(1000 * total / count, 2) if count else None}
+    return pauses
 
 
 def rss_blocks(rows: list[dict], block_min: float, warmup_min: float) -> list[dict]:
@@ -417,11 +442,11 @@ def rss_blocks(rows: list[dict], block_min: float, warmup_min: float) -> list[di
 
 def report(probe: ServerProbe, m: dict[str, float], tally: Tally, start: float) -> dict:
     """One row: the server process, its metrics `m`, and what the clients saw since the last row."""
-    lag_mean, lag_max = probe.lag_ms(m)
+    lag = probe.lag_ms(m)
     server_lost = m.get("voicebot_frames_dropped_total{reason=overload}", 0) + sum(
         v for k, v in m.items() if k.startswith("voicebot_input_dropped_seconds_total"))
     row = {"min": round((time.monotonic() - start) / 60, 2), **probe.proc(), "tasks": m.get("voicebot_asyncio_tasks", 0),
-           "lag_ms": round(lag_mean, 2), "lag_max_ms": lag_max, "replies": tally.replies, "interrupted": tally.interrupted,
+           **lag, "replies": tally.replies, "interrupted": tally.interrupted,
            "first_audio_p50": pct(tally.first_audio_ms, 50), "first_audio_p95": pct(tally.first_audio_ms, 95),
            "promised": tally.frames_promised, "received": tally.frames_received,
            "lost": tally.frames_promised - tally.frames_received + server_lost,
@@ -432,7 +457,7 @@ def report(probe: ServerProbe, m: dict[str, float], tally: Tally, start: float) 
            "pool_load": max((v for k, v in m.items() if k.startswith("voicebot_worker_load")), default=0.0)}
     tally.first_audio_ms = []
     print(f"{row['min']:>5.1f} {row['rss_mb']:>7.0f} {row['fds']:>5} {row['threads']:>4} {row['tasks']:>6.0f} "
-          f"{row['lag_ms']:>7.2f} {row['lag_max_ms']:>7.0f} {row['replies']:>7} {row['interrupted']:>4} "
+          f"{row['lag_ms']:>7.2f} {row['lag_p99_ms']:>7.0f} {row['lag_max_ms']:>7.0f} {_stalls(row['stalls']):>11} {row['replies']:>7} {row['interrupted']:>4} "
           f"{row['first_audio_p50']:>7.0f} {row['first_audio_p95']:>6.0f} {row['promised']:>9} {row['received']:>9} "
           f"{row['lost']:>5.0f} {row['deaths']:>6} {row['resumed']:>8} {row['fuzz']:>6} "
           f"{row['vad_queue']:>4.0f} {row['scheduler_queue']:>4.0f} {row['pool_load']:>5.2f}", flush=True)

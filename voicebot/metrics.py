@@ -6,8 +6,6 @@ speech (the end of the last voiced window) to the first reply frame sent: what t
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -61,7 +59,12 @@ class Metrics:
         self.audio_api_requests = Counter("voicebot_audio_api_requests_total", "Requests to /v1/audio/speech and /v1/audio/transcriptions, by route and outcome (ok, or the error code)", ["route", "outcome"], registry=r)
         self.audio_api_seconds = Counter("voicebot_audio_api_audio_seconds_total", "Audio synthesized by /v1/audio/speech or uploaded to /v1/audio/transcriptions, in seconds", ["route"], registry=r)
         self.audio_api_active = Gauge("voicebot_audio_api_active", "/v1/audio/* requests running now (they count toward server.max_sessions)", registry=r)
-        self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop runs a timer", buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
+        # Buckets up to 5 s: a soak's worst ticks (0.25-1 s and more on a loaded box) must not all land in +Inf.
+        self.loop_lag = Histogram("voicebot_event_loop_lag_seconds", "How late the event loop runs a timer (voicebot/loop_watch.py)",
+                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2, 5), registry=r)
+        self.loop_stalls = Counter("voicebot_event_loop_stalls_total", "Event loop ticks over 100 ms late, by what held the loop (gc, gil: another thread kept the GIL, callback: a slow call on the loop)", ["cause"], registry=r)
+        self.gc_pause = Histogram("voicebot_gc_pause_seconds", "Python cyclic garbage collections, by generation: each holds every thread, the loop's too", ["generation"],
+                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self.engine_failures = Counter("voicebot_engine_failures_total", "Engine calls that failed in a session, by engine (asr, vad, responder, tts) and stage (feed, finish, chunk, stream, synthesis)", ["engine", "stage"], registry=r)
         self.engine_overloads = Counter("voicebot_engine_overloads_total", "Input an engine had no room for in a session (answered busy, not an engine failure), by engine (vad)", ["engine"], registry=r)
         self.engine_overloads.labels("vad")
@@ -71,19 +74,16 @@ class Metrics:
             self.reply_errors.labels(kind)
         for outcome in ("kept", "user_went_on", "changed"):
             self.preemptive.labels(outcome)
+        for cause in ("gc", "gil", "callback"):
+            self.loop_stalls.labels(cause)
+        for generation in "012":
+            self.gc_pause.labels(generation)
         for reason in ("interrupted", "client_gone", "overload", "preemptive"):
             self.frames_dropped.labels(reason)  # exported as 0 from the start: overload must stay 0
 
     def watch_workers(self, workers) -> None:
         """Export voicebot_worker_threads_lost_total for these voicebot.serving.worker.Workers."""
         self.registry.register(_ThreadsLost(workers))
-
-    async def watch_loop_lag(self, interval: float = 0.25) -> None:
-        while True:
-            start = time.perf_counter()
-            await asyncio.sleep(interval)
-            self.loop_lag.observe(max(0.0, time.perf_counter() - start - interval))
-            self.asyncio_tasks.set(len(asyncio.all_tasks()))
 
 
 class _ThreadsLost(Collector):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from voicebot import memory
 from voicebot.asr.base import Recognizer
 from voicebot.audio.echo import linear_canceller_problem
 from voicebot.audio.turn import SmartTurn, SmartTurnUnavailable
@@ -126,6 +127,8 @@ class Runtime:
         # out of admission (the end-of-turn model's, CosyVoice 2's voice derivations).
         watched = [*pools, getattr(self.synthesizer, "voice_worker", None), self.smart_turn and self.smart_turn.worker]
         self.metrics.watch_workers([pool for pool in watched if isinstance(pool, Worker)])
+        # The engines' objects out of the cyclic GC's full collections, which would stop the loop for them.
+        memory.freeze_startup_heap()
         self.ready = True
 
     @property
@@ -151,6 +154,7 @@ class Runtime:
         self.vad.stop()
         if self.smart_turn is not None:
             self.smart_turn.close()
+        memory.thaw_heap()
 
     def replies_in_progress(self) -> int:
         return sum(1 for s in self.sessions.values() if s.replying)

@@ -8,11 +8,13 @@ of audio in one call kept another from running for 2.4 s): the event loop waits 
 so each is kept short (a chunk at a time; no search after the utterance: `new_decoder`).
 
 A Decoder is the model: about 90 MB with the general English LM (27 MB with a grammar, which needs
-no LM) and 0.3 s of CPU to build. Building one per session and freeing it at its end cost 90 MB of
+no LM) and 0.3 s of CPU to build, all of it holding the GIL: on a worker, it still stops the event
+loop (bench/soak.py's stalls). Building one per session and freeing it at its end cost 90 MB of
 RSS per concurrent session for good: glibc kept the freed pages (a server went from 385 MB to
 1.29 GB after 10 sessions had come and gone, 1.53 GB after 20). So streams borrow decoders from
 the recognizer and give them back; at most MAX_IDLE_DECODERS wait for the next stream, the others
-are freed and the memory returned to the system (`release_freed_memory`).
+are freed and the memory returned to the system (`release_freed_memory`). A periodic reset renews
+a stream's decoder in place.
 
 pocketsphinx normalises features by a cepstral mean it learns from the audio it has decoded; a
 cold decoder's first utterance is often cut short. New decoders start from the mean of the last
@@ -90,8 +92,12 @@ class PocketsphinxRecognizer(Recognizer):
             decoder = self._idle.pop() if self._idle else None
         if decoder is None:
             return self.new_decoder()
-        decoder.set_cmn(self.cepstral_mean or self._initial_cmn)  # its only state from earlier streams
+        self.renew(decoder)
         return decoder
+
+    def renew(self, decoder) -> None:
+        """Start a decoder over as a new one would (blocking: runs on the worker)."""
+        decoder.set_cmn(self.cepstral_mean or self._initial_cmn)  # its only state from earlier streams
 
     def give_back(self, stream: "PocketsphinxStream") -> None:
         """Take the stream's decoder back: kept idle, or freed (blocking: runs on the worker)."""
@@ -175,13 +181,22 @@ class PocketsphinxStream(RecognizerStream):
 
     async def reset(self) -> ResetReport:
         had_decoder = self._decoder is not None
-        # The next utterance borrows a decoder that starts as a new one (its adaptation state reset).
-        await self.engine.worker.run(self._give_back)
+        # Renewed in place, not given back: one given back may be freed, and the next utterance would
+        # build one, which keeps the GIL, and so every thread and the event loop, for 0.3-0.6 s.
+        await self.engine.worker.run(self._renew)
         self.generation += 1
         return ResetReport(self.engine.name, self.generation, 1 if had_decoder else 0)
 
     async def close(self) -> None:
         await self.engine.worker.run(self._give_back)
+
+    def _renew(self) -> None:
+        if self._decoder is None:  # none borrowed yet, or the one borrowed at open never used: as new
+            return
+        if self._in_utterance:
+            self._decoder.end_utt()
+            self._in_utterance = False
+        self.engine.renew(self._decoder)
 
     def _give_back(self) -> None:
         if self._decoder_future is not None:  # borrowed at open, never used
