@@ -120,7 +120,8 @@ def running_server(settings: Settings) -> Iterator[RunningServer]:
     from voicebot.app import create_app
 
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.server.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.server.port, log_level="warning",
+                                           ws_per_message_deflate=False))  # as run_server.py
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -21,6 +21,9 @@ def test_sigterm_closes_sessions_with_1001_and_exits_0(tmp_path):
 
         async def session_at_sigterm() -> tuple[list[dict], int | None]:
             async with websockets.connect(f"ws://127.0.0.1:{port}/v1/voice") as ws:
+                # The client offers permessage-deflate; run_server.py's server declines it (no
+                # compression of every PCM frame on the loop).
+                assert ws.response.headers.get("Sec-WebSocket-Extensions") is None
                 await ws.send(json.dumps({"type": "session.start"}))
                 events = [json.loads(await ws.recv())]
                 proc.send_signal(signal.SIGTERM)
