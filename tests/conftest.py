@@ -257,3 +257,14 @@ def start_server_process(config_dir, server: dict, stdout: int | None = None):
             proc.kill()
             raise RuntimeError("run_server.py did not start")
         time.sleep(0.2)
+
+
+@pytest.fixture
+def batcher():
+    """A running VAD batcher of up to 4 rows a call, stopped after the test."""
+    from voicebot.serving.vad import VadBatcher
+
+    b = VadBatcher(max_batch=4)
+    b.start()
+    yield b
+    b.stop()

@@ -41,14 +41,6 @@ def chunks(windows: np.ndarray, seed: int) -> list[np.ndarray]:
     return np.split(windows, cuts[cuts < len(windows)])
 
 
-@pytest.fixture
-def batcher():
-    b = VadBatcher(max_batch=4)
-    b.start()
-    yield b
-    b.stop()
-
-
 def test_a_stream_in_a_batch_gets_the_probabilities_of_its_calls_alone(batcher):
     """Streams join (staggered first rounds) and leave (different lengths) while others are judged;
     each round's chunks are submitted together, so steps hold several streams and, with max_batch 4

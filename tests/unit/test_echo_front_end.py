@@ -7,14 +7,12 @@ import asyncio
 import time
 
 import numpy as np
-import pytest
 
 from tests.audio import espeak_speech, to_pcm16
 from voicebot.audio.echo import Cancelled
 from voicebot.audio.endpoint import EventKind
 from voicebot.config import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
-from voicebot.serving.vad import VadBatcher
 from voicebot.serving.worker import Worker
 from voicebot.session.listening import FrontEnd
 
@@ -24,14 +22,6 @@ class HalvingCanceller:
 
     def process(self, audio: np.ndarray, arrived: float | None = None) -> Cancelled:
         return Cancelled(audio, audio * np.float32(0.5))
-
-
-@pytest.fixture
-def batcher():
-    b = VadBatcher(max_batch=4)
-    b.start()
-    yield b
-    b.stop()
 
 
 def test_the_recognizer_gets_the_linear_output_where_the_endpointer_heard_the_suppressed(batcher):
