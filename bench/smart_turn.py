@@ -172,6 +172,8 @@ def replay() -> None:
     for model_ms in (250, 150, 80, 22):
         for policy in policies:
             print(f"answer {model_ms:>3} ms  {policy.name:>20}: {turn_offline.report(policy, bs, HANGOVER_MS, model_ms)}")
+    for model_ms in (80, 150):  # one client's answer time; a loaded server's
+        turn_offline.early_grid(bs, HANGOVER_MS, model_ms, default.smart_reask_ms)
 
 
 BATCHES = (1, 2, 4, 8, 2, 1, 8)
