@@ -13,7 +13,10 @@ how much its answer moves with the trailing silence it hears.
    the pause (voicebot/audio/turn.py, `TurnPolicy`'s early question).
 3. `--replay`: only bench/turn_offline.py's replay of the silence rule and the default smart policy
    at several answer times. In digital silence the early question's answer is the pause's own,
-   128 ms sooner, so this is the early question's effect on latency and cut-ins.
+   128 ms sooner, so this is the early question's effect on latency and cut-ins. Then, at 80 and
+   150 ms answers, the early question (32 ms) or none x `smart_threshold` (0.5-0.8) x
+   `smart_pause_ms` (160-224) beside the silence rule, on each half of the set: the pick is made
+   on half 0 (no more cut-ins than the silence rule there), half 1 is what it would do.
 4. `--memory`: only the memory a batch leaves held, with onnxruntime's CPU arena (its default) and
    without it (the server's SmartTurn): RSS above the loaded model after each batch of a sequence
    (1, 2, 4, 8, 2, 1, 8), each variant in a fresh process; then each batch's time, both
@@ -172,6 +175,8 @@ def replay() -> None:
     for model_ms in (250, 150, 80, 22):
         for policy in policies:
             print(f"answer {model_ms:>3} ms  {policy.name:>20}: {turn_offline.report(policy, bs, HANGOVER_MS, model_ms)}")
+    for model_ms in (80, 150):  # one client's answer time; a loaded server's
+        turn_offline.early_grid(bs, HANGOVER_MS, model_ms, default.smart_reask_ms)
 
 
 BATCHES = (1, 2, 4, 8, 2, 1, 8)
