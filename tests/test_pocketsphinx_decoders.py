@@ -98,3 +98,28 @@ def test_a_grammar_decoder_finds_its_phrase_without_the_lattice(recognizer):
             await stream.close()
 
     assert asyncio.run(scenario()) == TEST_PHRASES[1]
+
+
+def test_partials_are_searched_at_most_once_per_interval_and_the_final_is_whole(recognizer):
+    """hyp() holds the GIL: a partial at most every PARTIAL_INTERVAL_SAMPLES of audio, not per chunk."""
+    chunk = 640  # 40 ms, as the server feeds it
+    per_partial = pocketsphinx.PARTIAL_INTERVAL_SAMPLES // chunk
+    audio = np.concatenate([np.zeros(4800, np.float32), espeak_speech(TEST_PHRASES[3]), np.zeros(8000, np.float32)])
+
+    async def scenario() -> tuple[list[int], list[str], str]:
+        stream = recognizer.open()
+        try:
+            at, texts = [], []
+            for index, start in enumerate(range(0, len(audio), chunk)):
+                partial = await stream.accept(audio[start : start + chunk])
+                if partial is not None:
+                    at.append(index)
+                    texts.append(partial)
+            return at, texts, (await stream.finish()).text
+        finally:
+            await stream.close()
+
+    at, texts, final = asyncio.run(scenario())
+    assert texts, "no partial at all"
+    assert all((index + 1) % per_partial == 0 for index in at), at
+    assert final == TEST_PHRASES[3]
