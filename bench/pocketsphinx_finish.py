@@ -57,9 +57,11 @@ def decode(decoder, pcm: bytes, partial_every: int = CHUNK_BYTES) -> tuple[str, 
     return (hyp.hypstr if hyp else ""), time.thread_time() - cpu, time.perf_counter() - wall
 
 
-def partials(decoder, turns) -> None:
+def partials(make_decoder, turns) -> None:
     """The feeding's CPU per second of audio, a partial per chunk against the server's interval."""
     intervals = {"every 40 ms chunk": CHUNK_BYTES, f"every {PARTIAL_INTERVAL_SAMPLES // 16} ms": PARTIAL_INTERVAL_SAMPLES * 2}
+    # A decoder each: its cepstral mean follows the audio it has decoded, the same for both.
+    decoders = {name: make_decoder() for name in intervals}
     cpu = {name: [] for name in intervals}
     finals = {name: [] for name in intervals}
     for turn in turns:
@@ -67,7 +69,7 @@ def partials(decoder, turns) -> None:
         seconds = len(turn.audio) / 16000
         for name, every in intervals.items():  # alternating, so the box's load falls on both alike
             start = time.thread_time()
-            text, _, _ = decode(decoder, pcm, every)
+            text, _, _ = decode(decoders[name], pcm, every)
             cpu[name].append((time.thread_time() - start) * 1000 / seconds)
             finals[name].append(text)
     for name in intervals:
@@ -99,13 +101,17 @@ def main() -> None:
     else:
         print(f"{args.model}: {len(turns)} turns, finish = end_utt + hyp(), ms")
     for options in next(iter(settings.values())):
-        decoder = Decoder(samprate=16000, loglevel="FATAL", **options, **({"lm": None} if args.model == "grammar" else {}))
-        if args.model == "grammar":
-            decoder.add_jsgf_string("phrases", jsgf)
-            decoder.activate_search("phrases")
+        def make_decoder():
+            decoder = Decoder(samprate=16000, loglevel="FATAL", **options, **({"lm": None} if args.model == "grammar" else {}))
+            if args.model == "grammar":
+                decoder.add_jsgf_string("phrases", jsgf)
+                decoder.activate_search("phrases")
+            return decoder
+
         if args.partials:
-            partials(decoder, turns)
+            partials(make_decoder, turns)
             continue
+        decoder = make_decoder()
         cpu, wall, match = [], [], []
         for turn in turns:
             pcm = (np.clip(turn.audio, -1, 1) * 32767).astype("<i2").tobytes()
