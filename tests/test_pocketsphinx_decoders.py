@@ -12,13 +12,13 @@ import pytest
 from tests.audio import espeak_speech
 from tests.conftest import TEST_PHRASES
 from voicebot.asr import pocketsphinx
-from voicebot.asr.pocketsphinx import MAX_IDLE_DECODERS, PocketsphinxRecognizer
+from voicebot.asr.pocketsphinx import PocketsphinxRecognizer
 from voicebot.config import PocketsphinxConfig
 
 
 @pytest.fixture(scope="module")
 def recognizer():
-    engine = PocketsphinxRecognizer(PocketsphinxConfig(phrases=TEST_PHRASES))
+    engine = PocketsphinxRecognizer(PocketsphinxConfig(phrases=TEST_PHRASES, decoders=2))
     engine.load()
     yield engine
     engine.close()
@@ -30,24 +30,33 @@ async def transcribe(stream, audio: np.ndarray) -> str:
     return (await stream.finish()).text
 
 
-def test_sessions_reuse_decoders_and_keep_few_idle(recognizer, monkeypatch):
+def test_the_pool_built_at_start_up_serves_as_many_streams_at_once_and_keeps_that_many(monkeypatch):
+    pool = 3
+    engine = PocketsphinxRecognizer(PocketsphinxConfig(phrases=TEST_PHRASES, decoders=pool))
+    engine.load()
+    assert len(engine._idle) == pool
     built = []
-    new_decoder = recognizer.new_decoder
-    monkeypatch.setattr(recognizer, "new_decoder", lambda: built.append(1) or new_decoder())
+    new_decoder = engine.new_decoder
+    monkeypatch.setattr(engine, "new_decoder", lambda: built.append(1) or new_decoder())
     audio = np.concatenate([np.zeros(4800, np.float32), espeak_speech(TEST_PHRASES[0]), np.zeros(8000, np.float32)])
 
     async def round_of(n: int) -> list[str]:
-        streams = [recognizer.open() for _ in range(n)]
+        streams = [engine.open() for _ in range(n)]
         texts = await asyncio.gather(*(transcribe(s, audio) for s in streams))
         await asyncio.gather(*(s.close() for s in streams))
         return texts
 
-    for _ in range(3):
-        assert asyncio.run(round_of(5)) == [TEST_PHRASES[0]] * 5
-        assert len(recognizer._idle) == MAX_IDLE_DECODERS
-    # 5 at once need 5 decoders; the idle ones are reused, the others built again each round.
-    idle_at_start = 1  # the one load() built
-    assert len(built) == (5 - idle_at_start) + 2 * (5 - MAX_IDLE_DECODERS)
+    try:
+        for _ in range(3):
+            assert asyncio.run(round_of(pool)) == [TEST_PHRASES[0]] * pool
+            assert len(engine._idle) == pool
+        assert built == []  # no stream waited for a build, and the loop for none
+        # More streams than the pool: the others build theirs; those given back beyond the pool are freed.
+        assert asyncio.run(round_of(pool + 2)) == [TEST_PHRASES[0]] * (pool + 2)
+        assert len(built) >= 2
+        assert len(engine._idle) == pool
+    finally:
+        engine.close()
 
 
 def test_a_reset_decoder_decodes_like_a_new_one(recognizer):
@@ -98,3 +107,28 @@ def test_a_grammar_decoder_finds_its_phrase_without_the_lattice(recognizer):
             await stream.close()
 
     assert asyncio.run(scenario()) == TEST_PHRASES[1]
+
+
+def test_partials_are_searched_at_most_once_per_interval_and_the_final_is_whole(recognizer):
+    """hyp() holds the GIL: a partial at most every PARTIAL_INTERVAL_SAMPLES of audio, not per chunk."""
+    chunk = 640  # 40 ms, as the server feeds it
+    per_partial = pocketsphinx.PARTIAL_INTERVAL_SAMPLES // chunk
+    audio = np.concatenate([np.zeros(4800, np.float32), espeak_speech(TEST_PHRASES[3]), np.zeros(8000, np.float32)])
+
+    async def scenario() -> tuple[list[int], list[str], str]:
+        stream = recognizer.open()
+        try:
+            at, texts = [], []
+            for index, start in enumerate(range(0, len(audio), chunk)):
+                partial = await stream.accept(audio[start : start + chunk])
+                if partial is not None:
+                    at.append(index)
+                    texts.append(partial)
+            return at, texts, (await stream.finish()).text
+        finally:
+            await stream.close()
+
+    at, texts, final = asyncio.run(scenario())
+    assert texts, "no partial at all"
+    assert all((index + 1) % per_partial == 0 for index in at), at
+    assert final == TEST_PHRASES[3]

@@ -175,6 +175,8 @@ class PocketsphinxConfig(Section):
     # of CPU per utterance at p50 before its transcript is in (38 ms without), for no better words
     # on tests/turn_set.py's English turns (bench/pocketsphinx_finish.py). Off: the reply starts sooner.
     second_pass: bool = False
+    # Decoders built at start-up and kept for the streams (docs: voicebot/asr/pocketsphinx.py): 27 MB each with a grammar, 90 MB with the general LM.
+    decoders: int = Field(10, ge=1)
 
 
 class DialectFallbackConfig(Section):

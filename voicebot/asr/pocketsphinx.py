@@ -12,9 +12,14 @@ no LM) and 0.3 s of CPU to build, all of it holding the GIL: on a worker, it sti
 loop (bench/soak.py's stalls). Building one per session and freeing it at its end cost 90 MB of
 RSS per concurrent session for good: glibc kept the freed pages (a server went from 385 MB to
 1.29 GB after 10 sessions had come and gone, 1.53 GB after 20). So streams borrow decoders from
-the recognizer and give them back; at most MAX_IDLE_DECODERS wait for the next stream, the others
-are freed and the memory returned to the system (`release_freed_memory`). A periodic reset renews
-a stream's decoder in place.
+the recognizer and give them back. A pool of `pocketsphinx.decoders` is built at start-up, before
+any session, so that a burst of sessions connecting at once builds none (10 at once built 10 and
+stalled the loop 1.2-1.8 s). Given back, a decoder waits for the next stream while fewer than that
+are idle; one more is freed and the memory returned to the system (`release_freed_memory`). So up
+to that many streams at once build none; a stream that finds none idle builds its own and starts
+one more building in the background for the next. Memory bound: max(decoders, streams open + 1)
+decoders (27 MB each with a grammar, 90 MB with the general LM), at most `decoders` of them idle.
+A periodic reset renews a stream's decoder in place.
 
 pocketsphinx normalises features by a cepstral mean it learns from the audio it has decoded; a
 cold decoder's first utterance is often cut short. New decoders start from the mean of the last
@@ -34,8 +39,12 @@ from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.memory import release_freed_memory
 from voicebot.serving.worker import Worker
 
-# Decoders kept for the next stream; more than this are freed when their stream gives them back.
-MAX_IDLE_DECODERS = 2
+# A partial hypothesis (hyp(), the GIL held) at most once per this much audio: it only feeds the
+# `asr.partial` a client displays, where 5 a second reads as live. After every 40 ms chunk, py-spy
+# put it at 5 % of the server's busy CPU at 8 clients; bench/pocketsphinx_finish.py --partials
+# measures 1 % of the decoding's CPU saved (0.4 ms per s of audio on a grammar, 4 ms on the
+# general LM), the finals the same. The final is always exact: end_utt, then hyp().
+PARTIAL_INTERVAL_SAMPLES = 3200  # 200 ms at 16 kHz
 
 
 class PocketsphinxRecognizer(Recognizer):
@@ -48,8 +57,9 @@ class PocketsphinxRecognizer(Recognizer):
         self._loaded = False
         self.cepstral_mean: str | None = None  # of the last finished utterance
         self._initial_cmn: str | None = None  # a fresh decoder's, for a reused one before any utterance
-        self._idle: list = []  # decoders no stream holds, at most MAX_IDLE_DECODERS
+        self._idle: list = []  # decoders no stream holds, at most config.decoders
         self._idle_lock = threading.Lock()  # borrow and give_back run on both worker threads
+        self._refilling = False  # a background build is queued or running
 
     @property
     def model(self) -> str:
@@ -62,7 +72,7 @@ class PocketsphinxRecognizer(Recognizer):
         decoder.start_utt()
         decoder.end_utt()
         self._initial_cmn = decoder.get_cmn(False)
-        self._idle.append(decoder)
+        self._idle = [decoder] + [self.new_decoder() for _ in range(self.config.decoders - 1)]
         self._loaded = True
 
     def new_decoder(self):
@@ -90,10 +100,25 @@ class PocketsphinxRecognizer(Recognizer):
         """A decoder for a stream, as a new one would start (blocking: runs on the worker)."""
         with self._idle_lock:
             decoder = self._idle.pop() if self._idle else None
+            refill = decoder is None and not self._refilling  # more streams than the pool: one more
+            self._refilling = self._refilling or refill
+        if refill:
+            self.worker.submit(self._refill)
         if decoder is None:
             return self.new_decoder()
         self.renew(decoder)
         return decoder
+
+    def _refill(self) -> None:
+        """One more idle decoder, built before a stream waits for it (blocking: runs on the worker)."""
+        try:
+            decoder = self.new_decoder()
+        finally:
+            with self._idle_lock:
+                self._refilling = False
+        if not self._keep(decoder):  # streams gave theirs back meanwhile
+            del decoder  # the last reference: the model is freed here
+            release_freed_memory()
 
     def renew(self, decoder) -> None:
         """Start a decoder over as a new one would (blocking: runs on the worker)."""
@@ -107,12 +132,17 @@ class PocketsphinxRecognizer(Recognizer):
         if stream._in_utterance:
             decoder.end_utt()
             stream._in_utterance = False
+        if not self._keep(decoder):
+            del decoder  # the last reference: the model is freed here
+            release_freed_memory()
+
+    def _keep(self, decoder) -> bool:
+        """Whether the decoder was kept idle for the next stream (fewer than config.decoders were)."""
         with self._idle_lock:
-            if len(self._idle) < MAX_IDLE_DECODERS:
+            if len(self._idle) < self.config.decoders:
                 self._idle.append(decoder)
-                return
-        del decoder  # the last reference: the model is freed here
-        release_freed_memory()
+                return True
+        return False
 
     @staticmethod
     def _jsgf(phrases: list[str]) -> str:
@@ -142,6 +172,7 @@ class PocketsphinxStream(RecognizerStream):
         self._decoder = None
         self._in_utterance = False
         self._partial = ""
+        self._unsearched = 0  # samples fed since the last partial hypothesis
         self.generation = 0
 
     def _accept(self, pcm: np.ndarray) -> str | None:
@@ -152,7 +183,12 @@ class PocketsphinxStream(RecognizerStream):
             self._decoder.start_utt()
             self._in_utterance = True
             self._partial = ""
+            self._unsearched = 0
         self._decoder.process_raw((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes(), False, False)
+        self._unsearched += len(pcm)
+        if self._unsearched < PARTIAL_INTERVAL_SAMPLES:
+            return None
+        self._unsearched = 0
         hyp = self._decoder.hyp()
         text = hyp.hypstr if hyp else ""
         if text != self._partial:
