@@ -489,7 +489,11 @@ def main() -> int:
     config.setdefault("reset", {})["interval_s"] = args.reset_s
     config["log_level"] = "warning"
     if config.get("asr", {}).get("engine", "pocketsphinx") == "pocketsphinx":
-        config.setdefault("asr", {}).setdefault("pocketsphinx", {})["phrases"] = TEST_PHRASES
+        pocketsphinx = config.setdefault("asr", {}).setdefault("pocketsphinx", {})
+        pocketsphinx["phrases"] = TEST_PHRASES
+        # All the soak's streams (its sessions, the idle socket, the fuzzer) connect at once: a decoder
+        # waiting for each, as an operator expecting such bursts would configure.
+        pocketsphinx.setdefault("decoders", args.sessions + 2)
     with tempfile.TemporaryDirectory() as tmp:
         config_path = Path(tmp) / "soak.yaml"
         config_path.write_text(yaml.safe_dump(config))

@@ -175,8 +175,11 @@ class PocketsphinxConfig(Section):
     # of CPU per utterance at p50 before its transcript is in (38 ms without), for no better words
     # on tests/turn_set.py's English turns (bench/pocketsphinx_finish.py). Off: the reply starts sooner.
     second_pass: bool = False
-    # Decoders built at start-up and kept for the streams (docs: voicebot/asr/pocketsphinx.py): 27 MB each with a grammar, 90 MB with the general LM.
-    decoders: int = Field(10, ge=1)
+    # Decoders built at start-up and kept for the streams (voicebot/asr/pocketsphinx.py): a stream that
+    # finds one waiting builds nothing (a build holds the GIL, and so the loop, 0.2-0.6 s). 27 MB each
+    # with a grammar, 90 MB with the general LM: 4 (360 MB with the LM) covers a show's host and guests
+    # joining at once; raise it for a box that takes bursts of many streams (bench/soak.py: 10 at once).
+    decoders: int = Field(4, ge=1)
 
 
 class DialectFallbackConfig(Section):

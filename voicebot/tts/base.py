@@ -18,6 +18,7 @@ import numpy as np
 from voicebot.audio.rates import SPEAK_RATE
 from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.serving.worker import Worker
+from voicebot.tts.segmenter import sentences
 
 SAMPLE_RATE = SPEAK_RATE  # every synthesizer's output
 
@@ -67,8 +68,6 @@ class SentenceSynthesisContext(SynthesisContext):
     as they arrive (voicebot/tts/segmenter.py), and each sentence is one segment of the reply."""
 
     async def stream(self, text: AsyncIterator[str]) -> AsyncIterator[SpeechChunk]:
-        from voicebot.tts.segmenter import sentences
-
         segment = 0
         async for sentence in sentences(text):
             async for chunk in self.speak(sentence, segment):
