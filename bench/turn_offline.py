@@ -268,13 +268,14 @@ def asked_chains(reask_ms: int, limit_ms: int) -> list[list[int]]:
 
 def early_grid(bs: list[Boundary], hangover_ms: int, model_ms: int, reask_ms: int, label: str = "") -> None:
     """Every early x threshold x pause setting beside the silence rule, on both halves; the pick is
-    the fastest (p50, then p95) on half 0 with no more cut-ins than the silence rule there."""
+    the fastest (p50, then p95, then the fewest cut-ins) on half 0 with no more cut-ins than the
+    silence rule there."""
     silence = Policy("silence 500", None)
     grid = [Policy(f"early {e:>2} {p} @{t}", p, reask_ms, t, early_ms=e) for e, t, p in EARLY_GRID]
     rows = {policy: [cut_and_latency(policy, [b for b in bs if b.half == h], hangover_ms, model_ms) for h in (0, 1)]
             for policy in [silence, *grid]}
     allowed = rows[silence][0][0]
-    pick = min((p for p in grid if rows[p][0][0] <= allowed), key=lambda p: rows[p][0][2:], default=None)
+    pick = min((p for p in grid if rows[p][0][0] <= allowed), key=lambda p: (*rows[p][0][2:], rows[p][0][0]), default=None)
     print(f"\n{label}answer {model_ms} ms, re-ask {reask_ms} ms: cut-ins and decided p50 / p95 (ms), half 0 (tuning) | half 1 (held out)")
     for policy, halves in rows.items():
         cells = "  |  ".join(f"{c:>2}/{n:<2} {p50:>5.0f} {p95:>5.0f}" for c, n, p50, p95 in halves)
