@@ -10,9 +10,10 @@ Made at run time, no audio files in the repository, by one of three voices:
   and more English turns after them, at least 60 paused ones in each half.
 - `piper-turn`: the same voice and items, a paused turn voiced whole (one utterance) and cut at
   the commas that end its parts (piper's phoneme alignment; needs the onnx package), so the speech
-  before a pause was made knowing more words follow. A part voiced alone ends as an utterance
-  does: piper lowers its pitch at a part's comma about as much as at a full stop (espeak-ng marks
-  the comma; bench/smart_turn.py --parts).
+  before a pause was made knowing more words follow, where a part voiced alone is a whole
+  utterance to the voice. Piper's pitch falls at a comma either way, about as at a full stop
+  (espeak-ng's hardly falls there; bench/smart_turn.py --parts), but Smart Turn judges
+  piper-turn's pauses "complete" less often than piper's (bench/smart_turn.py --replay).
 Piper's audio is sampled (VITS draws noise), so the on-disk cache below is what keeps a part the
 same from one run to the next.
 
