@@ -222,7 +222,7 @@ def complete_rates(name: str, bs: list, model_ms: int) -> None:
         values = list(values)
         return f"{100 * np.mean(values):5.1f}%"
 
-    print(f"{name:>30}  {share(b.p[first] >= default.smart_threshold for b in ends)}"
+    print(f"{name:>34}  {share(b.p[first] >= default.smart_threshold for b in ends)}"
           f"  {share(policy.decide(b, HANGOVER_MS, model_ms) < limit for b in ends)} (n={len(ends):>3})"
           f"  {share(b.p[first] >= default.smart_threshold for b in pauses)}"
           f"  {share(policy.decide(b, HANGOVER_MS, model_ms) is not None for b in pauses)} (n={len(pauses):>3})")
@@ -248,7 +248,7 @@ def replay(voices: list[str]) -> None:
                 turn_offline.Policy(f"smart {default.smart_pause_ms}/{default.smart_reask_ms} @{default.smart_threshold}",
                                     default.smart_pause_ms, default.smart_reask_ms, default.smart_threshold))
     print(f"\njudged complete (p >= {default.smart_threshold}), default policy, answer 80 ms, hangover {HANGOVER_MS} ms:")
-    print(f"{'':>30}  {'true ends: at ' + str(default.smart_pause_ms) + ' ms':>16}  {'by ' + str(default.smart_limit_ms) + ' ms':>14}"
+    print(f"{'':>34}  {'true ends: at ' + str(default.smart_pause_ms) + ' ms':>16}  {'by ' + str(default.smart_limit_ms) + ' ms':>14}"
           f"  {'pauses: at ' + str(default.smart_pause_ms) + ' ms':>14}  {'before speech resumes':>22}")
     shared = {b.turn for b in per_voice.get("espeak", []) if b.language == "en"}
     for voice, bs in per_voice.items():
