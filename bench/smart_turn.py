@@ -186,7 +186,7 @@ def part_checks(voices: list[str]) -> None:
         for r in rendered:
             bounds = [0.0, *(x for pause in r.pauses for x in pause), r.end_s]
             for text, (a, b) in zip(r.item.parts, zip(bounds[::2], bounds[1::2])):
-                part = r.audio[int(round(a * SAMPLE_RATE)) : int(round(b * SAMPLE_RATE))]
+                part = r.audio[round(a * SAMPLE_RATE) : round(b * SAMPLE_RATE)]
                 frames = np.sqrt(np.mean(part[: len(part) // 160 * 160].reshape(-1, 160) ** 2, axis=1))
                 loud = np.nonzero(frames >= np.abs(part).max() * 10 ** (-30 / 20))[0]
                 lead.append(loud[0] * 10.0)
