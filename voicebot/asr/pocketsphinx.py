@@ -40,15 +40,19 @@ from voicebot.serving.worker import Worker
 
 __all__ = ["PARTIAL_INTERVAL_SAMPLES", "PocketsphinxRecognizer"]
 
-# `processes` when not configured: one per core the server may run on, at most this many. A stream
-# costs a few percent of a core to decode (bench/pocketsphinx_burst.py: seconds of audio per CPU
-# second), so 4 decode more streams than admission control lets a box of any size take, while each
-# process holds its own interpreter (~30 MB) and at least one idle decoder (27 MB, 90 MB with the LM).
+# `processes` when not configured: one per core the server may run on (a process decodes on one core
+# at a time; more than the cores decode no more at once), at most this many. The general LM costs about
+# half a core per stream speaking (bench/pocketsphinx_burst.py: 0.46 CPU s per s of audio; a grammar,
+# 0.015), and a show's guests take turns, so 4 keep up with a show; each costs its own interpreter
+# (24 MB) and at least one idle decoder (a child with one: 119 MB with the LM, 52 MB with a grammar),
+# and 4 hold the default pool of 4 one each. A box meant for many speakers at once raises it, up to
+# its cores (admission control watches each process's load).
 MAX_AUTO_PROCESSES = 4
 
 
 def default_processes() -> int:
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_AUTO_PROCESSES))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
+    return max(1, min(usable or 1, MAX_AUTO_PROCESSES))
 
 
 def to_pcm16(pcm: np.ndarray) -> bytes:
@@ -161,6 +165,9 @@ class ProcessStream(RecognizerStream):
         self.process.streams -= 1
         try:
             child = await self._child()
+        except Exception:  # noqa: BLE001 -- it never opened (that failure was reported): nothing to give back
+            return
+        try:
             if child == self.process.generation:
                 await self.process.run(child, ("close", self.id, None))
         except DecoderProcessLost:
