@@ -181,7 +181,7 @@ async def run(args: argparse.Namespace) -> None:
         for name in engines:
             rate = np.median(rates[name])
             print(f"  {name:12} {rate:6.2f} ({rate / np.median(rates[base]):5.2f}x)  rounds {' '.join(f'{r:.2f}' for r in rates[name])}"
-                  f"  CPU {np.median(cpu[name]):.3f} s per s")
+                  f"  CPU {np.median(cpu[name]):.3f} s per s, so {rate * np.median(cpu[name]):.2f} cores busy decoding")
         print("round trip of a one-sample chunk (next to no decoding)")
         for name in engines:
             print(f"  {name:12} p50 {ms(trips[name], 50) * 1000:6.0f} us  p99 {ms(trips[name], 99) * 1000:7.0f} us"

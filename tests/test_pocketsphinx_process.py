@@ -31,12 +31,19 @@ async def transcribe(stream, audio: np.ndarray) -> str:
 
 
 def gone(pid: int) -> bool:
-    """The process has exited and been reaped (no zombie left either)."""
+    """The process has exited (reaped, or a zombie its new parent has not reaped yet)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
         return True
-    return False
+
+
+def wait_gone(pids: list[int], timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return all(gone(pid) for pid in pids)
 
 
 @pytest.fixture
@@ -133,6 +140,21 @@ def test_the_child_imports_nothing_of_the_server():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert set(loaded) == {"voicebot", "voicebot.asr", "voicebot.asr.pocketsphinx_decoders", "voicebot.asr.pocketsphinx_process",
                            "voicebot.memory", "voicebot.serving", "voicebot.serving.worker"}
+
+
+def test_the_children_of_a_server_killed_outright_exit():
+    """No orphan: a child reads the end of its pipe when the server's side closes, however it ends."""
+    code = ("from voicebot.asr.pocketsphinx import PocketsphinxRecognizer; from voicebot.config import PocketsphinxConfig; "
+            "e = PocketsphinxRecognizer(PocketsphinxConfig(phrases=['hello there'], processes=2)); e.load(); "
+            "print(*[p.pid for p in e.processes], flush=True); import time; time.sleep(60)")
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        children = [int(pid) for pid in server.stdout.readline().split()]
+        assert len(children) == 2 and not any(gone(pid) for pid in children)
+    finally:
+        server.kill()
+        server.wait()
+    assert wait_gone(children)
 
 
 def test_a_session_whose_child_is_killed_gets_an_error_and_goes_on():

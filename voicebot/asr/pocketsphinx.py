@@ -66,10 +66,10 @@ class PocketsphinxRecognizer(Recognizer):
         self.config = config
         self.model = model_name(config.phrases)
         self._loaded = False
-        count_ = default_processes() if config.processes is None else config.processes
-        if count_:
-            keep = math.ceil(config.decoders / count_)  # the pool, split: at least one idle each
-            self.processes = [DecoderProcess(i, config.phrases, config.second_pass, keep) for i in range(count_)]
+        children = default_processes() if config.processes is None else config.processes
+        if children:
+            keep = math.ceil(config.decoders / children)  # the pool, split: at least one idle each
+            self.processes = [DecoderProcess(i, config.phrases, config.second_pass, keep) for i in range(children)]
             self.cepstral_mean: str | None = None  # of the server's last finished utterance
             self._stream_ids = count()
         else:
