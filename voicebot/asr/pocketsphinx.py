@@ -132,10 +132,13 @@ class ProcessStream(RecognizerStream):
         # Borrowing may build a decoder (~0.3 s in the child): started now; the child's generation
         # it opened on comes back.
         self._opened = process.worker.submit(process.open_stream, self.id, self.engine.cepstral_mean)
+        self._opened_on: int | None = None
 
     async def _child(self) -> int:
         """The generation of the child this stream is bound to (raises if it could not open there)."""
-        return await asyncio.wrap_future(self._opened)
+        if self._opened_on is None:
+            self._opened_on = await asyncio.wrap_future(self._opened)
+        return self._opened_on
 
     async def accept(self, pcm: np.ndarray) -> str | None:
         return await self.process.run(await self._child(), ("feed", self.id, to_pcm16(pcm)))
