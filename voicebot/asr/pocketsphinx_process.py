@@ -163,6 +163,8 @@ class DecoderProcess:
             if not quiet:
                 raise
             log.exception("%s: a new process could not start; the next request tries again", self.name)
+        if self._closing:  # shut down while it started: it must not outlive the server's close
+            self._end_child()
 
     def _end_child(self) -> int | None:
         child, self._child = self._child, None
