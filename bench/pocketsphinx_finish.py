@@ -26,7 +26,7 @@ import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py
 
 from bench.latency import grammar  # noqa: E402
 from tests.turn_set import TURNS, render_all  # noqa: E402
-from voicebot.asr.pocketsphinx import PARTIAL_INTERVAL_SAMPLES, PocketsphinxRecognizer  # noqa: E402
+from voicebot.asr.pocketsphinx_decoders import PARTIAL_INTERVAL_SAMPLES, jsgf as to_jsgf  # noqa: E402
 
 CHUNK_BYTES = 640 * 2  # 40 ms of 16 kHz s16le
 
@@ -91,7 +91,7 @@ def main() -> None:
 
     rendered = render_all(TURNS)
     turns = rendered if args.model == "grammar" else [t for t in rendered if t.item.language == "en"]
-    jsgf = PocketsphinxRecognizer._jsgf(grammar(rendered))
+    jsgf = to_jsgf(grammar(rendered))
     settings = {"bestpath": [dict(bestpath=True), dict(bestpath=False)]}
     if args.model == "lm":
         settings = {"bestpath, fwdflat": [dict(bestpath=b, fwdflat=f) for f in (True, False) for b in (True, False)]}

@@ -1,5 +1,7 @@
 """pocketsphinx decoders are borrowed and given back, not built and freed per session (issue 12,
-item 7: 90 MB of RSS kept per concurrent session)."""
+item 7: 90 MB of RSS kept per concurrent session). The pool is the same wherever it lives: these run
+it in the test's process (`processes: 0`, the server's threads), and what the streams see on both
+paths; tests/test_pocketsphinx_process.py has the decoding processes' own."""
 
 from __future__ import annotations
 
@@ -11,14 +13,24 @@ import pytest
 
 from tests.audio import espeak_speech
 from tests.conftest import TEST_PHRASES
-from voicebot.asr import pocketsphinx
+from voicebot.asr import pocketsphinx_decoders
 from voicebot.asr.pocketsphinx import PocketsphinxRecognizer
+from voicebot.asr.pocketsphinx_decoders import Decoders
 from voicebot.config import PocketsphinxConfig
 
 
 @pytest.fixture(scope="module")
 def recognizer():
-    engine = PocketsphinxRecognizer(PocketsphinxConfig(phrases=TEST_PHRASES, decoders=2))
+    engine = PocketsphinxRecognizer(PocketsphinxConfig(phrases=TEST_PHRASES, decoders=2, processes=0))
+    engine.load()
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=["threads", "processes"])
+def either_recognizer(request):
+    """The same streams, their decoders on the server's threads or in a decoding process."""
+    engine = PocketsphinxRecognizer(PocketsphinxConfig(phrases=TEST_PHRASES, decoders=2, processes=request.param))
     engine.load()
     yield engine
     engine.close()
@@ -32,12 +44,12 @@ async def transcribe(stream, audio: np.ndarray) -> str:
 
 def test_the_pool_built_at_start_up_serves_as_many_streams_at_once_and_keeps_that_many(monkeypatch):
     pool = 3
-    engine = PocketsphinxRecognizer(PocketsphinxConfig(phrases=TEST_PHRASES, decoders=pool))
+    engine = PocketsphinxRecognizer(PocketsphinxConfig(phrases=TEST_PHRASES, decoders=pool, processes=0))
     engine.load()
-    assert len(engine._idle) == pool
+    assert engine.decoders.idle == pool
     built = []
-    new_decoder = engine.new_decoder
-    monkeypatch.setattr(engine, "new_decoder", lambda: built.append(1) or new_decoder())
+    new_decoder = engine.decoders.new_decoder
+    monkeypatch.setattr(engine.decoders, "new_decoder", lambda: built.append(1) or new_decoder())
     audio = np.concatenate([np.zeros(4800, np.float32), espeak_speech(TEST_PHRASES[0]), np.zeros(8000, np.float32)])
 
     async def round_of(n: int) -> list[str]:
@@ -49,12 +61,12 @@ def test_the_pool_built_at_start_up_serves_as_many_streams_at_once_and_keeps_tha
     try:
         for _ in range(3):
             assert asyncio.run(round_of(pool)) == [TEST_PHRASES[0]] * pool
-            assert len(engine._idle) == pool
+            assert engine.decoders.idle == pool
         assert built == []  # no stream waited for a build, and the loop for none
         # More streams than the pool: the others build theirs; those given back beyond the pool are freed.
         assert asyncio.run(round_of(pool + 2)) == [TEST_PHRASES[0]] * (pool + 2)
         assert len(built) >= 2
-        assert len(engine._idle) == pool
+        assert engine.decoders.idle == pool
     finally:
         engine.close()
 
@@ -65,11 +77,11 @@ def test_a_reset_decoder_decodes_like_a_new_one(recognizer):
     async def scenario() -> tuple[str, str, int]:
         first = recognizer.open()
         first_text = await transcribe(first, audio)
-        held = first._decoder
+        held = first._transcriber.result().decoder
         report = await first.reset()
         # Renewed in place, not given back (and perhaps freed, and another built: that keeps the GIL
         # for 0.3 s or more, and the event loop waits).
-        assert first._decoder is held
+        assert first._transcriber.result().decoder is held
         again = await transcribe(first, audio)
         await first.close()
         return first_text, again, report.generation
@@ -81,26 +93,25 @@ def test_a_reset_decoder_decodes_like_a_new_one(recognizer):
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_freed_memory_is_handed_back_on_glibc():
-    assert pocketsphinx.release_freed_memory()
+    assert pocketsphinx_decoders.release_freed_memory()
 
 
 @pytest.mark.parametrize("second_pass", [False, True])
 def test_the_general_lms_second_pass_runs_only_when_configured(second_pass):
     """What runs at end_utt is latency: the flat second pass (~180 ms of CPU, no better words on the
     turn set) only when asked for; the best path (~14 ms, better words without that pass) always."""
-    engine = PocketsphinxRecognizer(PocketsphinxConfig(second_pass=second_pass))
-    decoder = engine.new_decoder()
+    decoder = Decoders([], second_pass, 1, build_later=lambda build: None).new_decoder()
     assert decoder.config["bestpath"] is True
     assert decoder.config["fwdflat"] is second_pass
 
 
-def test_a_grammar_decoder_finds_its_phrase_without_the_lattice(recognizer):
-    decoder = recognizer.new_decoder()
+def test_a_grammar_decoder_finds_its_phrase_without_the_lattice(either_recognizer):
+    decoder = Decoders(TEST_PHRASES, False, 1, build_later=lambda build: None).new_decoder()
     assert decoder.config["bestpath"] is False
     audio = np.concatenate([np.zeros(4800, np.float32), espeak_speech(TEST_PHRASES[1]), np.zeros(8000, np.float32)])
 
     async def scenario() -> str:
-        stream = recognizer.open()
+        stream = either_recognizer.open()
         try:
             return await transcribe(stream, audio)
         finally:
@@ -109,14 +120,14 @@ def test_a_grammar_decoder_finds_its_phrase_without_the_lattice(recognizer):
     assert asyncio.run(scenario()) == TEST_PHRASES[1]
 
 
-def test_partials_are_searched_at_most_once_per_interval_and_the_final_is_whole(recognizer):
+def test_partials_are_searched_at_most_once_per_interval_and_the_final_is_whole(either_recognizer):
     """hyp() holds the GIL: a partial at most every PARTIAL_INTERVAL_SAMPLES of audio, not per chunk."""
     chunk = 640  # 40 ms, as the server feeds it
-    per_partial = pocketsphinx.PARTIAL_INTERVAL_SAMPLES // chunk
+    per_partial = pocketsphinx_decoders.PARTIAL_INTERVAL_SAMPLES // chunk
     audio = np.concatenate([np.zeros(4800, np.float32), espeak_speech(TEST_PHRASES[3]), np.zeros(8000, np.float32)])
 
     async def scenario() -> tuple[list[int], list[str], str]:
-        stream = recognizer.open()
+        stream = either_recognizer.open()
         try:
             at, texts = [], []
             for index, start in enumerate(range(0, len(audio), chunk)):

@@ -175,11 +175,17 @@ class PocketsphinxConfig(Section):
     # of CPU per utterance at p50 before its transcript is in (38 ms without), for no better words
     # on tests/turn_set.py's English turns (bench/pocketsphinx_finish.py). Off: the reply starts sooner.
     second_pass: bool = False
-    # Decoders built at start-up and kept for the streams (voicebot/asr/pocketsphinx.py): a stream that
-    # finds one waiting builds nothing (a build holds the GIL, and so the loop, 0.2-0.6 s). 27 MB each
+    # Decoders built at start-up and kept for the streams (voicebot/asr/pocketsphinx_decoders.py), split
+    # among the processes (at least one each): a stream that finds one waiting builds nothing (a build
+    # takes 0.2-0.6 s of CPU; on `processes: 0` it holds the server's GIL, and so the loop). 27 MB each
     # with a grammar, 90 MB with the general LM: 4 (360 MB with the LM) covers a show's host and guests
     # joining at once; raise it for a box that takes bursts of many streams (bench/soak.py: 10 at once).
     decoders: int = Field(4, ge=1)
+    # Decoding processes (voicebot/asr/pocketsphinx_process.py): pocketsphinx holds the GIL for a whole
+    # call, so it decodes in processes of its own, each stream bound to one. None: one per core, at
+    # most 4 (voicebot/asr/pocketsphinx.py's MAX_AUTO_PROCESSES says why). 0: on two threads of the
+    # server's own process, where every call stalls the event loop (as before; for comparison).
+    processes: int | None = Field(None, ge=0)
 
 
 class DialectFallbackConfig(Section):

@@ -2,49 +2,61 @@
 
 With `phrases` configured it decodes against a closed JSGF grammar of those phrases: deterministic,
 for tests and demos. Without, it uses its general English language model: honest but weak
-(20-35 % of words right on synthetic speech). Each stream holds a Decoder while it lives; calls
-run on the engine's worker, but the binding holds the GIL for a whole call (a thread decoding 10 s
-of audio in one call kept another from running for 2.4 s): the event loop waits out every call,
-so each is kept short (a chunk at a time; no search after the utterance: `new_decoder`).
+(20-35 % of words right on synthetic speech). Each stream decodes on a decoder borrowed from a pool
+(voicebot/asr/pocketsphinx_decoders.py) for its life, one chunk per call, a partial at most every
+200 ms, no search after the utterance (each call kept short).
 
-A Decoder is the model: about 90 MB with the general English LM (27 MB with a grammar, which needs
-no LM) and 0.3 s of CPU to build, all of it holding the GIL: on a worker, it still stops the event
-loop (bench/soak.py's stalls). Building one per session and freeing it at its end cost 90 MB of
-RSS per concurrent session for good: glibc kept the freed pages (a server went from 385 MB to
-1.29 GB after 10 sessions had come and gone, 1.53 GB after 20). So streams borrow decoders from
-the recognizer and give them back. A pool of `pocketsphinx.decoders` is built at start-up, before
-any session, so that a burst of sessions connecting at once builds none (10 at once built 10 and
-stalled the loop 1.2-1.8 s). Given back, a decoder waits for the next stream while fewer than that
-are idle; one more is freed and the memory returned to the system (`release_freed_memory`). So up
-to that many streams at once build none; a stream that finds none idle builds its own and starts
-one more building in the background for the next. Memory bound: max(decoders, streams open + 1)
-decoders (27 MB each with a grammar, 90 MB with the general LM), at most `decoders` of them idle.
-A periodic reset renews a stream's decoder in place.
+Where the decoders live (`asr.pocketsphinx.processes`):
+- in decoding processes (the default; voicebot/asr/pocketsphinx_process.py): the binding holds the
+  GIL for a whole call, but a child's own. A stream is bound to the process with the fewest streams
+  when it opens, for its life; the `decoders` pool is split among the processes. A stream whose
+  process died fails its utterance in progress (the session's `engine_error`), and its reset (the
+  session runs one after a failure) binds it to a live process.
+- in the server's process (`processes: 0`), on two worker threads: every call holds the server's
+  GIL, so the event loop and every session's audio pacing wait out each one (a Decoder's build,
+  0.2-0.6 s; one thread decoding 10 s of audio in one call kept the loop off for 2.4 s), and the
+  two threads never decode at once.
 
-pocketsphinx normalises features by a cepstral mean it learns from the audio it has decoded; a
-cold decoder's first utterance is often cut short. New decoders start from the mean of the last
-finished utterance of any session, so only the first utterance after start-up is decoded cold.
+The cepstral mean a decoder starts from (see pocketsphinx_decoders.py) is the server's last finished
+utterance's, whichever process finished it: each final brings it back, each open and renew takes it
+along, so only the first utterance after start-up is decoded cold.
 """
 
 from __future__ import annotations
 
-import re
-import threading
+import asyncio
+import math
+import os
+from itertools import count
 
 import numpy as np
 
 from voicebot.asr.base import Hypothesis, Recognizer, RecognizerStream
+from voicebot.asr.pocketsphinx_decoders import PARTIAL_INTERVAL_SAMPLES, Decoders, Transcriber, model_name
+from voicebot.asr.pocketsphinx_process import DecoderProcess, DecoderProcessLost, start_all
 from voicebot.config import PocketsphinxConfig
 from voicebot.engine_reports import EngineInfo, ResetReport
-from voicebot.memory import release_freed_memory
 from voicebot.serving.worker import Worker
 
-# A partial hypothesis (hyp(), the GIL held) at most once per this much audio: it only feeds the
-# `asr.partial` a client displays, where 5 a second reads as live. After every 40 ms chunk, py-spy
-# put it at 5 % of the server's busy CPU at 8 clients; bench/pocketsphinx_finish.py --partials
-# measures 1 % of the decoding's CPU saved (0.4 ms per s of audio on a grammar, 4 ms on the
-# general LM), the finals the same. The final is always exact: end_utt, then hyp().
-PARTIAL_INTERVAL_SAMPLES = 3200  # 200 ms at 16 kHz
+__all__ = ["PARTIAL_INTERVAL_SAMPLES", "PocketsphinxRecognizer"]
+
+# `processes` when not configured: one per core the server may run on (a process decodes on one core
+# at a time; more than the cores decode no more at once), at most this many. The general LM costs about
+# half a core per stream speaking (bench/pocketsphinx_burst.py: 0.46 CPU s per s of audio; a grammar,
+# 0.015), and a show's guests take turns, so 4 keep up with a show; each costs its own interpreter
+# (24 MB) and at least one idle decoder (a child with one: 119 MB with the LM, 52 MB with a grammar),
+# and 4 hold the default pool of 4 one each. A box meant for many speakers at once raises it, up to
+# its cores (admission control watches each process's load).
+MAX_AUTO_PROCESSES = 4
+
+
+def default_processes() -> int:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
+    return max(1, min(usable or 1, MAX_AUTO_PROCESSES))
+
+
+def to_pcm16(pcm: np.ndarray) -> bytes:
+    return (np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()
 
 
 class PocketsphinxRecognizer(Recognizer):
@@ -52,189 +64,144 @@ class PocketsphinxRecognizer(Recognizer):
 
     def __init__(self, config: PocketsphinxConfig) -> None:
         self.config = config
-        self.worker = Worker("pocketsphinx", threads=2)
-        self._grammar: str | None = None
+        self.model = model_name(config.phrases)
         self._loaded = False
-        self.cepstral_mean: str | None = None  # of the last finished utterance
-        self._initial_cmn: str | None = None  # a fresh decoder's, for a reused one before any utterance
-        self._idle: list = []  # decoders no stream holds, at most config.decoders
-        self._idle_lock = threading.Lock()  # borrow and give_back run on both worker threads
-        self._refilling = False  # a background build is queued or running
-
-    @property
-    def model(self) -> str:
-        return "pocketsphinx-en-us-grammar" if self._grammar else "pocketsphinx-en-us"
+        children = default_processes() if config.processes is None else config.processes
+        if children:
+            keep = math.ceil(config.decoders / children)  # the pool, split: at least one idle each
+            self.processes = [DecoderProcess(i, config.phrases, config.second_pass, keep) for i in range(children)]
+            self.cepstral_mean: str | None = None  # of the server's last finished utterance
+            self._stream_ids = count()
+        else:
+            self.processes = []
+            self.worker = Worker("pocketsphinx", threads=2)
+            self.decoders = Decoders(config.phrases, config.second_pass, config.decoders, self.worker.submit)
 
     def load(self) -> None:
-        if self.config.phrases:
-            self._grammar = self._jsgf(self.config.phrases)
-        decoder = self.new_decoder()  # fail at start-up, not in the first session
-        decoder.start_utt()
-        decoder.end_utt()
-        self._initial_cmn = decoder.get_cmn(False)
-        self._idle = [decoder] + [self.new_decoder() for _ in range(self.config.decoders - 1)]
+        if self.processes:
+            start_all(self.processes)
+        else:
+            self.decoders.load()
         self._loaded = True
 
-    def new_decoder(self):
-        from pocketsphinx import Decoder
+    def open(self, language: str | None = None) -> RecognizerStream:
+        if self.processes:
+            return ProcessStream(self)
+        return ThreadStream(self)
 
-        # lm=None: a grammar search never reads the general LM, which is two thirds of a decoder.
-        # What end_utt runs is latency: the user has stopped and the reply waits for it
-        # (bench/pocketsphinx_finish.py, on tests/turn_set.py). A grammar's lattice best path cost
-        # 5 ms of CPU at p50 and 240 ms at worst, for worse words (word match 0.78, 0.81 without).
-        # The general LM's flat second pass cost 180 ms at p50 for none better (0.37 with it and
-        # the best path, 0.38 with the best path alone, at 38 ms): PocketsphinxConfig.second_pass.
-        if self._grammar:
-            options = {"lm": None, "bestpath": False}
-        else:
-            options = {"bestpath": True, "fwdflat": self.config.second_pass}
-        decoder = Decoder(samprate=16000, loglevel="FATAL", **options)
-        if self._grammar:
-            decoder.add_jsgf_string("phrases", self._grammar)
-            decoder.activate_search("phrases")
-        if self.cepstral_mean:
-            decoder.set_cmn(self.cepstral_mean)
-        return decoder
-
-    def borrow(self):
-        """A decoder for a stream, as a new one would start (blocking: runs on the worker)."""
-        with self._idle_lock:
-            decoder = self._idle.pop() if self._idle else None
-            refill = decoder is None and not self._refilling  # more streams than the pool: one more
-            self._refilling = self._refilling or refill
-        if refill:
-            self.worker.submit(self._refill)
-        if decoder is None:
-            return self.new_decoder()
-        self.renew(decoder)
-        return decoder
-
-    def _refill(self) -> None:
-        """One more idle decoder, built before a stream waits for it (blocking: runs on the worker)."""
-        try:
-            decoder = self.new_decoder()
-        finally:
-            with self._idle_lock:
-                self._refilling = False
-        if not self._keep(decoder):  # streams gave theirs back meanwhile
-            del decoder  # the last reference: the model is freed here
-            release_freed_memory()
-
-    def renew(self, decoder) -> None:
-        """Start a decoder over as a new one would (blocking: runs on the worker)."""
-        decoder.set_cmn(self.cepstral_mean or self._initial_cmn)  # its only state from earlier streams
-
-    def give_back(self, stream: "PocketsphinxStream") -> None:
-        """Take the stream's decoder back: kept idle, or freed (blocking: runs on the worker)."""
-        decoder, stream._decoder = stream._decoder, None
-        if decoder is None:
-            return
-        if stream._in_utterance:
-            decoder.end_utt()
-            stream._in_utterance = False
-        if not self._keep(decoder):
-            del decoder  # the last reference: the model is freed here
-            release_freed_memory()
-
-    def _keep(self, decoder) -> bool:
-        """Whether the decoder was kept idle for the next stream (fewer than config.decoders were)."""
-        with self._idle_lock:
-            if len(self._idle) < self.config.decoders:
-                self._idle.append(decoder)
-                return True
-        return False
-
-    @staticmethod
-    def _jsgf(phrases: list[str]) -> str:
-        words = [re.sub(r"[^a-z' ]", " ", p.lower()).split() for p in phrases]
-        alternatives = " | ".join(" ".join(w) for w in words if w)
-        return f"#JSGF V1.0;\ngrammar phrases;\npublic <utterance> = {alternatives};\n"
-
-    def open(self, language: str | None = None) -> "PocketsphinxStream":
-        return PocketsphinxStream(self)
+    def least_loaded(self) -> DecoderProcess:
+        return min(self.processes, key=lambda process: process.streams)
 
     def info(self) -> EngineInfo:
-        return EngineInfo("asr", self.name, "cpu", self._loaded, {"model": self.model, "phrases": len(self.config.phrases)})
+        details = {"model": self.model, "phrases": len(self.config.phrases), "processes": len(self.processes)}
+        if self.processes:
+            details["processes_lost"] = sum(process.lost for process in self.processes)
+        return EngineInfo("asr", self.name, "cpu", self._loaded, details)
 
-    def workers(self) -> list[Worker]:
-        return [self.worker]
+    def workers(self) -> list[Worker | DecoderProcess]:
+        # A process's load, for admission control, is its child's CPU time answering requests.
+        return self.processes or [self.worker]
 
     def close(self) -> None:
-        self.worker.shutdown()
-        self._idle.clear()
+        if self.processes:
+            for process in self.processes:
+                process.close()
+        else:
+            self.worker.shutdown()
+            self.decoders.clear()
 
 
-class PocketsphinxStream(RecognizerStream):
+def _hypothesis(text: str, model: str) -> Hypothesis:
+    # pocketsphinx's posterior needs a lattice it does not build in streaming mode (it always reads
+    # 1.0): no confidence rather than a meaningless one.
+    return Hypothesis(text, None, model, token_count=len(text.split()))
+
+
+class ProcessStream(RecognizerStream):
+    """A stream whose decoder lives in a decoding process (see the module doc)."""
+
     def __init__(self, engine: PocketsphinxRecognizer) -> None:
         self.engine = engine
-        # Building a Decoder reads the acoustic model (~0.3 s) if none is idle: start now, off the loop.
-        self._decoder_future = engine.worker.submit(engine.borrow)
-        self._decoder = None
-        self._in_utterance = False
-        self._partial = ""
-        self._unsearched = 0  # samples fed since the last partial hypothesis
-        self.generation = 0
+        self.id = next(engine._stream_ids)
+        self.generation = 0  # of resets
+        self._bind(engine.least_loaded())
 
-    def _accept(self, pcm: np.ndarray) -> str | None:
-        if self._decoder is None:
-            self._decoder = self._decoder_future.result() if self._decoder_future else self.engine.borrow()
-            self._decoder_future = None
-        if not self._in_utterance:
-            self._decoder.start_utt()
-            self._in_utterance = True
-            self._partial = ""
-            self._unsearched = 0
-        self._decoder.process_raw((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes(), False, False)
-        self._unsearched += len(pcm)
-        if self._unsearched < PARTIAL_INTERVAL_SAMPLES:
-            return None
-        self._unsearched = 0
-        hyp = self._decoder.hyp()
-        text = hyp.hypstr if hyp else ""
-        if text != self._partial:
-            self._partial = text
-            return text
-        return None
+    def _bind(self, process: DecoderProcess) -> None:
+        self.process = process
+        process.streams += 1
+        # Borrowing may build a decoder (~0.3 s in the child): started now; the child's generation
+        # it opened on comes back.
+        self._opened = process.worker.submit(process.open_stream, self.id, self.engine.cepstral_mean)
+        self._opened_on: int | None = None
 
-    def _finish(self) -> Hypothesis:
-        if not self._in_utterance:
-            return Hypothesis("", None, self.engine.model)
-        self._decoder.end_utt()
-        self._in_utterance = False
-        self.engine.cepstral_mean = self._decoder.get_cmn(False)
-        hyp = self._decoder.hyp()
-        if hyp is None:
-            return Hypothesis("", None, self.engine.model)
-        # pocketsphinx's posterior needs a lattice it does not build in streaming mode (it always
-        # reads 1.0): report no confidence rather than a meaningless one.
-        return Hypothesis(hyp.hypstr, None, self.engine.model, token_count=len(hyp.hypstr.split()))
+    async def _child(self) -> int:
+        """The generation of the child this stream is bound to (raises if it could not open there)."""
+        if self._opened_on is None:
+            self._opened_on = await asyncio.wrap_future(self._opened)
+        return self._opened_on
 
     async def accept(self, pcm: np.ndarray) -> str | None:
-        return await self.engine.worker.run(self._accept, pcm)
+        return await self.process.run(await self._child(), ("feed", self.id, to_pcm16(pcm)))
 
     async def finish(self) -> Hypothesis:
-        return await self.engine.worker.run(self._finish)
+        text, cepstral_mean = await self.process.run(await self._child(), ("finish", self.id, None))
+        self.engine.cepstral_mean = cepstral_mean
+        return _hypothesis(text, self.engine.model)
 
     async def reset(self) -> ResetReport:
-        had_decoder = self._decoder is not None
-        # Renewed in place, not given back: one given back may be freed, and the next utterance would
-        # build one, which keeps the GIL, and so every thread and the event loop, for 0.3-0.6 s.
-        await self.engine.worker.run(self._renew)
+        try:
+            child = await self._child()
+        except Exception:  # noqa: BLE001 -- it never opened (that failure was reported): nothing to renew
+            child = None
+        try:
+            renewed = child is not None and await self.process.run(child, ("renew", self.id, self.engine.cepstral_mean))
+        except DecoderProcessLost:
+            renewed = False
+        if not renewed:  # its process died, and its decoder with it: a new one, on a live process
+            self.process.streams -= 1
+            self._bind(self.engine.least_loaded())
+            await self._child()
         self.generation += 1
-        return ResetReport(self.engine.name, self.generation, 1 if had_decoder else 0)
+        return ResetReport(self.engine.name, self.generation, 1)
 
     async def close(self) -> None:
-        await self.engine.worker.run(self._give_back)
-
-    def _renew(self) -> None:
-        if self._decoder is None:  # none borrowed yet, or the one borrowed at open never used: as new
+        self.process.streams -= 1
+        try:
+            child = await self._child()
+        except Exception:  # noqa: BLE001 -- it never opened (that failure was reported): nothing to give back
             return
-        if self._in_utterance:
-            self._decoder.end_utt()
-            self._in_utterance = False
-        self.engine.renew(self._decoder)
+        try:
+            if child == self.process.generation:
+                await self.process.run(child, ("close", self.id, None))
+        except DecoderProcessLost:
+            pass  # its decoder went with its process: nothing to give back
 
-    def _give_back(self) -> None:
-        if self._decoder_future is not None:  # borrowed at open, never used
-            self._decoder, self._decoder_future = self._decoder_future.result(), None
-        self.engine.give_back(self)
+
+class ThreadStream(RecognizerStream):
+    """A stream whose decoder lives in the server's process, called on the engine's worker threads."""
+
+    def __init__(self, engine: PocketsphinxRecognizer) -> None:
+        self.engine = engine
+        # Borrowing builds a decoder (~0.3 s) if none is idle: started now, off the loop.
+        self._transcriber = engine.worker.submit(Transcriber, engine.decoders)
+        self.generation = 0
+
+    def _on_transcriber(self, method, *args):
+        return method(self._transcriber.result(), *args)  # on the worker: after the borrow queued first
+
+    async def _run(self, method, *args):
+        return await self.engine.worker.run(self._on_transcriber, method, *args)
+
+    async def accept(self, pcm: np.ndarray) -> str | None:
+        return await self._run(Transcriber.feed, to_pcm16(pcm))
+
+    async def finish(self) -> Hypothesis:
+        return _hypothesis(await self._run(Transcriber.finish), self.engine.model)
+
+    async def reset(self) -> ResetReport:
+        await self._run(Transcriber.renew)
+        self.generation += 1
+        return ResetReport(self.engine.name, self.generation, 1)
+
+    async def close(self) -> None:
+        await self._run(Transcriber.close)

@@ -1,0 +1,204 @@
+"""pocketsphinx on the server's threads against decoding processes, side by side in one run.
+
+    python bench/pocketsphinx_burst.py [--model lm|grammar] [--streams 16] [--rounds 1] [--throughput-s 5]
+
+Three recognizers built as the server builds them (voicebot/asr/pocketsphinx.py), alive together:
+`processes: 0` (two worker threads in this process, the GIL shared with the event loop), 1 process
+and 2 processes; the default `decoders` pool (4). Measured on one event loop, the modes taking turns
+round by round so that the box's other load falls on all alike:
+
+- burst: `--streams` streams open at once and each feeds espeak speech (tests/audio.py) in 40 ms
+  chunks at real time, as sessions do, then finishes. A heartbeat on the loop (5 ms sleeps) gives
+  the loop's lag: p99 and worst, and the ticks over 100 ms (what voicebot/loop_watch.py counts as
+  stalls). More streams than the pool build decoders (0.3-0.6 s of CPU each): on the threads, with
+  the GIL held.
+- throughput: 4 streams each feed `--throughput-s` of speech as fast as the recognizer answers:
+  seconds of audio decoded per wall second, and the decoding's CPU seconds per second of audio.
+- round trip: one stream, a one-sample chunk at a time (next to no decoding): what a call costs beyond the
+  decoding (the worker hop on the threads; that plus the pipe, both ways, on a process).
+
+Ratios are against the threads. The box may be shared: compare within one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import numpy as np
+
+import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
+
+from tests.audio import espeak_speech  # noqa: E402
+from tests.conftest import TEST_PHRASES  # noqa: E402
+from voicebot.asr.pocketsphinx import PocketsphinxRecognizer  # noqa: E402
+from voicebot.config import PocketsphinxConfig  # noqa: E402
+from voicebot.memory import freeze_startup_heap  # noqa: E402
+
+CHUNK = 640  # 40 ms at 16 kHz, as the server feeds it
+BEAT_S = 0.005
+STALL_S = 0.1
+SENTENCES = [
+    "hello there how are you doing today",
+    "what is the weather like in the city this evening",
+    "can you tell me a story about a dragon and a knight",
+    "i would like to know more about the game we played yesterday",
+]
+MODES = {"threads": 0, "1 process": 1, "2 processes": 2}
+
+
+class LoopLag:
+    """The event loop's lateness, sampled by a task that sleeps BEAT_S at a time."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _beat(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(BEAT_S)
+            self.lags.append(time.perf_counter() - start - BEAT_S)
+
+    def __enter__(self) -> "LoopLag":
+        self._task = asyncio.get_running_loop().create_task(self._beat())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._task.cancel()
+
+
+async def speak(engine: PocketsphinxRecognizer, audio: np.ndarray, finishes: list[float]) -> str:
+    """One stream: the audio at real time, then the finish (its wall time recorded)."""
+    stream = engine.open()
+    try:
+        start = time.perf_counter()
+        for index, at in enumerate(range(0, len(audio), CHUNK)):
+            await stream.accept(audio[at : at + CHUNK])
+            delay = start + (index + 1) * CHUNK / 16000 - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        began = time.perf_counter()
+        text = (await stream.finish()).text
+        finishes.append(time.perf_counter() - began)
+        return text
+    finally:
+        await stream.close()
+
+
+async def burst(engine: PocketsphinxRecognizer, utterances: list[np.ndarray], streams: int) -> tuple[list[float], list[float]]:
+    finishes: list[float] = []
+    with LoopLag() as lag:
+        await asyncio.gather(*(speak(engine, utterances[i % len(utterances)], finishes) for i in range(streams)))
+    return lag.lags, finishes
+
+
+def busy_s(engine: PocketsphinxRecognizer) -> float:
+    """CPU seconds the engine's decoding took so far: its worker threads', or its children's."""
+    return sum(pool.busy_s for pool in engine.workers())
+
+
+async def throughput(engine: PocketsphinxRecognizer, audio: np.ndarray, streams: int = 4) -> tuple[float, float]:
+    """Seconds of audio decoded per wall second, and CPU seconds per second of audio."""
+    async def feed() -> None:
+        stream = engine.open()
+        try:
+            for at in range(0, len(audio), CHUNK):
+                await stream.accept(audio[at : at + CHUNK])
+            await stream.finish()
+        finally:
+            await stream.close()
+
+    start, cpu = time.perf_counter(), busy_s(engine)
+    await asyncio.gather(*(feed() for _ in range(streams)))
+    seconds = streams * len(audio) / 16000
+    return seconds / (time.perf_counter() - start), (busy_s(engine) - cpu) / seconds
+
+
+async def round_trips(engine: PocketsphinxRecognizer, count: int = 500) -> list[float]:
+    stream = engine.open()
+    tiny = np.zeros(1, np.float32)  # one sample: next to no decoding
+    try:
+        await stream.accept(tiny)  # the open (a borrow) out of the way
+        times = []
+        for _ in range(count):
+            start = time.perf_counter()
+            await stream.accept(tiny)
+            times.append(time.perf_counter() - start)
+        await stream.finish()
+        return times
+    finally:
+        await stream.close()
+
+
+def ms(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1000
+
+
+async def run(args: argparse.Namespace) -> None:
+    phrases = [] if args.model == "lm" else SENTENCES + TEST_PHRASES
+    silence = np.zeros(4800, np.float32)
+    utterances = [np.concatenate([silence, espeak_speech(s), silence, silence]) for s in SENTENCES]
+    long_audio = np.concatenate(utterances * 3)[: 16000 * args.throughput_s]
+    engines = {}
+    for name, processes in MODES.items():
+        started = time.perf_counter()
+        engines[name] = PocketsphinxRecognizer(PocketsphinxConfig(phrases=phrases, processes=processes))
+        await asyncio.to_thread(engines[name].load)
+        print(f"{name}: loaded in {time.perf_counter() - started:.1f} s")
+    freeze_startup_heap()  # as the server does after start-up: no full collection walks the engines
+    try:
+        for name, engine in engines.items():  # one utterance each: the cepstral means warm
+            await speak(engine, utterances[0], [])
+        lags = {name: [] for name in engines}
+        finishes = {name: [] for name in engines}
+        rates = {name: [] for name in engines}
+        cpu = {name: [] for name in engines}
+        trips = {name: [] for name in engines}
+        for _ in range(args.rounds):
+            for name, engine in engines.items():
+                round_lags, round_finishes = await burst(engine, utterances, args.streams)
+                lags[name] += round_lags
+                finishes[name] += round_finishes
+            for name, engine in engines.items():
+                rate, cpu_per_s = await throughput(engine, long_audio)
+                rates[name].append(rate)
+                cpu[name].append(cpu_per_s)
+            for name, engine in engines.items():
+                trips[name] += await round_trips(engine)
+        print(f"\nmodel {args.model}, {args.streams} streams at once at real time, {args.rounds} rounds; "
+              f"ratios against the threads")
+        base = "threads"
+        for name in engines:
+            stalls = sum(lag > STALL_S for lag in lags[name])
+            print(f"  {name:12} loop lag p99 {ms(lags[name], 99):7.1f} ms ({ms(lags[name], 99) / ms(lags[base], 99):5.2f}x)"
+                  f"  worst {max(lags[name]) * 1000:7.1f} ms ({max(lags[name]) / max(lags[base]):5.2f}x)"
+                  f"  ticks over 100 ms {stalls:3d}"
+                  f"  finish p50 {ms(finishes[name], 50):6.1f} p95 {ms(finishes[name], 95):6.1f} ms")
+        print(f"throughput, 4 streams of {args.throughput_s} s as fast as answered: s of audio per wall s; "
+              f"decoding CPU s per s of audio")
+        for name in engines:
+            rate = np.median(rates[name])
+            print(f"  {name:12} {rate:6.2f} ({rate / np.median(rates[base]):5.2f}x)  rounds {' '.join(f'{r:.2f}' for r in rates[name])}"
+                  f"  CPU {np.median(cpu[name]):.3f} s per s, so {rate * np.median(cpu[name]):.2f} cores busy decoding")
+        print("round trip of a one-sample chunk (next to no decoding)")
+        for name in engines:
+            print(f"  {name:12} p50 {ms(trips[name], 50) * 1000:6.0f} us  p99 {ms(trips[name], 99) * 1000:7.0f} us"
+                  f"  ({ms(trips[name], 50) / ms(trips[base], 50):5.2f}x)")
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["grammar", "lm"], default="lm", help="lm: the default config's")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--throughput-s", type=int, default=5, help="seconds of speech per throughput stream")
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

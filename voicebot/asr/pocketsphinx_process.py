@@ -1,0 +1,257 @@
+"""pocketsphinx's decoders in processes of their own, so that no decoding call holds the server's GIL.
+
+pocketsphinx's binding keeps the GIL for a whole call (a thread decoding 10 s of audio in one call
+kept the event loop off for 2.4 s; building a Decoder, 0.2-0.6 s): on the server's worker threads,
+every session's audio pacing waits out every call, and two threads never decode at once. Here each
+`DecoderProcess` is one child interpreter holding a `Decoders` pool (voicebot/asr/pocketsphinx_decoders.py)
+and the streams bound to it for their life; the server sends it one request at a time over a pipe
+(open, feed a chunk, finish, renew, close) and reads the answer, on a thread of its own (a `Worker`
+of one thread: the blocking send and recv release the GIL), so the event loop never waits for it.
+
+The child is spawned, never forked (a fork of a process with threads can inherit a lock another
+thread held), as `python -m voicebot.asr.pocketsphinx_process`: it imports this module, the
+decoders' and pocketsphinx, nothing of the server. (multiprocessing's spawn would also run the
+server's main script again in the child.) It exits when its pipe closes, so a server killed
+outright leaves no child behind.
+
+Bounds: one request in flight per process (its worker has one thread), so the pipe holds at most
+one chunk; a stream awaits each call, so it has at most one request queued or in flight. A child
+holds at most `keep` idle decoders plus one per stream bound to it.
+
+A child that dies (killed, crashed) is noticed at the next request to it, or by the request it was
+answering: that request, and every later one of a stream that was bound to it, fails with
+`DecoderProcessLost` (the session reports a recognizer failure, loses that utterance, and its reset
+binds the stream to a live process: see PocketsphinxRecognizer); the death is counted (`lost`) and
+a new child is started at once, so the next stream works.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
+from typing import Any
+
+from voicebot.asr.pocketsphinx_decoders import Decoders, Transcriber
+from voicebot.serving.worker import Worker
+
+log = logging.getLogger("voicebot.asr")
+
+# A child builds its first decoders before it answers: 0.3 s each on an idle core, a few times
+# that on a loaded box; past this it counts as failed to start.
+START_TIMEOUT_S = 60.0
+# After SIGTERM at shutdown, a child is given this long before SIGKILL.
+STOP_TIMEOUT_S = 5.0
+
+
+class DecoderProcessLost(RuntimeError):
+    """The process holding a stream's decoder died; the stream's utterance went with it."""
+
+
+class DecoderProcess:
+    """One decoding child and the server's side of its pipe (blocking calls: on `worker`)."""
+
+    threads = 1  # for admission control (voicebot/serving/capacity.py): one core's worth of decoding
+
+    def __init__(self, index: int, phrases: list[str], second_pass: bool, keep: int) -> None:
+        self.name = f"pocketsphinx-{index}"
+        self._options = {"phrases": phrases, "second_pass": second_pass, "keep": keep}
+        # One thread: a request, then its answer, one at a time on the pipe. Its queue holds at most
+        # one call per stream bound here (each stream awaits its calls).
+        self.worker = Worker(self.name, threads=1)
+        self._child: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self.generation = 0  # which child: one more at each death; a stream's requests name theirs
+        self.streams = 0  # streams bound here (on the event loop: PocketsphinxRecognizer.open)
+        self.lost = 0  # children that died under the server
+        self.busy_s = 0.0  # the children's CPU seconds answering requests, for admission control
+        self._closing = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child else None
+
+    def spawn(self) -> None:
+        """Start the child (blocking, brief); `await_ready` waits for its decoders."""
+        ours, theirs = Pipe()
+        # The child imports the same voicebot as the server, wherever the server found it.
+        source = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(theirs.fileno()), json.dumps(self._options)],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+        theirs.close()  # the child's now: its pipe closes when it dies, and ours reads EOF
+        self._conn = ours
+
+    def await_ready(self) -> None:
+        """Wait until the child has built its decoders; raises (the child killed) if it cannot."""
+        try:
+            if not self._conn.poll(START_TIMEOUT_S):
+                raise RuntimeError(f"{self.name} built no decoders in {START_TIMEOUT_S:.0f} s")
+            status, detail = self._conn.recv()
+            if status != "ready":
+                raise RuntimeError(f"{self.name} could not build its decoders: {detail}")
+        except EOFError:
+            raise RuntimeError(f"{self.name} exited at start-up (exit code {self._child.wait()})") from None
+        except BaseException:
+            self._end_child()
+            raise
+
+    def open_stream(self, stream_id: int, cepstral_mean: str | None) -> int:
+        """Bind a stream here (blocking: on `worker`); the generation its later requests name."""
+        self._live_child()
+        self._round_trip(("open", stream_id, cepstral_mean))
+        return self.generation
+
+    def call(self, generation: int, request: tuple) -> Any:
+        """One request of a stream bound to child `generation`, and its answer (blocking: on `worker`)."""
+        self._live_child()
+        if generation != self.generation:
+            raise DecoderProcessLost(f"{self.name}'s process died earlier; this stream's decoder went with it")
+        return self._round_trip(request)
+
+    async def run(self, generation: int, request: tuple) -> Any:
+        return await self.worker.run(self.call, generation, request)
+
+    def _round_trip(self, request: tuple) -> Any:
+        try:
+            self._conn.send(request)
+            result, error, cpu_s = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._bury()
+            self._restart()
+            raise DecoderProcessLost(f"{self.name}'s process died (exit code {code}) during this request; "
+                                     f"a new one is started") from None
+        self.busy_s += cpu_s
+        if error is not None:
+            raise RuntimeError(f"pocketsphinx: {error}")
+        return result
+
+    def _live_child(self) -> None:
+        """A child that died while idle (or one that failed to start) replaced before a request."""
+        if self._child is None:
+            self._restart(quiet=False)
+        elif self._child.poll() is not None:
+            self._bury()
+            self._restart(quiet=False)
+
+    def _bury(self) -> int | None:
+        """The child is dead: counted, its exit code; the streams bound to it are lost with it."""
+        code = self._end_child()
+        if not self._closing:
+            self.lost += 1
+            self.generation += 1
+            log.error("%s's process died (exit code %s); its streams lose their utterance in progress", self.name, code)
+        return code
+
+    def _restart(self, quiet: bool = True) -> None:
+        """A new child; a failure to start raises only when a request waits for it (`quiet=False`),
+        else it is logged and the next request tries again."""
+        if self._closing:
+            raise DecoderProcessLost(f"{self.name} is shut down")
+        try:
+            self.spawn()
+            self.await_ready()
+        except Exception:
+            if not quiet:
+                raise
+            log.exception("%s: a new process could not start; the next request tries again", self.name)
+        if self._closing:  # shut down while it started: it must not outlive the server's close
+            self._end_child()
+
+    def _end_child(self) -> int | None:
+        child, self._child = self._child, None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if child is None:
+            return None
+        if child.poll() is None:
+            child.kill()
+        return child.wait()
+
+    def close(self) -> None:
+        """Stop the child with the server: queued requests cancelled, the child terminated."""
+        self._closing = True
+        self.worker.shutdown()
+        child = self._child
+        if child is None:
+            return
+        child.terminate()  # a request in flight reads EOF and fails: the server is stopping
+        try:
+            child.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def start_all(processes: list[DecoderProcess]) -> None:
+    """Start the children side by side and wait for all (blocking: at start-up)."""
+    for process in processes:
+        process.spawn()
+    try:
+        for process in processes:
+            process.await_ready()
+    except BaseException:
+        for process in processes:
+            process.close()
+        raise
+
+
+def _answer(pool: Decoders, streams: dict[int, Transcriber], request: tuple) -> Any:
+    op, stream_id, argument = request
+    if op == "feed":
+        return streams[stream_id].feed(argument)
+    if op == "finish":
+        return streams[stream_id].finish(), pool.cepstral_mean
+    if op in ("open", "renew") and argument:  # the server's last utterance's mean, whichever child
+        pool.cepstral_mean = argument
+    if op == "open":
+        streams[stream_id] = Transcriber(pool)
+    elif op == "renew":
+        streams[stream_id].renew()
+        return True
+    elif op == "close":
+        streams.pop(stream_id).close()
+    else:
+        raise ValueError(f"unknown request {op!r}")
+    return None
+
+
+def serve(conn: Connection, phrases: list[str], second_pass: bool, keep: int) -> None:
+    """The child's loop: answer the server's requests until its pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's to handle
+    later: deque = deque()  # builds for the pool, run while no request waits (at most one: Decoders)
+    pool = Decoders(phrases, second_pass, keep, later.append)
+    try:
+        pool.load()
+    except Exception as exc:  # noqa: BLE001 -- told to the server, which fails its start-up with it
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    streams: dict[int, Transcriber] = {}  # bound here; at most the server's sessions
+    while True:
+        while later and not conn.poll():
+            later.popleft()()
+        try:
+            request = conn.recv()
+        except EOFError:
+            return  # the server is gone
+        cpu = time.process_time()
+        try:
+            result, error = _answer(pool, streams, request), None
+        except Exception as exc:  # noqa: BLE001 -- this request's failure, the server's to report
+            result, error = None, f"{type(exc).__name__}: {exc}"
+        conn.send((result, error, time.process_time() - cpu))
+
+
+if __name__ == "__main__":
+    fd, options = sys.argv[1:3]
+    serve(Connection(int(fd)), **json.loads(options))
