@@ -320,14 +320,10 @@ def asr_check(rendered: list[RenderedTurn]) -> None:
     (difflib ratio against the words spoken), its mean and its worst turns."""
     import difflib
 
-    from pocketsphinx import Decoder
-
     from bench.pocketsphinx_finish import decode, words
-    from voicebot.asr.pocketsphinx import PocketsphinxRecognizer
+    from voicebot.asr.pocketsphinx_decoders import Decoders
 
-    decoder = Decoder(samprate=RATE, loglevel="FATAL", bestpath=False, lm=None)  # the server's grammar search
-    decoder.add_jsgf_string("phrases", PocketsphinxRecognizer._jsgf(grammar(rendered)))
-    decoder.activate_search("phrases")
+    decoder = Decoders(grammar(rendered), second_pass=False, keep=1, build_later=lambda build: None).new_decoder()
     matches = []
     for turn in (t for t in rendered if t.item.language == "en"):
         text, _, _ = decode(decoder, to_pcm16(turn.audio))
