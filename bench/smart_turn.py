@@ -1,26 +1,36 @@
 """Smart Turn v3.2 on this CPU: where a call's time goes, what onnxruntime's options change, and
 how much its answer moves with the trailing silence it hears.
 
-    OMP_NUM_THREADS=1 python bench/smart_turn.py [--calls 15] [--skip-speed] [--replay] [--memory]
+    OMP_NUM_THREADS=1 python bench/smart_turn.py [--calls 15] [--skip-speed] [--replay] [--parts] [--memory]
+                                                 [--voices espeak piper]
 
 1. One call at batch 1: the features (transformers' WhisperFeatureExtractor) and the ONNX model,
    each timed alone, p50 / p95 over `--calls`, for each graph optimisation level and intra-op
    thread count, side by side in one run. Whether the model takes a window shorter than 8 s.
-2. On tests/turn_set.py, every boundary (each pause inside a turn, each true end) asked with
-   0-160 ms of trailing silence (plus the endpointer's hangover): how far the probability moves
-   from its value at the smart pause (160 ms), and how often the 0.5 decision differs. This is
-   what decides whether an answer computed at the first silent window may stand for the one at
+2. On tests/turn_set.py (espeak), every boundary (each pause inside a turn, each true end) asked
+   with 0-160 ms of trailing silence (plus the endpointer's hangover): how far the probability
+   moves from its value at the smart pause (160 ms), and how often the 0.5 decision differs. This
+   is what decides whether an answer computed at the first silent window may stand for the one at
    the pause (voicebot/audio/turn.py, `TurnPolicy`'s early question).
-3. `--replay`: only bench/turn_offline.py's replay of the silence rule and the default smart policy
-   at several answer times. In digital silence the early question's answer is the pause's own,
-   128 ms sooner, so this is the early question's effect on latency and cut-ins. Then, at 80 and
-   150 ms answers, the early question (32 ms) or none x `smart_threshold` (0.5-0.8) x
-   `smart_pause_ms` (160-224) beside the silence rule, on each half of the set: the pick is made
-   on half 0 (no more cut-ins than the silence rule there), half 1 is what it would do.
+3. `--replay`: only bench/turn_offline.py's replay, for each of `--voices` (tests/turn_set.py's
+   espeak set; the piper set, natural prosody, English, more turns, its parts voiced alone
+   (piper) or each paused turn voiced whole and cut at its commas (piper-turn); the piper voices
+   need pip install '.[bench]'), side by side in one run. First how often the model says "complete" at
+   a true end (its first question, at the default pause; any question by the 1.5 s limit) and
+   inside a pause (first question; any before the user goes on), also on the English items both
+   sets share (the voice's effect alone). Then the silence rule and the default smart policy at
+   several answer times: in digital silence the early question's answer is the pause's own, asked
+   sooner, so this is the early question's effect on latency and cut-ins. Then, at 80 and 150 ms
+   answers, the early question (0, 32, 64, 96 ms) x `smart_threshold` (0.5-0.8) x `smart_pause_ms`
+   (160-224) beside the silence rule, on each half of the set: the pick is made on half 0 (no more
+   cut-ins than the silence rule there), half 1 is what it would do. The model's answers are kept
+   on disk (bench/turn_offline.py), so a second run costs seconds.
 4. `--memory`: only the memory a batch leaves held, with onnxruntime's CPU arena (its default) and
    without it (the server's SmartTurn): RSS above the loaded model after each batch of a sequence
    (1, 2, 4, 8, 2, 1, 8), each variant in a fresh process; then each batch's time, both
    variants interleaved in one process.
+5. `--parts`: only the check of each voice's English parts: the quiet left at their ends by the
+   trim, flat tops (clipping), and the pitch at a comma-ended part's end against a full stop's.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.turn_set import SAMPLE_RATE, TURNS, render_all  # noqa: E402
+from tests.turn_set import SAMPLE_RATE, TURNS, VOICES, render_all, turn_set  # noqa: E402
 from voicebot.audio.turn import WINDOW_SAMPLES, SmartTurn, last_window, model_path, with_silence  # noqa: E402
 from voicebot.config import EndpointConfig  # noqa: E402
 
@@ -160,23 +170,106 @@ def padded_tail(early_ms: int) -> None:
     model.close()
 
 
-def replay() -> None:
+def part_checks(voices: list[str]) -> None:
+    """Each voice's English parts (the speech between a turn's pauses): how the trim left their ends,
+    flat tops (clipping), and the pitch at a part's end against its median: a comma-ended part
+    (said to continue) beside a full stop's and a question's."""
+    import librosa
+
+    print("the parts (English): quiet lead / tail kept by the trim (ms to the first / from the last 10 ms frame within "
+          "30 dB of the part's peak, p50 / p95 / max), flat tops (3+ samples at 99 % of the peak), and the pitch "
+          "(pyin) over the last 150 ms voiced against the part's median, semitones p25 / p50 / p75")
+    for voice in voices:
+        rendered = [r for r in render_all(turn_set(voice), voice=voice) if r.item.language == "en"]
+        lead, tail, flat = [], [], 0
+        end_pitch: dict[str, list[float]] = {",": [], ".": [], "?": []}
+        for r in rendered:
+            bounds = [0.0, *(x for pause in r.pauses for x in pause), r.end_s]
+            for text, (a, b) in zip(r.item.parts, zip(bounds[::2], bounds[1::2])):
+                part = r.audio[round(a * SAMPLE_RATE) : round(b * SAMPLE_RATE)]
+                frames = np.sqrt(np.mean(part[: len(part) // 160 * 160].reshape(-1, 160) ** 2, axis=1))
+                loud = np.nonzero(frames >= np.abs(part).max() * 10 ** (-30 / 20))[0]
+                lead.append(loud[0] * 10.0)
+                tail.append((len(frames) - 1 - loud[-1]) * 10.0)
+                at_peak = np.abs(part) >= 0.99 * np.abs(part).max()
+                flat += int(np.any(at_peak[:-2] & at_peak[1:-1] & at_peak[2:]))
+                f0, voiced, _ = librosa.pyin(part, fmin=60, fmax=400, sr=SAMPLE_RATE, frame_length=1024, hop_length=160)
+                f0 = f0[voiced]
+                if len(f0) >= 20 and text[-1] in end_pitch:
+                    end_pitch[text[-1]].append(12 * np.log2(np.median(f0[-15:]) / np.median(f0)))
+        cells = "  ".join(f"'{mark}' {np.percentile(v, 25):+5.1f} / {np.percentile(v, 50):+5.1f} / {np.percentile(v, 75):+5.1f} "
+                          f"(n={len(v)})" for mark, v in end_pitch.items() if v)
+        print(f"{voice:>7}: {len(lead)} parts; lead {np.percentile(lead, 50):3.0f} / {np.percentile(lead, 95):3.0f} / "
+              f"{max(lead):3.0f}  tail {np.percentile(tail, 50):3.0f} / {np.percentile(tail, 95):3.0f} / {max(tail):3.0f}  "
+              f"flat tops {flat}  end pitch {cells}")
+
+
+def complete_rates(name: str, bs: list, model_ms: int) -> None:
+    """How often the model says "complete": at the true end (its first question, at the default pause;
+    and any question before the silence limit), and inside the pauses (first question; any before
+    the user goes on: a cut-in)."""
     sys.path.insert(0, str(ROOT / "bench"))
     import turn_offline
 
     default = EndpointConfig()
+    policy = turn_offline.Policy("default", default.smart_pause_ms, default.smart_reask_ms, default.smart_threshold)
+    limit = default.smart_limit_ms + HANGOVER_MS
+    ends = [b for b in bs if b.is_end]
+    pauses = [b for b in bs if not b.is_end]
+    first = default.smart_pause_ms
+
+    def share(values) -> str:
+        values = list(values)
+        return f"{100 * np.mean(values):5.1f}%"
+
+    print(f"{name:>34}  {share(b.p[first] >= default.smart_threshold for b in ends)}"
+          f"  {share(policy.decide(b, HANGOVER_MS, model_ms) < limit for b in ends)} (n={len(ends):>3})"
+          f"  {share(b.p[first] >= default.smart_threshold for b in pauses)}"
+          f"  {share(policy.decide(b, HANGOVER_MS, model_ms) is not None for b in pauses)} (n={len(pauses):>3})")
+
+
+def replay(voices: list[str]) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import turn_offline
+
+    default = EndpointConfig()
+    chains = turn_offline.asked_chains(default.smart_reask_ms, default.smart_limit_ms)
+    stop_at = max(threshold for _, threshold, _ in turn_offline.EARLY_GRID)
     model = SmartTurn()
-    bs = turn_offline.boundaries(render_all(TURNS), model, HANGOVER_MS)
+    per_voice = {}
+    for voice in voices:
+        t0 = time.monotonic()
+        per_voice[voice] = turn_offline.boundaries(render_all(turn_set(voice), voice=voice), model, HANGOVER_MS, chains, stop_at)
+        asked = sum(len(b.p) for b in per_voice[voice])
+        print(f"{voice}: {len(per_voice[voice])} boundaries, {asked} answers (each pause's chain up to p >= {stop_at}), "
+              f"in {time.monotonic() - t0:.0f} s")
     model.close()
     policies = (turn_offline.Policy("silence 500", None),
                 turn_offline.Policy(f"smart {default.smart_pause_ms}/{default.smart_reask_ms} @{default.smart_threshold}",
                                     default.smart_pause_ms, default.smart_reask_ms, default.smart_threshold))
-    print(f"{len(bs)} boundaries; hangover {HANGOVER_MS} ms; answer time: asked to answered")
-    for model_ms in (250, 150, 80, 22):
-        for policy in policies:
-            print(f"answer {model_ms:>3} ms  {policy.name:>20}: {turn_offline.report(policy, bs, HANGOVER_MS, model_ms)}")
-    for model_ms in (80, 150):  # one client's answer time; a loaded server's
-        turn_offline.early_grid(bs, HANGOVER_MS, model_ms, default.smart_reask_ms)
+    print(f"\njudged complete (p >= {default.smart_threshold}), default policy, answer 80 ms, hangover {HANGOVER_MS} ms:")
+    print(f"{'':>34}  {'true ends: at ' + str(default.smart_pause_ms) + ' ms':>16}  {'by ' + str(default.smart_limit_ms) + ' ms':>14}"
+          f"  {'pauses: at ' + str(default.smart_pause_ms) + ' ms':>14}  {'before speech resumes':>22}")
+    shared = {b.turn for b in per_voice.get("espeak", []) if b.language == "en"}
+    for voice, bs in per_voice.items():
+        complete_rates(voice, bs, 80)
+        if voice != "espeak" and shared:  # the same English items in both voices: the voice's effect alone
+            complete_rates(f"{voice}, espeak's English items", [b for b in bs if b.turn in shared], 80)
+    if shared:
+        complete_rates("espeak, its English items", [b for b in per_voice["espeak"] if b.turn in shared], 80)
+    default_policy = turn_offline.Policy("default", default.smart_pause_ms, default.smart_reask_ms, default.smart_threshold)
+    print(f"true ends the default policy leaves to the {default.smart_limit_ms} ms limit (answer 80 ms):")
+    for voice, bs in per_voice.items():
+        late = [b.turn for b in bs if b.is_end and default_policy.decide(b, HANGOVER_MS, 80) >= default.smart_limit_ms + HANGOVER_MS]
+        print(f"{voice:>12}: {sum('paused' in t for t in late)} paused turns', {sum('complete' in t for t in late)} complete turns': "
+              f"{' '.join(late)}")
+    for voice, bs in per_voice.items():
+        print(f"\n{voice}: {len(bs)} boundaries; hangover {HANGOVER_MS} ms; answer time: asked to answered")
+        for model_ms in (250, 150, 80, 22):
+            for policy in policies:
+                print(f"answer {model_ms:>3} ms  {policy.name:>20}: {turn_offline.report(policy, bs, HANGOVER_MS, model_ms)}")
+        for model_ms in (80, 150):  # one client's answer time; a loaded server's
+            turn_offline.early_grid(bs, HANGOVER_MS, model_ms, default.smart_reask_ms, f"{voice}: ")
 
 
 BATCHES = (1, 2, 4, 8, 2, 1, 8)
@@ -235,7 +328,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=15)
     parser.add_argument("--skip-speed", action="store_true")
-    parser.add_argument("--replay", action="store_true", help="only the replay (section 3)")
+    parser.add_argument("--replay", action="store_true", help="only the replay (section 3), for each of --voices")
+    parser.add_argument("--parts", action="store_true", help="only the parts' check (section 5), for each of --voices")
+    parser.add_argument("--voices", nargs="+", choices=VOICES, default=list(VOICES),
+                        help="tests/turn_set.py's voices for --replay and --parts (piper: pip install '.[bench]')")
     parser.add_argument("--memory", action="store_true", help="only the memory a batch leaves held (section 4)")
     parser.add_argument("--memory-child", choices=["on", "off"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -246,7 +342,10 @@ def main() -> None:
         memory()
         return
     if args.replay:
-        replay()
+        replay(args.voices)
+        return
+    if args.parts:
+        part_checks(args.voices)
         return
     if not args.skip_speed:
         speed(args.calls)

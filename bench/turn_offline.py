@@ -1,6 +1,6 @@
 """Turn policies replayed offline: what Smart Turn says at every pause and every end of the test set.
 
-    python bench/turn_offline.py [--hangover-ms MS] [--model-ms 70]
+    python bench/turn_offline.py [--hangover-ms MS] [--model-ms 70] [--voice espeak|piper]
 
 No server, no clock: the model is asked about each boundary of tests/turn_set.py (each pause
 inside a turn, each true end) with the audio a session would give it, the turn so far from
@@ -10,6 +10,10 @@ question after `pause` of VAD silence, again every `reask`, "complete" at `thres
 over at `limit` anyway) is then replayed on those answers: a false cut-in is a pause where some
 answer came back "complete" before the user went on; the latency of an end is when the first
 "complete" came back (or the limit). The silence rule is the same replay with no model.
+
+The model's answers are kept on disk (the temp dir's voicebot-turn-set/smart-turn/, keyed by the
+audio, the hangover and the model file): a set is some thousands of calls, minutes of a core.
+`--voice`: tests/turn_set.py's voice and its set (piper: English, natural prosody).
 
 This separates what the model decides from what a loaded server adds (bench/latency.py measures
 that), and tunes nothing on the set it reports: the policies are chosen on one half of the turns
@@ -32,8 +36,12 @@ length (espeak-ng's comma pauses; an end just as a set pause is over), else "mid
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
+import json
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.turn_set import SAMPLE_RATE, TURNS, RenderedTurn, render_all  # noqa: E402
+from tests.turn_set import SAMPLE_RATE, VOICES, RenderedTurn, render_all, turn_set  # noqa: E402
 from voicebot.audio import endpoint  # noqa: E402
 from voicebot.audio.turn import SmartTurn  # noqa: E402
 from voicebot.config import EndpointConfig  # noqa: E402
@@ -139,7 +147,13 @@ def print_endpointer(rendered: list[RenderedTurn]) -> float:
     return quiet_lag
 
 
-def boundaries(rendered: list[RenderedTurn], model: SmartTurn, hangover_ms: int) -> list[Boundary]:
+def boundaries(rendered: list[RenderedTurn], model: SmartTurn, hangover_ms: int,
+               chains: list[list[int]] | None = None, stop_at: float = 1.0) -> list[Boundary]:
+    """Every pause and end of `rendered`, the model asked at the silences of `chains` (GRID_MS if
+    none) the boundary lasts for. Each chain is asked in order of silence and no further once an
+    answer reaches `stop_at`: a policy of a threshold up to it, asking along that chain, has ended
+    the turn there (so a replay of such policies needs no more; 1.0: the whole chain)."""
+    chains = chains or [GRID_MS]
     halves, counts = {}, {}
     for r in rendered:
         group = (r.item.language, r.item.paused)
@@ -155,11 +169,37 @@ def boundaries(rendered: list[RenderedTurn], model: SmartTurn, hangover_ms: int)
         r = rendered[i]
         speech = np.concatenate([np.zeros(SAMPLE_RATE * PRE_SPEECH_MS // 1000, np.float32), r.audio[: int(start * SAMPLE_RATE)]])
         # The silence a policy can ask at: the pause itself, less the window that would hear speech again.
-        grid = [ms for ms in GRID_MS if ms + hangover_ms < length_ms - WINDOW_MS]
-        windows = [np.concatenate([speech, np.zeros(SAMPLE_RATE * (ms + hangover_ms) // 1000, np.float32)]) for ms in grid]
-        probabilities = np.concatenate([model.predict(windows[j : j + 16]) for j in range(0, len(windows), 16)]) if windows else []
-        out.append(Boundary(r.item.name, halves[r.item.name], r.item.language, is_end, length_ms, dict(zip(grid, map(float, probabilities)))))
+        open_chains = [[ms for ms in chain if ms + hangover_ms < length_ms - WINDOW_MS] for chain in chains]
+        if stop_at >= 1:  # every answer: in batches
+            p = _answers(model, speech, hangover_ms, [ms for chain in open_chains for ms in chain])
+        else:  # a step of every open chain at a time
+            p, step = {}, 0
+            while any(step < len(chain) for chain in open_chains):
+                open_chains = [chain for chain in open_chains if step < len(chain)]
+                p.update(_answers(model, speech, hangover_ms, [chain[step] for chain in open_chains]))
+                open_chains = [chain for chain in open_chains if p[chain[step]] < stop_at]
+                step += 1
+        out.append(Boundary(r.item.name, halves[r.item.name], r.item.language, is_end, length_ms, p))
     return out
+
+
+def _answers(model: SmartTurn, speech: np.ndarray, hangover_ms: int, silences_ms: list[int]) -> dict[int, float]:
+    """The model's answers about `speech` followed by each silence (plus the hangover), kept on disk:
+    a set of 180 turns is ~4000 calls, 6-10 minutes of a loaded core, and the benchmarks ask the same."""
+    digest = hashlib.sha1(speech.tobytes())
+    digest.update(f"{hangover_ms} {model.path} {model.path.stat().st_size}".encode())
+    path = Path(tempfile.gettempdir()) / "voicebot-turn-set" / "smart-turn" / f"{digest.hexdigest()}.json"
+    known = {int(ms): p for ms, p in json.loads(path.read_text()).items()} if path.is_file() else {}
+    missing = sorted({ms for ms in silences_ms if ms not in known})
+    if missing:
+        windows = [np.concatenate([speech, np.zeros(SAMPLE_RATE * (ms + hangover_ms) // 1000, np.float32)]) for ms in missing]
+        probabilities = np.concatenate([model.predict(windows[j : j + 16]) for j in range(0, len(windows), 16)])
+        known.update(zip(missing, map(float, probabilities)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(known))
+        os.replace(partial, path)
+    return {ms: known[ms] for ms in silences_ms}
 
 
 @dataclass(frozen=True)
@@ -215,19 +255,28 @@ def cut_and_latency(policy: Policy, bs: list[Boundary], hangover_ms: int, model_
     return len(cut), len({b.turn for b in bs}), float(np.percentile(ends, 50)), float(np.percentile(ends, 95))
 
 
-EARLY_GRID = list(itertools.product((0, WINDOW_MS), (0.5, 0.6, 0.7, 0.8), (160, 192, 224)))  # early x threshold x pause
+EARLY_GRID = list(itertools.product((0, 32, 64, 96), (0.5, 0.6, 0.7, 0.8), (160, 192, 224)))  # early x threshold x pause
 
 
-def early_grid(bs: list[Boundary], hangover_ms: int, model_ms: int, reask_ms: int) -> None:
+def asked_chains(reask_ms: int, limit_ms: int) -> list[list[int]]:
+    """The silences EARLY_GRID's policies ask about, one chain per pause (an early question stands
+    for its pause; re-asks follow it): all a replay of them needs, a third of GRID_MS."""
+    pauses = sorted({pause for _, _, pause in EARLY_GRID})
+    return [[_on_grid(pause + k * reask_ms) for k in range(limit_ms // reask_ms + 1) if pause + k * reask_ms < limit_ms]
+            for pause in pauses]
+
+
+def early_grid(bs: list[Boundary], hangover_ms: int, model_ms: int, reask_ms: int, label: str = "") -> None:
     """Every early x threshold x pause setting beside the silence rule, on both halves; the pick is
-    the fastest (p50, then p95) on half 0 with no more cut-ins than the silence rule there."""
+    the fastest (p50, then p95, then the fewest cut-ins) on half 0 with no more cut-ins than the
+    silence rule there."""
     silence = Policy("silence 500", None)
-    grid = [Policy(f"{'early' if e else 'late'} {p} @{t}", p, reask_ms, t, early_ms=e) for e, t, p in EARLY_GRID]
+    grid = [Policy(f"early {e:>2} {p} @{t}", p, reask_ms, t, early_ms=e) for e, t, p in EARLY_GRID]
     rows = {policy: [cut_and_latency(policy, [b for b in bs if b.half == h], hangover_ms, model_ms) for h in (0, 1)]
             for policy in [silence, *grid]}
     allowed = rows[silence][0][0]
-    pick = min((p for p in grid if rows[p][0][0] <= allowed), key=lambda p: rows[p][0][2:], default=None)
-    print(f"\nanswer {model_ms} ms, re-ask {reask_ms} ms: cut-ins and decided p50 / p95 (ms), half 0 (tuning) | half 1 (held out)")
+    pick = min((p for p in grid if rows[p][0][0] <= allowed), key=lambda p: (*rows[p][0][2:], rows[p][0][0]), default=None)
+    print(f"\n{label}answer {model_ms} ms, re-ask {reask_ms} ms: cut-ins and decided p50 / p95 (ms), half 0 (tuning) | half 1 (held out)")
     for policy, halves in rows.items():
         cells = "  |  ".join(f"{c:>2}/{n:<2} {p50:>5.0f} {p95:>5.0f}" for c, n, p50, p95 in halves)
         mark = "  <- pick (half 0)" if policy is pick else ""
@@ -240,9 +289,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hangover-ms", type=int, default=None)
     parser.add_argument("--model-ms", type=int, default=70)
+    parser.add_argument("--voice", choices=VOICES, default="espeak")
     args = parser.parse_args()
 
-    rendered = render_all(TURNS)
+    rendered = render_all(turn_set(args.voice), voice=args.voice)
     lag_ms = print_endpointer(rendered)
     if args.hangover_ms is None:
         args.hangover_ms = round(lag_ms + 20)  # and half the mic page's 40 ms chunk

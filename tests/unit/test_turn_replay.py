@@ -56,3 +56,40 @@ def test_replay_ends_a_turn_when_the_policy_does(early_ms, pause_ms, threshold, 
         boundary = turn_offline.Boundary("t", 0, "en", True, float("inf"), p)
         replay = turn_offline.Policy("p", pause_ms, config.smart_reask_ms, threshold, config.smart_limit_ms, early_ms)
         assert replay.decide(boundary, 0, model_ms) == product_decides(config, p, model_ms), name
+
+
+def test_answers_asked_chain_by_chain_decide_as_all_of_them(tmp_path, monkeypatch):
+    """bench/smart_turn.py --replay asks each pause's chain only up to an answer of `stop_at` (the
+    grid's top threshold): every policy of EARLY_GRID decides each boundary as with every answer."""
+    import tempfile
+
+    import numpy as np
+
+    from tests.turn_set import RenderedTurn, TurnItem
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the answers' disk cache
+
+    class Model:  # an answer that jumps about with the silence heard, the same for the same window
+        path = Path(__file__)
+        calls = 0
+
+        def predict(self, windows):
+            self.calls += len(windows)
+            return np.array([np.random.default_rng(len(w)).random() for w in windows])
+
+    rng = np.random.default_rng(0)
+    speech = rng.standard_normal(16000).astype(np.float32) * 0.1
+    rendered = [RenderedTurn(TurnItem("en-complete-00", "en", ("a.",), ()), speech, 1.0, ()),
+                RenderedTurn(TurnItem("en-paused-00", "en", ("a,", "b."), (700,)),
+                             np.concatenate([speech, np.zeros(11200, np.float32), speech]), 2.7, ((1.0, 1.7),))]
+    chains = turn_offline.asked_chains(320, 1500)
+    stop_at = max(threshold for _, threshold, _ in turn_offline.EARLY_GRID)
+    every, stopped = Model(), Model()
+    full = turn_offline.boundaries(rendered, every, 32, chains)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "again"))
+    part = turn_offline.boundaries(rendered, stopped, 32, chains, stop_at)
+    assert stopped.calls < every.calls
+    for early, threshold, pause in turn_offline.EARLY_GRID:
+        policy = turn_offline.Policy("p", pause, 320, threshold, 1500, early)
+        for model_ms in (22, 80, 150, 250):
+            assert [policy.decide(b, 32, model_ms) for b in part] == [policy.decide(b, 32, model_ms) for b in full]
