@@ -1,14 +1,16 @@
 """End of turn to first reply audio, and false cut-ins, for the turn policies at 1, 4 and 8 clients.
 
     python bench/latency.py [--config configs/default.yaml] [--clients 1 4 8] [--turns 6]
-                            [--policies silence smart prepared smart+early prep+early prep+e@.8]
+                            [--policies silence smart prepared smart+early prep+early prep@160/.5]
                             [--voice espeak|piper|piper-turn] [--asr-check]
 
 Policies: `silence` (endpoint.turn: silence, the 500 ms rule), `smart` (Smart Turn v3.2 asked
-about each pause once 160 ms of it is heard; replies started once the turn is decided),
+about each pause once 192 ms of it is heard, "complete" at 0.8: the defaults; replies started once
+the turn is decided),
 `prepared` (smart, and replies prepared during the pause); `smart+early` and `prep+early` the same
 with the early question (`smart_early_ms: 32`: asked at the pause's first silent window, about the
-pause to come); `prep+e@.8` the last with `smart_threshold: 0.8`. Each runs its
+pause to come); `prep@160/.5` prepared with the defaults before this stop (asked at 160 ms,
+"complete" at the model's own 0.5: sooner, with more cut-ins). Each runs its
 own server (a subprocess on 127.0.0.1) with the given config.
 
 The turns are tests/turn_set.py's, half of them or more with pauses of 300-900 ms inside ("I would
@@ -91,8 +93,8 @@ POLICIES = {
     # The same with the early question (off by default: more cut-ins): what it saves.
     "smart+early": {"turn": "smart", "prepare_replies": False, "smart_early_ms": 32},
     "prep+early": {"turn": "smart", "prepare_replies": True, "smart_early_ms": 32},
-    # The replay's pick on the piper-turn set (bench/smart_turn.py --replay): "complete" only at 0.8.
-    "prep+e@.8": {"turn": "smart", "prepare_replies": True, "smart_early_ms": 32, "smart_threshold": 0.8},
+    # The defaults before bench/smart_turn.py --replay measured the bigger turn sets: what 0.8 costs.
+    "prep@160/.5": {"turn": "smart", "prepare_replies": True, "smart_pause_ms": 160, "smart_threshold": 0.5},
 }
 TARGET_P50_MS, TARGET_P95_MS = 250, 400
 EMPTY_TRANSCRIPT = "empty transcript"
