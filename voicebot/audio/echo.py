@@ -96,13 +96,21 @@ ECHO_CONFIRM_S = 0.02
 # 0.6 s of it: no later than a frame. None at all let a "300 ms" echo barge in live last time,
 # perhaps the hold shift that AEC3_REACH_S now avoids (that path measures 304-348 ms); not tried again.
 AEC3_FIELD_TRIALS = b"WebRTC-Aec3UseDot6SecondsInitialStateDuration/Enabled/"
-# The linear canceller's filter: 25 blocks, 250 ms of echo path. A path up to LINEAR_REACH_S is
-# left where it is (its room's tail still fits); a longer one is held back to LINEAR_MARGIN_S
-# (the tracker's estimate is within a few ms; the margin keeps the direct path inside the filter).
-# Longer filters converge more slowly and cost more: 8192 taps cost ~2x 4096 here.
-LINEAR_FILTER_S = 0.25
-LINEAR_REACH_S = 0.2
-LINEAR_MARGIN_S = 0.05
+# The linear canceller's filter: 12 blocks, 120 ms of echo path. MDF's convergence time grows with
+# its length (its step is normalised over the whole filter): 2 s into a reply, -6 dB of echo,
+# 4000 taps had taken 6 dB off a 150 ms path, 1920 taps at its place 12 dB (20 dB at 3.5 s, where
+# 4000 taps had 12). So the far end is held back until the direct path sits LINEAR_MARGIN_S into
+# the filter, on the tracker's early estimate (EARLY_WINDOW_S), and the room's first ~70 ms fit
+# behind it (the late tail is left: the recognizer needs the words first, not 40 dB).
+LINEAR_FILTER_S = 0.12
+LINEAR_MARGIN_S = 0.04  # the estimate is within a few ms, the hold a whole block, and it moves by LINEAR_HOLD_CHANGE_S
+LINEAR_HOLD_CHANGE_S = 0.03  # a short filter converges again in well under a second: follow the path closer than AEC3's
+# The linear hold's estimate, for a reply's first seconds: GCC-PHAT on half a second, every quarter
+# second, found every bench/echo.py path (50-700 ms, -6 to -20 dB, a voice over it) from 0.5-0.75 s
+# into the first reply, where the one on ESTIMATE_EVERY_S confirms at ~3 s. Two in a row at one
+# delay, as for the tracker's; AEC3 keeps the tracker's own (a wrong hold there barges in).
+EARLY_WINDOW_S = 0.5
+EARLY_EVERY_S = 0.25
 SPEEX_ECHO_SET_SAMPLING_RATE = 24  # speex_echo.h
 
 _field_trials_lock = threading.Lock()
@@ -143,6 +151,7 @@ def _speexdsp() -> ctypes.CDLL | None:
     lib.speex_echo_cancellation.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.speex_echo_cancellation.restype = None
     lib.speex_echo_state_destroy.argtypes = [ctypes.c_void_p]
+    lib.speex_echo_state_reset.argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -182,25 +191,47 @@ class LinearCanceller:
         self._lib.speex_echo_cancellation(self._state, near.ctypes.data, far.ctypes.data, self._out.ctypes.data)
         return self._out.astype(np.float32) / 32768.0
 
+    def reset(self) -> None:
+        """Start adapting afresh (the far end was shifted: what the filter learnt is misplaced)."""
+        self._lib.speex_echo_state_reset(self._state)
+
 
 class FarHold:
-    """Far blocks held back by a delay. It only changes by MIN_HOLD_CHANGE_S or more: the canceller
+    """Far blocks held back by a delay. It only changes by `min_change_s` or more: the canceller
     behind it converges again after every shift."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_change_s: float = MIN_HOLD_CHANGE_S) -> None:
         self._held: deque[np.ndarray] = deque()  # at most `_blocks`, MAX_DELAY_S / 10 ms
         self._blocks = 0
+        self._min_change_s = min_change_s
 
-    def follow(self, hold_s: float) -> None:
-        if abs(hold_s - self._blocks * BLOCK / SAMPLE_RATE) >= MIN_HOLD_CHANGE_S:
-            self._blocks = round(min(hold_s, MAX_DELAY_S) * SAMPLE_RATE / BLOCK)
-            while len(self._held) > self._blocks:
-                self._held.popleft()
+    def follow(self, hold_s: float) -> bool:
+        """Hold the far end back by `hold_s` from now on, if that is a change; whether it was."""
+        if abs(hold_s - self._blocks * BLOCK / SAMPLE_RATE) < self._min_change_s:
+            return False
+        self._blocks = round(min(hold_s, MAX_DELAY_S) * SAMPLE_RATE / BLOCK)
+        while len(self._held) > self._blocks:
+            self._held.popleft()
+        return True
 
     def shift(self, block: np.ndarray) -> np.ndarray:
         """`block` in, the one of the hold before it out (silence while the hold fills)."""
         self._held.append(block)
         return self._held.popleft() if len(self._held) > self._blocks else np.zeros(BLOCK, np.float32)
+
+
+def _clear_peak_s(near: np.ndarray, far: np.ndarray) -> float | None:
+    """GCC-PHAT: the delay of `near` behind the end of `far` (which starts MAX_DELAY_S before `near`),
+    in seconds; None where the correlation has no clear peak (music or a noisy room gives a flat
+    one, and a guess would misalign)."""
+    max_lag = round(MAX_DELAY_S * SAMPLE_RATE)
+    n = 1 << int(np.ceil(np.log2(len(far) + len(near))))
+    cross = np.fft.rfft(far, n) * np.conj(np.fft.rfft(near, n))
+    corr = np.fft.irfft(cross / (np.abs(cross) + 1e-12), n)
+    # far starts max_lag earlier than near, so an echo `delay` samples late peaks at max_lag - delay.
+    lags = corr[: max_lag + 1][::-1]  # index = delay in samples
+    peak = int(np.argmax(lags))
+    return peak / SAMPLE_RATE if lags[peak] >= 8 * np.median(np.abs(lags)) else None
 
 
 class DelayTracker:
@@ -210,6 +241,7 @@ class DelayTracker:
         self._near: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * SAMPLE_RATE / BLOCK))
         self._far: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * SAMPLE_RATE / BLOCK))
         self._since_estimate = 0
+        self._since_early = 0
         # The median of the last few estimates: one window can fool GCC-PHAT (the end of a reply,
         # a repeated phrase) without moving the reported delay.
         self._recent: deque[float] = deque(maxlen=5)
@@ -220,20 +252,35 @@ class DelayTracker:
         self.echo_absent = False
         self.echo_confirmed = False
         self._last_peak_s: float | None = None
+        # Until delay_s is known: two early estimates in a row at one delay (the linear hold only).
+        self.early_delay_s: float | None = None
+        self._last_early_s: float | None = None
+
+    @property
+    def linear_delay_s(self) -> float | None:
+        """The delay the linear canceller's hold follows: the tracker's once it has one, else the early one."""
+        return self.early_delay_s if self.delay_s is None else self.delay_s
 
     def add(self, near_block: np.ndarray, far_block: np.ndarray) -> None:
         self._near.append(near_block)
         self._far.append(far_block)
         self._since_estimate += BLOCK
+        self._since_early += BLOCK
         if self._since_estimate >= ESTIMATE_EVERY_S * SAMPLE_RATE and len(self._far) == self._far.maxlen:
             self._since_estimate = 0
             self._estimate()
+        if self.delay_s is None and self._since_early >= EARLY_EVERY_S * SAMPLE_RATE:
+            self._since_early = 0
+            self._early_estimate()
+
+    def _ends(self, window_s: float) -> tuple[np.ndarray, np.ndarray]:
+        """The last `window_s` of the near end and that plus MAX_DELAY_S of the far end (zeros before the session)."""
+        window, far_len = round(window_s * SAMPLE_RATE), round((window_s + MAX_DELAY_S) * SAMPLE_RATE)
+        near, far = np.concatenate(self._near)[-window:], np.concatenate(self._far)[-far_len:]
+        return near, np.pad(far, (far_len - len(far), 0))
 
     def _estimate(self) -> None:
-        window = round(ESTIMATE_EVERY_S * SAMPLE_RATE)
-        max_lag = round(MAX_DELAY_S * SAMPLE_RATE)
-        near = np.concatenate(self._near)[-window:]
-        far = np.concatenate(self._far)[-(window + max_lag):]
+        near, far = self._ends(ESTIMATE_EVERY_S)
         if np.sqrt(np.mean(far**2)) < FAR_ACTIVE_RMS:
             return
         # No echo means none of any delay up to MAX_DELAY_S: only when the bot spoke in both halves
@@ -242,26 +289,26 @@ class DelayTracker:
         if np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:  # nothing came back at all
             self.echo_absent |= no_echo
             return
-        n = 1 << int(np.ceil(np.log2(len(far) + window)))
-        cross = np.fft.rfft(far, n) * np.conj(np.fft.rfft(near, n))
-        corr = np.fft.irfft(cross / (np.abs(cross) + 1e-12), n)
-        # far starts max_lag earlier than near, so an echo `delay` samples late peaks at max_lag - delay.
-        lags = corr[: max_lag + 1][::-1]  # index = delay in samples
-        peak = int(np.argmax(lags))
-        # A clear peak only: music or a noisy room gives a flat correlation, and a guess would misalign.
-        if lags[peak] < 8 * np.median(np.abs(lags)):
-            # Not taken for no echo: a real echo in a noisy room, or under music, can miss the peak
-            # (bench/echo.py: a 300 ms -20 dB echo once did, and without a reference it barged in).
-            self._last_peak_s = None
+        # No clear peak is not taken for no echo: a real echo in a noisy room, or under music, can
+        # miss it (bench/echo.py: a 300 ms -20 dB echo once did, and without a reference it barged in).
+        last, self._last_peak_s = self._last_peak_s, _clear_peak_s(near, far)
+        if self._last_peak_s is None:
             return
-        last, self._last_peak_s = self._last_peak_s, peak / SAMPLE_RATE
-        if last is not None and abs(peak / SAMPLE_RATE - last) <= ECHO_CONFIRM_S:
+        if last is not None and abs(self._last_peak_s - last) <= ECHO_CONFIRM_S:
             self.echo_confirmed, self.echo_absent = True, False
         if not self.echo_confirmed:
             return  # one peak alone may be a voice over the reply: no delay from it
-        self._recent.append(peak / SAMPLE_RATE)
+        self._recent.append(self._last_peak_s)
         self.delay_s = float(np.median(self._recent))
         self.estimates += 1
+
+    def _early_estimate(self) -> None:
+        near, far = self._ends(EARLY_WINDOW_S)
+        if np.sqrt(np.mean(far**2)) < FAR_ACTIVE_RMS or np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:
+            return  # the bot is silent, or nothing came back yet: the last peak still stands
+        last, self._last_early_s = self._last_early_s, _clear_peak_s(near, far)
+        if last is not None and self._last_early_s is not None and abs(self._last_early_s - last) <= ECHO_CONFIRM_S:
+            self.early_delay_s = self._last_early_s
 
 
 class EchoCanceller:
@@ -292,7 +339,7 @@ class EchoCanceller:
         # Without libspeexdsp the recognizer hears the suppressed output (said at start-up and in /readyz).
         self._linear = None if (lib := _speexdsp()) is None else LinearCanceller(lib)
         # Far blocks matched with input, waiting out each canceller's hold.
-        self._aec3_hold, self._linear_hold = FarHold(), FarHold()
+        self._aec3_hold, self._linear_hold = FarHold(), FarHold(LINEAR_HOLD_CHANGE_S)
         self._near_partial = np.zeros(0, np.float32)
         self.tracker = DelayTracker()
         self.far_dropped_samples = 0  # reply audio never matched with input (the far queue was full)
@@ -363,11 +410,13 @@ class EchoCanceller:
             return block
 
     def _follow_delay(self) -> None:
-        delay_s = self.tracker.delay_s
-        if delay_s is None:
-            return
-        self._aec3_hold.follow(delay_s - HOLD_MARGIN_S if delay_s > AEC3_REACH_S else 0.0)
-        self._linear_hold.follow(delay_s - LINEAR_MARGIN_S if delay_s > LINEAR_REACH_S else 0.0)
+        if (delay_s := self.tracker.delay_s) is not None:
+            self._aec3_hold.follow(delay_s - HOLD_MARGIN_S if delay_s > AEC3_REACH_S else 0.0)
+        linear_delay_s = self.tracker.linear_delay_s
+        if linear_delay_s is not None and self._linear_hold.follow(max(0.0, linear_delay_s - LINEAR_MARGIN_S)) and self._linear:
+            # Before the shift MDF adapted on a far end that did not match the echo, and took itself
+            # for adapted: afresh, it converged ~2x sooner on the path than from that state.
+            self._linear.reset()
 
     def process(self, near: np.ndarray, arrived: float | None = None) -> Cancelled:
         """Input (16 kHz float32) whose last sample arrived at `arrived` (monotonic), with the echo
