@@ -96,19 +96,23 @@ ECHO_CONFIRM_S = 0.02
 # 0.6 s of it: no later than a frame. None at all let a "300 ms" echo barge in live last time,
 # perhaps the hold shift that AEC3_REACH_S now avoids (that path measures 304-348 ms); not tried again.
 AEC3_FIELD_TRIALS = b"WebRTC-Aec3UseDot6SecondsInitialStateDuration/Enabled/"
-# The linear canceller's filter: 12 blocks, 120 ms of echo path. MDF's convergence time grows with
-# its length (its step is normalised over the whole filter): 2 s into a reply, -6 dB of echo,
-# 4000 taps had taken 6 dB off a 150 ms path, 1920 taps at its place 12 dB (20 dB at 3.5 s, where
-# 4000 taps had 12). So the far end is held back until the direct path sits LINEAR_MARGIN_S into
-# the filter, on the tracker's early estimate (EARLY_WINDOW_S), and the room's first ~70 ms fit
-# behind it (the late tail is left: the recognizer needs the words first, not 40 dB).
-LINEAR_FILTER_S = 0.12
+# The linear canceller's filter: 16 blocks, 160 ms of echo path. MDF adapts too slowly for a new
+# reply's first seconds (its step is normalised over the whole filter, and set by an estimate of
+# the echo left that itself takes ~2 s to follow): with 250 ms of filter a 150 ms -6 dB path was
+# 2-7 dB down 0.5-2.5 s into the first reply, and a 300 ms one, beyond it until the tracker's hold
+# (~3 s), 0 dB. So the far end is held back until the direct path sits LINEAR_MARGIN_S into the
+# filter, on the tracker's early estimate, from ~0.75 s into the reply; the room's first ~120 ms
+# fit behind it. Over bench/echo.py's paths and barge-ins 1.5-2.5 s into a first reply (3 replies,
+# offline) the recognizer heard 81% of the words before, 91% with the early hold and 250 ms of
+# filter, 93% with 120 ms, 97% with 160 ms (88% with 80 ms: the margin and the hold's steps eat it).
+LINEAR_FILTER_S = 0.16
 LINEAR_MARGIN_S = 0.04  # the estimate is within a few ms, the hold a whole block, and it moves by LINEAR_HOLD_CHANGE_S
-LINEAR_HOLD_CHANGE_S = 0.03  # a short filter converges again in well under a second: follow the path closer than AEC3's
-# The linear hold's estimate, for a reply's first seconds: GCC-PHAT on half a second, every quarter
+LINEAR_HOLD_CHANGE_S = 0.03  # MDF reset and converging again costs less than a path 60 ms off in a short filter
+# The linear hold's estimate, until the tracker's own: GCC-PHAT on half a second, every quarter
 # second, found every bench/echo.py path (50-700 ms, -6 to -20 dB, a voice over it) from 0.5-0.75 s
-# into the first reply, where the one on ESTIMATE_EVERY_S confirms at ~3 s. Two in a row at one
-# delay, as for the tracker's; AEC3 keeps the tracker's own (a wrong hold there barges in).
+# into the first reply, where the tracker's on ESTIMATE_EVERY_S confirms at ~3 s. Two in a row at
+# one delay, as for the tracker's. AEC3 keeps the tracker's own: a wrong hold there leaks the echo
+# into barge-in, one here only into the recognizer.
 EARLY_WINDOW_S = 0.5
 EARLY_EVERY_S = 0.25
 SPEEX_ECHO_SET_SAMPLING_RATE = 24  # speex_echo.h
@@ -414,8 +418,8 @@ class EchoCanceller:
             self._aec3_hold.follow(delay_s - HOLD_MARGIN_S if delay_s > AEC3_REACH_S else 0.0)
         linear_delay_s = self.tracker.linear_delay_s
         if linear_delay_s is not None and self._linear_hold.follow(max(0.0, linear_delay_s - LINEAR_MARGIN_S)) and self._linear:
-            # Before the shift MDF adapted on a far end that did not match the echo, and took itself
-            # for adapted: afresh, it converged ~2x sooner on the path than from that state.
+            # What MDF learnt before the shift is misplaced (and it took itself for adapted on it):
+            # afresh it took 1-2 dB more off a 300 ms path 1.5-2.5 s into the first reply.
             self._linear.reset()
 
     def process(self, near: np.ndarray, arrived: float | None = None) -> Cancelled:
