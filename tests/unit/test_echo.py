@@ -299,3 +299,18 @@ def test_a_second_reply_starts_where_the_first_left_the_linear_filter(reply_24k,
     print(f"\nlinear output, {delay_ms} ms {gain_db} dB: echo down {first:.1f} dB over the first reply's first half second, "
           f"{at_cut:.1f} over its last before the cut, {second:.1f} over the second reply's first")
     assert second >= at_cut - 3 and second >= first + 6, "the second reply started from a filter that forgot the room"
+
+
+@pytest.mark.parametrize("speech_at_s", [1.0, 1.5, 2.0])
+def test_a_voice_over_a_new_reply_leaves_the_linear_hold_where_the_echo_put_it(reply_24k, monkeypatch, speech_at_s):
+    # Under a barge-in GCC-PHAT can peak at a chance lag of the voice: the tracker's first median
+    # (one estimate) read a 150 ms path as 80 ms, and two overlapping early windows agreed on 0.53 s
+    # for a 50 ms one. Each moved the linear hold, and MDF started again under the words.
+    from voicebot.audio import echo
+
+    resets = []
+    monkeypatch.setattr(echo.LinearCanceller, "reset", lambda self: resets.append(self))
+    speech = espeak_speech(BARGE_IN, "en-gb") * 0.7
+    canceller, *_ = run_case(reply_24k, 150, -20, speech, speech_at_s=speech_at_s)
+    assert abs(canceller.tracker.early_delay_s - 0.15) <= 0.01
+    assert len(resets) == 1, f"the linear hold moved {len(resets)} times (once: onto the 150 ms path)"

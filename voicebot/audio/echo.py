@@ -115,6 +115,7 @@ LINEAR_HOLD_CHANGE_S = 0.03  # MDF reset and converging again costs less than a 
 # into barge-in, one here only into the recognizer.
 EARLY_WINDOW_S = 0.5
 EARLY_EVERY_S = 0.25
+LINEAR_TRUSTS_ESTIMATES = 3  # the median of 3 moves with no one estimate
 SPEEX_ECHO_SET_SAMPLING_RATE = 24  # speex_echo.h
 
 _field_trials_lock = threading.Lock()
@@ -256,14 +257,20 @@ class DelayTracker:
         self.echo_absent = False
         self.echo_confirmed = False
         self._last_peak_s: float | None = None
-        # Until delay_s is known: two early estimates in a row at one delay (the linear hold only).
+        # Until delay_s is known: the first two early estimates in a row at one delay (the linear
+        # hold only). Kept: a voice over the reply made two overlapping windows agree on a chance
+        # lag (0.53 s, 0.95 s of a 50 ms path) and moved the hold under the very words it was for.
         self.early_delay_s: float | None = None
         self._last_early_s: float | None = None
 
     @property
     def linear_delay_s(self) -> float | None:
-        """The delay the linear canceller's hold follows: the tracker's once it has one, else the early one."""
-        return self.early_delay_s if self.delay_s is None else self.delay_s
+        """The delay the linear canceller's hold follows: the early one until the tracker's median
+        has LINEAR_TRUSTS_ESTIMATES behind it (a first median of one was a voice's chance lag: a
+        150 ms path read 80 ms under a barge-in, and the hold moved under the words twice)."""
+        if self.early_delay_s is not None and self.estimates < LINEAR_TRUSTS_ESTIMATES:
+            return self.early_delay_s
+        return self.delay_s
 
     def add(self, near_block: np.ndarray, far_block: np.ndarray) -> None:
         self._near.append(near_block)
@@ -273,7 +280,7 @@ class DelayTracker:
         if self._since_estimate >= ESTIMATE_EVERY_S * SAMPLE_RATE and len(self._far) == self._far.maxlen:
             self._since_estimate = 0
             self._estimate()
-        if self.delay_s is None and self._since_early >= EARLY_EVERY_S * SAMPLE_RATE:
+        if self.linear_delay_s is None and self._since_early >= EARLY_EVERY_S * SAMPLE_RATE:
             self._since_early = 0
             self._early_estimate()
 
