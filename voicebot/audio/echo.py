@@ -41,14 +41,15 @@ the output of a linear canceller, speexdsp's MDF adaptive filter alone (`LinearC
 preprocessor, the residual echo suppressor, never runs), fed the same far end, so the echo's
 estimate is subtracted and nothing else is touched. AEC3's own linear output (`GetLinearAecOutput`)
 is in no PyPI binding (not `aec-audio-processing`, `pywebrtc-audio`, nor livekit's APM). MDF has
-no delay search of its own: its filter covers `LINEAR_FILTER_S`, and a longer path, once the
-tracker has it, is held back into that as AEC3's is. Both outputs have the input's sample
-positions. bench/echo.py, a barge-in 2 s into a new reply: the first second of the words lost
-0.5-1.1 dB on average in the linear output (1.3-4.6 dB in its worst 200 ms) where the suppressed
-one lost 4-16 dB (11-49 dB); but MDF converges slowly on speech, and the echo under them is only
-~9 dB down then (-6 dB of echo at 50-150 ms; none yet at 300 ms, before the hold), 14-21 dB once
-converged (tests/unit/test_echo.py). The recognizer got the barge-in's first words in 3 cases of 6
-(1 before); at -6 dB of echo it still made '' of one.
+no delay search of its own and converges slowly (in time proportional to its length): its filter
+covers `LINEAR_FILTER_S`, and the far end is held back by the path less `LINEAR_MARGIN_S`, on an
+early estimate of the tracker's (`EARLY_WINDOW_S`, within ~0.75 s of a new reply) until its own
+is settled. What MDF learnt is kept from one reply to the next; only a move of its hold starts it
+again. Both outputs have the input's sample positions. bench/echo.py --offline, barge-ins 1.5-2.5
+s into a first reply: the words lost ~0.9 dB on average in the linear output (~3 dB in its worst
+200 ms) where the suppressed one lost 3-15 dB (6-46 dB); the echo under them was 8-17 dB down
+(0.2-14 dB before the early hold), 20-29 dB in a second reply's first second (tests/unit/test_echo.py);
+the recognizer heard every word of them (92% before).
 
 Bounds: unplayed far end at most `MAX_FAR_S` (more is dropped oldest first and counted); the
 tracker keeps `HISTORY_S` of each end; each hold at most `MAX_DELAY_S` of far blocks; the input
@@ -102,9 +103,10 @@ AEC3_FIELD_TRIALS = b"WebRTC-Aec3UseDot6SecondsInitialStateDuration/Enabled/"
 # 2-7 dB down 0.5-2.5 s into the first reply, and a 300 ms one, beyond it until the tracker's hold
 # (~3 s), 0 dB. So the far end is held back until the direct path sits LINEAR_MARGIN_S into the
 # filter, on the tracker's early estimate, from ~0.75 s into the reply; the room's first ~120 ms
-# fit behind it. Over bench/echo.py's paths and barge-ins 1.5-2.5 s into a first reply (3 replies,
-# offline) the recognizer heard 81% of the words before, 91% with the early hold and 250 ms of
-# filter, 93% with 120 ms, 97% with 160 ms (88% with 80 ms: the margin and the hold's steps eat it).
+# fit behind it. bench/echo.py --offline (barge-ins 1.5-2.5 s into 3 first replies): the recognizer
+# heard 92% of the words before (the echo under them 0.2-0.4 dB down at 300 ms, 7-10 at 150 ms),
+# 98% with the early hold and 250 ms of filter, all of them with 160 ms (8-11 dB down at 300 ms,
+# 9-12 at 150 ms). 80-120 ms took 1-3 dB more, but off a pure delay: a room's tail needs the length.
 LINEAR_FILTER_S = 0.16
 LINEAR_MARGIN_S = 0.04  # the estimate is within a few ms, the hold a whole block, and it moves by LINEAR_HOLD_CHANGE_S
 LINEAR_HOLD_CHANGE_S = 0.03  # MDF reset and converging again costs less than a path 60 ms off in a short filter
