@@ -68,9 +68,11 @@ REPLY = ("Here is a longer reply from the bot. It keeps talking for a few second
 BARGE_IN = "Stop talking now please, I want to say something."
 BARGE_AT_S = 2.0  # into the reply's playback
 # --offline: more replies, and barge-ins earlier and later into them
-OFFLINE_REPLIES = [REPLY, "Welcome back to the stream, everyone. Tonight we are playing the new map, and the chat has "
-                   "a lot of questions about it.", "Sure, I can explain that. The first step is to open the settings "
-                   "menu, then pick the audio tab and choose your microphone."]
+OFFLINE_REPLIES = [
+    REPLY,
+    "Welcome back to the stream, everyone. Tonight we are playing the new map, and the chat has a lot of questions about it.",
+    "Sure, I can explain that. The first step is to open the settings menu, then pick the audio tab and choose your microphone.",
+]
 OFFLINE_BARGE_AT_S = (1.5, 2.0, 2.5)
 
 

@@ -48,7 +48,7 @@ is settled. What MDF learnt is kept from one reply to the next; only a move of i
 again. Both outputs have the input's sample positions. bench/echo.py --offline, barge-ins 1.5-2.5
 s into a first reply: the words lost ~0.9 dB on average in the linear output (~3 dB in its worst
 200 ms) where the suppressed one lost 3-15 dB (6-46 dB); the echo under them was 8-17 dB down
-(0.2-14 dB before the early hold), 20-29 dB in a second reply's first second (tests/unit/test_echo.py);
+(0.2-14 dB before the early hold), 24-28 dB in a second reply's first second (9-23 before; tests/unit/test_echo.py);
 the recognizer heard every word of them (92% before).
 
 Bounds: unplayed far end at most `MAX_FAR_S` (more is dropped oldest first and counted); the
