@@ -80,7 +80,9 @@ def clauses(*texts: str) -> list[str]:
     return [c.strip() for c in re.split(r"[,.]", " ".join(texts)) if c.strip()]
 
 
-PHRASES = clauses(REPLY, BARGE_IN)  # the recognizer's grammar, live
+# The recognizer's grammar, live: one phrase an utterance, and the barge-in is one utterance or two
+# (as the endpointer cuts it at its comma), so it is there whole as well as in halves.
+PHRASES = clauses(REPLY, BARGE_IN) + [BARGE_IN]
 SAY_AT_S = 0.5  # after the session is ready
 TAIL_S = 1.5  # kept listening after the reply (or the barge-in) ended
 CASE_LIMIT_S = 20.0
