@@ -2,6 +2,7 @@
 
     python bench/echo.py [--config configs/default.yaml] [--delays 50 150 300] [--gains -6 -20]
     python bench/echo.py --cpu   # only the cancellers' CPU time per second of audio
+    python bench/echo.py --offline   # only the barge-ins offline (no server), more replies and times
 
 One server (a subprocess on 127.0.0.1); one session per case, so each canceller starts cold, as a
 new stream's does. The client is a speaker and a microphone in one: it streams its input in real
@@ -26,7 +27,12 @@ Per case:
   (its projection, the worst frame and the mean) for AEC3's suppressed output (the gate, the VAD and
   barge-in hear it) and the linear one (the recognizer hears it), and the echo that came in under
   the words over the rest of the linear output there (what is not the speech: echo left, and the
-  canceller's own distortion of the speech, which dominates it when the echo is quiet).
+  canceller's own distortion of the speech, which dominates it when the echo is quiet); the echo
+  alone run through another canceller, and what its linear output leaves of the echo there (echo
+  down: how far MDF had converged when the user spoke); and what the default config's recognizer
+  (pocketsphinx on the bench's phrases) makes of the linear output over the whole barge-in, as one
+  utterance: the same input every run, where the live `heard` also depends on the box's load and
+  where the endpointer cut.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import re
@@ -60,6 +67,22 @@ REPLY = ("Here is a longer reply from the bot. It keeps talking for a few second
          "so that the echo has time to come back.")
 BARGE_IN = "Stop talking now please, I want to say something."
 BARGE_AT_S = 2.0  # into the reply's playback
+# --offline: more replies, and barge-ins earlier and later into them
+OFFLINE_REPLIES = [
+    REPLY,
+    "Welcome back to the stream, everyone. Tonight we are playing the new map, and the chat has a lot of questions about it.",
+    "Sure, I can explain that. The first step is to open the settings menu, then pick the audio tab and choose your microphone.",
+]
+OFFLINE_BARGE_AT_S = (1.5, 2.0, 2.5)
+
+
+def clauses(*texts: str) -> list[str]:
+    return [c.strip() for c in re.split(r"[,.]", " ".join(texts)) if c.strip()]
+
+
+# The recognizer's grammar, live: one phrase an utterance, and the barge-in is one utterance or two
+# (as the endpointer cuts it at its comma), so it is there whole as well as in halves.
+PHRASES = clauses(REPLY, BARGE_IN) + [BARGE_IN]
 SAY_AT_S = 0.5  # after the session is ready
 TAIL_S = 1.5  # kept listening after the reply (or the barge-in) ended
 CASE_LIMIT_S = 20.0
@@ -83,6 +106,8 @@ class CaseResult:
     kept_suppressed_db: tuple[float, float] | None = None
     kept_linear_db: tuple[float, float] | None = None
     linear_echo_over_rest_db: float | None = None  # the echo in under those words over what is not them in the linear output
+    linear_echo_down_db: float | None = None  # the echo in under those words over what the linear output leaves of it
+    heard_offline: str = ""  # what the recognizer made of the linear output there, offline, as one utterance
 
 
 class Room:
@@ -119,14 +144,14 @@ class Room:
         end = min(at + len(speech), len(self.voice))
         self.voice[at:end] += speech[: end - at]
 
-    def mic(self, k: int) -> np.ndarray:
-        """Input samples k .. k + CHUNK: the user plus the echo of what played `delay` ago."""
+    def mic(self, k: int, with_voice: bool = True) -> np.ndarray:
+        """Input samples k .. k + CHUNK: the user (unless not `with_voice`) plus the echo of what played `delay` ago."""
         echo = np.zeros(CHUNK, np.float32)
         lo = k - self.delay
         if lo + CHUNK > 0:
             src = self.played[max(0, lo) : lo + CHUNK]
             echo[CHUNK - len(src):] = src
-        return self.voice[k : k + CHUNK] + self.gain * echo
+        return (self.voice[k : k + CHUNK] if with_voice else 0) + self.gain * echo
 
 
 async def run_case(url: str, case: CaseResult, barge_speech: np.ndarray) -> CaseResult:
@@ -175,7 +200,7 @@ async def run_case(url: str, case: CaseResult, barge_speech: np.ndarray) -> Case
 
     user_from = barge_at if barge_at is not None else len(room.voice)  # before it, only the bot spoke
     if case.aec and case.barge and case.gain_db is not None and user_from + RATE <= k:
-        words_kept(case, room, k, user_from)
+        words_kept(case, room, k, user_from, len(barge_speech))
     started = {e["utterance_id"]: at for at, e in log if e["type"] == "speech.started"}
     case.echo_utterances = sum(1 for at in started.values() if at < user_from)
     for at, e in log:
@@ -192,21 +217,46 @@ async def run_case(url: str, case: CaseResult, barge_speech: np.ndarray) -> Case
     return case
 
 
-def words_kept(case: CaseResult, room: Room, end: int, user_from: int) -> None:
-    """The case's input through a canceller here, each output against what the user said."""
+def cancelled(room: Room, end: int, with_voice: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The case's input (or its echo alone) through a canceller here, the far end given as the
+    speaker played it, on the room's clock: (input, suppressed output, linear output)."""
     canceller = EchoCanceller(reply_rate=RATE)
     mic, suppressed, linear = [], [], []
-    for k in range(0, end, CHUNK):  # the far end given as the speaker played it, on the room's clock
+    for k in range(0, end, CHUNK):
         canceller.play(room.played[k : k + CHUNK], sent_at=k / RATE)
-        mic.append(room.mic(k))
+        mic.append(room.mic(k, with_voice))
         out = canceller.process(mic[-1], arrived=(k + CHUNK) / RATE)
         suppressed.append(out.suppressed)
         linear.append(out.linear)
+    return np.concatenate(mic), np.concatenate(suppressed), np.concatenate(linear)
+
+
+@functools.cache
+def offline_decoder():
+    """The default config's recognizer, on the phrases of every reply here and the whole barge-in as one (one utterance here)."""
+    from voicebot.asr.pocketsphinx import PocketsphinxRecognizer
+    from voicebot.config import PocketsphinxConfig
+
+    recognizer = PocketsphinxRecognizer(PocketsphinxConfig(phrases=clauses(*OFFLINE_REPLIES, BARGE_IN) + [BARGE_IN], decoders=1))
+    recognizer.load()
+    return recognizer.borrow()
+
+
+def heard_offline(audio: np.ndarray) -> str:
+    decoder = offline_decoder()
+    decoder.start_utt()
+    decoder.process_raw(to_pcm16(audio), False, True)
+    decoder.end_utt()
+    return decoder.hyp().hypstr if decoder.hyp() else ""
+
+
+def words_kept(case: CaseResult, room: Room, end: int, user_from: int, user_len: int) -> None:
+    """The case's input through a canceller here, each output against what the user said."""
+    mic, suppressed, linear = cancelled(room, end)
     voice = room.voice[user_from : user_from + RATE]
-    echo = np.concatenate(mic)[user_from : user_from + RATE] - voice
+    echo = mic[user_from : user_from + RATE] - voice
 
     def kept(out: np.ndarray) -> tuple[float, float, np.ndarray]:
-        out = np.concatenate(out)
         lag = max(range(0, 480, 16), key=lambda d: float(np.dot(out[user_from + d : user_from + d + RATE], voice)))
         out = out[user_from + lag : user_from + lag + RATE]
         gains = [float(np.dot(out[i : i + FRAME], voice[i : i + FRAME]) / np.dot(voice[i : i + FRAME], voice[i : i + FRAME]))
@@ -220,6 +270,40 @@ def words_kept(case: CaseResult, room: Room, end: int, user_from: int) -> None:
     case.kept_linear_db = (worst, mean)
     if np.any(echo):  # else the reply was over (or cut) before the user spoke
         case.linear_echo_over_rest_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(left, left)), 1e-12)))
+        # The echo alone through a canceller: what the linear output leaves of it there, the
+        # speech's distortion no part of it (the filter adapts on the echo alone, as before the user spoke).
+        _, _, echo_left = cancelled(room, end, with_voice=False)
+        echo_left = echo_left[user_from : user_from + RATE]
+        case.linear_echo_down_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(echo_left, echo_left)), 1e-12)))
+    case.heard_offline = heard_offline(linear[user_from - RATE // 10 : user_from + user_len + RATE * 3 // 10])
+
+
+def offline(delays: list[int], gains: list[int]) -> None:
+    """No server: each reply of OFFLINE_REPLIES played into each room, the barge-in from each of
+    OFFLINE_BARGE_AT_S into it, through words_kept: the same input every run, for comparing cancellers."""
+    speech = espeak_speech(BARGE_IN, "en-gb") * 0.7
+    said = BARGE_IN.lower().replace(",", "").replace(".", "").split()
+    start = int(SAY_AT_S * RATE)
+    print(f"offline: {len(OFFLINE_REPLIES)} replies x barge-in at {OFFLINE_BARGE_AT_S} s; of the barge-in's "
+          f"{len(said)} words, those the recognizer heard in the linear output; the echo under them, down (mean)")
+    print(f"{'delay':>6} {'gain':>6} {'words heard':>14} {'echo down':>10}")
+    total = cases = 0
+    for delay_ms, gain_db in itertools.product(delays, gains):
+        heard, down = 0, []
+        for text, at_s in itertools.product(OFFLINE_REPLIES, OFFLINE_BARGE_AT_S):
+            reply = espeak_speech(text, "en-us", RATE)
+            room = Room(delay_ms, gain_db)
+            room.played[start : start + len(reply)] = reply[: len(room.played) - start]
+            at = start + int(at_s * RATE)
+            room.say(speech, at)
+            case = CaseResult(True, delay_ms, gain_db, True)
+            words_kept(case, room, (at + len(speech) + RATE) // CHUNK * CHUNK, at, len(speech))
+            heard += sum(word in case.heard_offline.split() for word in said)
+            down.append(case.linear_echo_down_db)
+        n = len(OFFLINE_REPLIES) * len(OFFLINE_BARGE_AT_S) * len(said)
+        total, cases = total + heard, cases + n
+        print(f"{delay_ms:>3} ms {gain_db:>3} dB {heard:>6} of {n:<4} {np.mean(down):>7.1f} dB")
+    print(f"{'all':>13} {total:>6} of {cases:<4} ({total / cases:.0%})")
 
 
 def cpu_cost(seconds: float = 10.0, rounds: int = 5) -> None:
@@ -263,7 +347,11 @@ def main() -> None:
     parser.add_argument("--cancel", choices=["off", "on"], nargs="+", default=["off", "on"],
                         help="cancellation off, on, or both (the default, side by side)")
     parser.add_argument("--cpu", action="store_true", help="only the cancellers' CPU time per second of audio")
+    parser.add_argument("--offline", action="store_true", help="only the barge-ins offline (no server): what the recognizer hears")
     args = parser.parse_args()
+    if args.offline:
+        offline(args.delays, args.gains)
+        return
     cpu_cost()
     if args.cpu:
         return
@@ -273,8 +361,7 @@ def main() -> None:
     if config.get("asr", {}).get("engine", "pocketsphinx") == "pocketsphinx":
         # Both texts as phrases: the general English model decodes slower than real time on a
         # loaded 2-core box, and an echo that is transcribed at all still shows.
-        clauses = [c.strip() for c in re.split(r"[,.]", REPLY + " " + BARGE_IN) if c.strip()]
-        config.setdefault("asr", {}).setdefault("pocketsphinx", {})["phrases"] = clauses
+        config.setdefault("asr", {}).setdefault("pocketsphinx", {})["phrases"] = PHRASES
     server, base, config_file = start_server(config)
     url = base.replace("http", "ws") + "/v1/voice"
     results = []
@@ -312,13 +399,15 @@ def main() -> None:
         print(f"{'on' if r.aec else 'off':>6} {r.delay_ms:>3} ms {gain:>6} {'yes' if r.barge else 'no':>8} {att:>14} "
               f"{r.false_barge_ins:>15} {delay:>14} {r.echo_utterances:>15}  {heard}")
         if r.kept_linear_db is not None:
-            down = "-" if r.linear_echo_over_rest_db is None else f"{r.linear_echo_over_rest_db:.1f} dB"
+            rest = "-" if r.linear_echo_over_rest_db is None else f"{r.linear_echo_over_rest_db:.1f} dB"
+            down = "-" if r.linear_echo_down_db is None else f"{r.linear_echo_down_db:.1f} dB"
             words.append(f"{r.delay_ms:>3} ms {gain:>6}  {r.kept_suppressed_db[0]:+9.1f} {r.kept_suppressed_db[1]:+8.1f}"
-                         f"  {r.kept_linear_db[0]:+9.1f} {r.kept_linear_db[1]:+8.1f}  {down:>13}")
+                         f"  {r.kept_linear_db[0]:+9.1f} {r.kept_linear_db[1]:+8.1f}  {rest:>13} {down:>10}  {r.heard_offline!r}")
     if words:
         print("\nwords kept, the barge-in's first second (offline, the same input, the far end as it played): the "
-              "speech's gain in each output per 200 ms, worst and mean; the echo in under it over the rest of the linear output")
-        print(f"{'delay':>6} {'gain':>6}  {'suppressed':>18}  {'linear':>18}  {'echo / rest':>13}")
+              "speech's gain in each output per 200 ms, worst and mean; the echo in under it over the rest of the linear output, "
+              "and over what the linear output leaves of the echo alone; what the recognizer made of the linear output, one utterance")
+        print(f"{'delay':>6} {'gain':>6}  {'suppressed':>18}  {'linear':>18}  {'echo / rest':>13} {'echo down':>10}  heard offline")
         print(f"{'':>14}{'worst':>9} {'mean':>8}  {'worst':>9} {'mean':>8}")
         print("\n".join(words))
 

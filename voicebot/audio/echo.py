@@ -41,14 +41,15 @@ the output of a linear canceller, speexdsp's MDF adaptive filter alone (`LinearC
 preprocessor, the residual echo suppressor, never runs), fed the same far end, so the echo's
 estimate is subtracted and nothing else is touched. AEC3's own linear output (`GetLinearAecOutput`)
 is in no PyPI binding (not `aec-audio-processing`, `pywebrtc-audio`, nor livekit's APM). MDF has
-no delay search of its own: its filter covers `LINEAR_FILTER_S`, and a longer path, once the
-tracker has it, is held back into that as AEC3's is. Both outputs have the input's sample
-positions. bench/echo.py, a barge-in 2 s into a new reply: the first second of the words lost
-0.5-1.1 dB on average in the linear output (1.3-4.6 dB in its worst 200 ms) where the suppressed
-one lost 4-16 dB (11-49 dB); but MDF converges slowly on speech, and the echo under them is only
-~9 dB down then (-6 dB of echo at 50-150 ms; none yet at 300 ms, before the hold), 14-21 dB once
-converged (tests/unit/test_echo.py). The recognizer got the barge-in's first words in 3 cases of 6
-(1 before); at -6 dB of echo it still made '' of one.
+no delay search of its own and converges slowly (in time proportional to its length): its filter
+covers `LINEAR_FILTER_S`, and the far end is held back by the path less `LINEAR_MARGIN_S`, on an
+early estimate of the tracker's (`EARLY_WINDOW_S`, within ~0.75 s of a new reply) until its own
+is settled. What MDF learnt is kept from one reply to the next; only a move of its hold starts it
+again. Both outputs have the input's sample positions. bench/echo.py --offline, barge-ins 1.5-2.5
+s into a first reply: the words lost ~0.9 dB on average in the linear output (~3 dB in its worst
+200 ms) where the suppressed one lost 3-15 dB (6-46 dB); the echo under them was 8-17 dB down
+(0.2-14 dB before the early hold), 24-28 dB in a second reply's first second (9-23 before; tests/unit/test_echo.py);
+the recognizer heard every word of them (92% before).
 
 Bounds: unplayed far end at most `MAX_FAR_S` (more is dropped oldest first and counted); the
 tracker keeps `HISTORY_S` of each end; each hold at most `MAX_DELAY_S` of far blocks; the input
@@ -96,13 +97,27 @@ ECHO_CONFIRM_S = 0.02
 # 0.6 s of it: no later than a frame. None at all let a "300 ms" echo barge in live last time,
 # perhaps the hold shift that AEC3_REACH_S now avoids (that path measures 304-348 ms); not tried again.
 AEC3_FIELD_TRIALS = b"WebRTC-Aec3UseDot6SecondsInitialStateDuration/Enabled/"
-# The linear canceller's filter: 25 blocks, 250 ms of echo path. A path up to LINEAR_REACH_S is
-# left where it is (its room's tail still fits); a longer one is held back to LINEAR_MARGIN_S
-# (the tracker's estimate is within a few ms; the margin keeps the direct path inside the filter).
-# Longer filters converge more slowly and cost more: 8192 taps cost ~2x 4096 here.
-LINEAR_FILTER_S = 0.25
-LINEAR_REACH_S = 0.2
-LINEAR_MARGIN_S = 0.05
+# The linear canceller's filter: 16 blocks, 160 ms of echo path. MDF adapts too slowly for a new
+# reply's first seconds (its step is normalised over the whole filter, and set by an estimate of
+# the echo left that itself takes ~2 s to follow): with 250 ms of filter a 150 ms -6 dB path was
+# 2-7 dB down 0.5-2.5 s into the first reply, and a 300 ms one, beyond it until the tracker's hold
+# (~3 s), 0 dB. So the far end is held back until the direct path sits LINEAR_MARGIN_S into the
+# filter, on the tracker's early estimate, from ~0.75 s into the reply; the room's first ~120 ms
+# fit behind it. bench/echo.py --offline (barge-ins 1.5-2.5 s into 3 first replies): the recognizer
+# heard 92% of the words before (the echo under them 0.2-0.4 dB down at 300 ms, 7-10 at 150 ms),
+# 98% with the early hold and 250 ms of filter, all of them with 160 ms (8-11 dB down at 300 ms,
+# 9-12 at 150 ms). 80-120 ms took 1-3 dB more, but off a pure delay: a room's tail needs the length.
+LINEAR_FILTER_S = 0.16
+LINEAR_MARGIN_S = 0.04  # the estimate is within a few ms, the hold a whole block, and it moves by LINEAR_HOLD_CHANGE_S
+LINEAR_HOLD_CHANGE_S = 0.03  # MDF reset and converging again costs less than a path 60 ms off in a short filter
+# The linear hold's estimate, until the tracker's own: GCC-PHAT on half a second, every quarter
+# second, found every bench/echo.py path (50-700 ms, -6 to -20 dB, a voice over it) from 0.5-0.75 s
+# into the first reply, where the tracker's on ESTIMATE_EVERY_S confirms at ~3 s. Two in a row at
+# one delay, as for the tracker's. AEC3 keeps the tracker's own: a wrong hold there leaks the echo
+# into barge-in, one here only into the recognizer.
+EARLY_WINDOW_S = 0.5
+EARLY_EVERY_S = 0.25
+LINEAR_TRUSTS_ESTIMATES = 3  # the median of 3 moves with no one estimate
 SPEEX_ECHO_SET_SAMPLING_RATE = 24  # speex_echo.h
 
 _field_trials_lock = threading.Lock()
@@ -143,6 +158,7 @@ def _speexdsp() -> ctypes.CDLL | None:
     lib.speex_echo_cancellation.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.speex_echo_cancellation.restype = None
     lib.speex_echo_state_destroy.argtypes = [ctypes.c_void_p]
+    lib.speex_echo_state_reset.argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -182,25 +198,47 @@ class LinearCanceller:
         self._lib.speex_echo_cancellation(self._state, near.ctypes.data, far.ctypes.data, self._out.ctypes.data)
         return self._out.astype(np.float32) / 32768.0
 
+    def reset(self) -> None:
+        """Start adapting afresh (the far end was shifted: what the filter learnt is misplaced)."""
+        self._lib.speex_echo_state_reset(self._state)
+
 
 class FarHold:
-    """Far blocks held back by a delay. It only changes by MIN_HOLD_CHANGE_S or more: the canceller
+    """Far blocks held back by a delay. It only changes by `min_change_s` or more: the canceller
     behind it converges again after every shift."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_change_s: float = MIN_HOLD_CHANGE_S) -> None:
         self._held: deque[np.ndarray] = deque()  # at most `_blocks`, MAX_DELAY_S / 10 ms
         self._blocks = 0
+        self._min_change_s = min_change_s
 
-    def follow(self, hold_s: float) -> None:
-        if abs(hold_s - self._blocks * BLOCK / SAMPLE_RATE) >= MIN_HOLD_CHANGE_S:
-            self._blocks = round(min(hold_s, MAX_DELAY_S) * SAMPLE_RATE / BLOCK)
-            while len(self._held) > self._blocks:
-                self._held.popleft()
+    def follow(self, hold_s: float) -> bool:
+        """Hold the far end back by `hold_s` from now on, if that is a change; whether it was."""
+        if abs(hold_s - self._blocks * BLOCK / SAMPLE_RATE) < self._min_change_s:
+            return False
+        self._blocks = round(min(hold_s, MAX_DELAY_S) * SAMPLE_RATE / BLOCK)
+        while len(self._held) > self._blocks:
+            self._held.popleft()
+        return True
 
     def shift(self, block: np.ndarray) -> np.ndarray:
         """`block` in, the one of the hold before it out (silence while the hold fills)."""
         self._held.append(block)
         return self._held.popleft() if len(self._held) > self._blocks else np.zeros(BLOCK, np.float32)
+
+
+def _clear_peak_s(near: np.ndarray, far: np.ndarray) -> float | None:
+    """GCC-PHAT: the delay of `near` behind the end of `far` (which starts MAX_DELAY_S before `near`),
+    in seconds; None where the correlation has no clear peak (music or a noisy room gives a flat
+    one, and a guess would misalign)."""
+    max_lag = round(MAX_DELAY_S * SAMPLE_RATE)
+    n = 1 << int(np.ceil(np.log2(len(far) + len(near))))
+    cross = np.fft.rfft(far, n) * np.conj(np.fft.rfft(near, n))
+    corr = np.fft.irfft(cross / (np.abs(cross) + 1e-12), n)
+    # far starts max_lag earlier than near, so an echo `delay` samples late peaks at max_lag - delay.
+    lags = corr[: max_lag + 1][::-1]  # index = delay in samples
+    peak = int(np.argmax(lags))
+    return peak / SAMPLE_RATE if lags[peak] >= 8 * np.median(np.abs(lags)) else None
 
 
 class DelayTracker:
@@ -210,6 +248,7 @@ class DelayTracker:
         self._near: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * SAMPLE_RATE / BLOCK))
         self._far: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * SAMPLE_RATE / BLOCK))
         self._since_estimate = 0
+        self._since_early = 0
         # The median of the last few estimates: one window can fool GCC-PHAT (the end of a reply,
         # a repeated phrase) without moving the reported delay.
         self._recent: deque[float] = deque(maxlen=5)
@@ -220,20 +259,41 @@ class DelayTracker:
         self.echo_absent = False
         self.echo_confirmed = False
         self._last_peak_s: float | None = None
+        # Until delay_s is known: the first two early estimates in a row at one delay (the linear
+        # hold only). Kept: a voice over the reply made two overlapping windows agree on a chance
+        # lag (0.53 s, 0.95 s of a 50 ms path) and moved the hold under the very words it was for.
+        self.early_delay_s: float | None = None
+        self._last_early_s: float | None = None
+
+    @property
+    def linear_delay_s(self) -> float | None:
+        """The delay the linear canceller's hold follows: the early one until the tracker's median
+        has LINEAR_TRUSTS_ESTIMATES behind it (a first median of one was a voice's chance lag: a
+        150 ms path read 80 ms under a barge-in, and the hold moved under the words twice)."""
+        if self.early_delay_s is not None and self.estimates < LINEAR_TRUSTS_ESTIMATES:
+            return self.early_delay_s
+        return self.delay_s
 
     def add(self, near_block: np.ndarray, far_block: np.ndarray) -> None:
         self._near.append(near_block)
         self._far.append(far_block)
         self._since_estimate += BLOCK
+        self._since_early += BLOCK
         if self._since_estimate >= ESTIMATE_EVERY_S * SAMPLE_RATE and len(self._far) == self._far.maxlen:
             self._since_estimate = 0
             self._estimate()
+        if self.linear_delay_s is None and self._since_early >= EARLY_EVERY_S * SAMPLE_RATE:
+            self._since_early = 0
+            self._early_estimate()
+
+    def _ends(self, window_s: float) -> tuple[np.ndarray, np.ndarray]:
+        """The last `window_s` of the near end and that plus MAX_DELAY_S of the far end (zeros before the session)."""
+        window, far_len = round(window_s * SAMPLE_RATE), round((window_s + MAX_DELAY_S) * SAMPLE_RATE)
+        near, far = np.concatenate(self._near)[-window:], np.concatenate(self._far)[-far_len:]
+        return near, np.pad(far, (far_len - len(far), 0))
 
     def _estimate(self) -> None:
-        window = round(ESTIMATE_EVERY_S * SAMPLE_RATE)
-        max_lag = round(MAX_DELAY_S * SAMPLE_RATE)
-        near = np.concatenate(self._near)[-window:]
-        far = np.concatenate(self._far)[-(window + max_lag):]
+        near, far = self._ends(ESTIMATE_EVERY_S)
         if np.sqrt(np.mean(far**2)) < FAR_ACTIVE_RMS:
             return
         # No echo means none of any delay up to MAX_DELAY_S: only when the bot spoke in both halves
@@ -242,26 +302,26 @@ class DelayTracker:
         if np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:  # nothing came back at all
             self.echo_absent |= no_echo
             return
-        n = 1 << int(np.ceil(np.log2(len(far) + window)))
-        cross = np.fft.rfft(far, n) * np.conj(np.fft.rfft(near, n))
-        corr = np.fft.irfft(cross / (np.abs(cross) + 1e-12), n)
-        # far starts max_lag earlier than near, so an echo `delay` samples late peaks at max_lag - delay.
-        lags = corr[: max_lag + 1][::-1]  # index = delay in samples
-        peak = int(np.argmax(lags))
-        # A clear peak only: music or a noisy room gives a flat correlation, and a guess would misalign.
-        if lags[peak] < 8 * np.median(np.abs(lags)):
-            # Not taken for no echo: a real echo in a noisy room, or under music, can miss the peak
-            # (bench/echo.py: a 300 ms -20 dB echo once did, and without a reference it barged in).
-            self._last_peak_s = None
+        # No clear peak is not taken for no echo: a real echo in a noisy room, or under music, can
+        # miss it (bench/echo.py: a 300 ms -20 dB echo once did, and without a reference it barged in).
+        last, self._last_peak_s = self._last_peak_s, _clear_peak_s(near, far)
+        if self._last_peak_s is None:
             return
-        last, self._last_peak_s = self._last_peak_s, peak / SAMPLE_RATE
-        if last is not None and abs(peak / SAMPLE_RATE - last) <= ECHO_CONFIRM_S:
+        if last is not None and abs(self._last_peak_s - last) <= ECHO_CONFIRM_S:
             self.echo_confirmed, self.echo_absent = True, False
         if not self.echo_confirmed:
             return  # one peak alone may be a voice over the reply: no delay from it
-        self._recent.append(peak / SAMPLE_RATE)
+        self._recent.append(self._last_peak_s)
         self.delay_s = float(np.median(self._recent))
         self.estimates += 1
+
+    def _early_estimate(self) -> None:
+        near, far = self._ends(EARLY_WINDOW_S)
+        if np.sqrt(np.mean(far**2)) < FAR_ACTIVE_RMS or np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:
+            return  # the bot is silent, or nothing came back yet: the last peak still stands
+        last, self._last_early_s = self._last_early_s, _clear_peak_s(near, far)
+        if last is not None and self._last_early_s is not None and abs(self._last_early_s - last) <= ECHO_CONFIRM_S:
+            self.early_delay_s = self._last_early_s
 
 
 class EchoCanceller:
@@ -292,7 +352,7 @@ class EchoCanceller:
         # Without libspeexdsp the recognizer hears the suppressed output (said at start-up and in /readyz).
         self._linear = None if (lib := _speexdsp()) is None else LinearCanceller(lib)
         # Far blocks matched with input, waiting out each canceller's hold.
-        self._aec3_hold, self._linear_hold = FarHold(), FarHold()
+        self._aec3_hold, self._linear_hold = FarHold(), FarHold(LINEAR_HOLD_CHANGE_S)
         self._near_partial = np.zeros(0, np.float32)
         self.tracker = DelayTracker()
         self.far_dropped_samples = 0  # reply audio never matched with input (the far queue was full)
@@ -363,11 +423,13 @@ class EchoCanceller:
             return block
 
     def _follow_delay(self) -> None:
-        delay_s = self.tracker.delay_s
-        if delay_s is None:
-            return
-        self._aec3_hold.follow(delay_s - HOLD_MARGIN_S if delay_s > AEC3_REACH_S else 0.0)
-        self._linear_hold.follow(delay_s - LINEAR_MARGIN_S if delay_s > LINEAR_REACH_S else 0.0)
+        if (delay_s := self.tracker.delay_s) is not None:
+            self._aec3_hold.follow(delay_s - HOLD_MARGIN_S if delay_s > AEC3_REACH_S else 0.0)
+        linear_delay_s = self.tracker.linear_delay_s
+        if linear_delay_s is not None and self._linear_hold.follow(max(0.0, linear_delay_s - LINEAR_MARGIN_S)) and self._linear:
+            # What MDF learnt before the shift is misplaced (and it took itself for adapted on it):
+            # afresh it took 1-2 dB more off a 300 ms path 1.5-2.5 s into the first reply.
+            self._linear.reset()
 
     def process(self, near: np.ndarray, arrived: float | None = None) -> Cancelled:
         """Input (16 kHz float32) whose last sample arrived at `arrived` (monotonic), with the echo
