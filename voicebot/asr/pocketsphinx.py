@@ -33,9 +33,10 @@ import numpy as np
 
 from voicebot.asr.base import Hypothesis, Recognizer, RecognizerStream
 from voicebot.asr.pocketsphinx_decoders import PARTIAL_INTERVAL_SAMPLES, Decoders, Transcriber, model_name
-from voicebot.asr.pocketsphinx_process import DecoderProcess, DecoderProcessLost, start_all
+from voicebot.asr.pocketsphinx_process import LOSS_CAUSES, DecoderProcess, DecoderProcessLost, start_all
 from voicebot.config import PocketsphinxConfig
 from voicebot.engine_reports import EngineInfo, ResetReport
+from voicebot.metrics import register_processes_lost
 from voicebot.serving.worker import Worker
 
 __all__ = ["PARTIAL_INTERVAL_SAMPLES", "PocketsphinxRecognizer"]
@@ -95,8 +96,16 @@ class PocketsphinxRecognizer(Recognizer):
     def info(self) -> EngineInfo:
         details = {"model": self.model, "phrases": len(self.config.phrases), "processes": len(self.processes)}
         if self.processes:
-            details["processes_lost"] = sum(process.lost for process in self.processes)
+            details["processes_lost"] = sum(self.processes_lost().values())
         return EngineInfo("asr", self.name, "cpu", self._loaded, details)
+
+    def processes_lost(self) -> dict[str, int]:
+        """Decoding children lost under the server, by cause (died, hung)."""
+        return {cause: sum(process.lost[cause] for process in self.processes) for cause in LOSS_CAUSES}
+
+    def register_metrics(self, registry) -> None:
+        if self.processes:
+            register_processes_lost(registry, self.name, self.processes_lost)
 
     def workers(self) -> list[Worker | DecoderProcess]:
         # A process's load, for admission control, is its child's CPU time answering requests.
