@@ -10,8 +10,9 @@ Where the decoders live (`asr.pocketsphinx.processes`):
 - in decoding processes (the default; voicebot/asr/pocketsphinx_process.py): the binding holds the
   GIL for a whole call, but a child's own. A stream is bound to the process with the fewest streams
   when it opens, for its life; the `decoders` pool is split among the processes. A stream whose
-  process died fails its utterance in progress (the session's `engine_error`), and its reset (the
-  session runs one after a failure) binds it to a live process.
+  process was lost (died, or hung past a request's deadline and killed) fails its utterance in
+  progress (the session's `engine_error`), and its reset (the session runs one after a failure)
+  binds it to a live process.
 - in the server's process (`processes: 0`), on two worker threads: every call holds the server's
   GIL, so the event loop and every session's audio pacing wait out each one (a Decoder's build,
   0.2-0.6 s; one thread decoding 10 s of audio in one call kept the loop off for 2.4 s), and the
@@ -166,7 +167,7 @@ class ProcessStream(RecognizerStream):
             renewed = child is not None and await self.process.run(child, ("renew", self.id, self.engine.cepstral_mean))
         except DecoderProcessLost:
             renewed = False
-        if not renewed:  # its process died, and its decoder with it: a new one, on a live process
+        if not renewed:  # its process was lost, and its decoder with it: a new one, on a live process
             self.process.streams -= 1
             self._bind(self.engine.least_loaded())
             await self._child()

@@ -75,7 +75,7 @@ LOSS_CAUSES = ("died", "hung")
 
 
 class DecoderProcessLost(RuntimeError):
-    """The process holding a stream's decoder died; the stream's utterance went with it."""
+    """The process holding a stream's decoder died, or hung and was killed; the stream's utterance went with it."""
 
 
 class DecoderProcess:
