@@ -1,5 +1,5 @@
 """pocketsphinx's decoding processes (voicebot/asr/pocketsphinx_process.py): streams bound to a
-child for their life, a child that dies replaced and its streams told, no child left after close."""
+child for their life, a child that dies or hangs replaced and its streams told, no child left after close."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import pytest
 
 from tests.audio import espeak_speech
 from tests.conftest import TEST_PHRASES, VoiceClient, make_settings, running_server, speech_pcm
+from voicebot.asr import pocketsphinx_process
 from voicebot.asr.pocketsphinx import PocketsphinxRecognizer
-from voicebot.asr.pocketsphinx_process import DecoderProcessLost
+from voicebot.asr.pocketsphinx_process import (ANSWER_FLOOR_S, ANSWER_S_PER_AUDIO_S, MAX_FEED_BYTES, DecoderProcess,
+                                               DecoderProcessLost)
 from voicebot.config import PocketsphinxConfig
 
 
@@ -90,7 +92,7 @@ def test_a_killed_child_fails_its_streams_clearly_is_replaced_and_counted(recogn
         with pytest.raises(DecoderProcessLost, match="pocketsphinx-0's process died"):
             for i in range(6400, len(audio), 640):  # the next request finds it dead (or dies with it)
                 await stream.accept(audio[i : i + 640])
-        assert victim.lost == 1 and victim.pid not in (None, old_pid) and gone(old_pid)
+        assert victim.lost == {"died": 1, "hung": 0} and victim.pid not in (None, old_pid) and gone(old_pid)
         assert recognizer.info().details["processes_lost"] == 1
         # Its later requests fail the same way until the session's reset binds it to a live child.
         with pytest.raises(DecoderProcessLost):
@@ -103,6 +105,84 @@ def test_a_killed_child_fails_its_streams_clearly_is_replaced_and_counted(recogn
         assert victim in {s.process for s in fresh}
         assert await asyncio.gather(*(transcribe(s, audio) for s in fresh)) == [TEST_PHRASES[1]] * 2
         await asyncio.gather(*(s.close() for s in [stream, *fresh]))
+
+    asyncio.run(scenario())
+
+
+# A hung child is waited for this long past its request's deadline (which the tests shorten) at most.
+HANG_SLACK_S = 30
+
+
+def test_a_request_has_a_deadline_from_the_audio_it_decodes():
+    process = DecoderProcess(0, [], False, keep=1)  # never spawned: the deadline is the server side's arithmetic
+    chunk = bytes(2 * 640)  # 40 ms
+    assert process.answer_deadline_s(("open", 7, None)) == ANSWER_FLOOR_S
+    assert process.answer_deadline_s(("feed", 7, chunk)) == pytest.approx(ANSWER_FLOOR_S + 0.04 * ANSWER_S_PER_AUDIO_S)
+    for _ in range(74):  # 3 s in all
+        process.answer_deadline_s(("feed", 7, chunk))
+    process.answer_deadline_s(("feed", 8, chunk))  # another stream's utterance is its own
+    # The end of the utterance searches all of it again; the next request starts from nothing.
+    assert process.answer_deadline_s(("finish", 7, None)) == pytest.approx(ANSWER_FLOOR_S + 3 * ANSWER_S_PER_AUDIO_S)
+    assert process.answer_deadline_s(("close", 7, None)) == ANSWER_FLOOR_S
+    assert process.answer_deadline_s(("renew", 8, None)) == pytest.approx(ANSWER_FLOOR_S + 0.04 * ANSWER_S_PER_AUDIO_S)
+
+
+def test_a_long_feed_goes_to_the_child_in_pieces_of_at_most_a_second(recognizer, monkeypatch):
+    audio = np.concatenate([utterance(TEST_PHRASES[0]), np.zeros(16000, np.float32)])
+    assert len(audio) * 2 > 2 * MAX_FEED_BYTES  # three pieces, the last a short one
+    process = recognizer.processes[0]
+    sent: list[int] = []
+    round_trip = process._round_trip
+
+    def recorded(request):
+        if request[0] == "feed":
+            sent.append(len(request[2]))
+        return round_trip(request)
+
+    monkeypatch.setattr(process, "_round_trip", recorded)
+
+    async def scenario() -> str:
+        stream = recognizer.open()
+        assert stream.process is process
+        try:
+            await stream.accept(audio)  # one call, as /v1/audio/transcriptions makes
+            return (await stream.finish()).text
+        finally:
+            await stream.close()
+
+    assert asyncio.run(scenario()) == TEST_PHRASES[0]
+    assert sum(sent) == len(audio) * 2 and max(sent) == MAX_FEED_BYTES and len(sent) == -(-len(audio) * 2 // MAX_FEED_BYTES)
+
+
+def test_a_hung_child_is_killed_its_streams_fail_clearly_and_it_is_replaced(recognizer, monkeypatch):
+    monkeypatch.setattr(pocketsphinx_process, "ANSWER_FLOOR_S", 2.0)
+    audio = utterance(TEST_PHRASES[1])
+    victim, other = recognizer.processes
+
+    async def scenario() -> None:
+        stream, elsewhere, neighbour = (recognizer.open() for _ in range(3))
+        assert (stream.process, elsewhere.process, neighbour.process) == (victim, other, victim)
+        await stream.accept(audio[:6400])
+        await neighbour.accept(audio[:6400])
+        old_pid = victim.pid
+        os.kill(old_pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DecoderProcessLost, match=r"pocketsphinx-0's process did not answer within 2 s \(hung\)"):
+                await asyncio.wait_for(stream.accept(audio[6400:7040]), HANG_SLACK_S)
+        finally:
+            if not gone(old_pid):
+                os.kill(old_pid, signal.SIGCONT)  # the test failed: the child must not stay stopped
+        assert victim.lost == {"died": 0, "hung": 1} and wait_gone([old_pid]) and victim.pid not in (None, old_pid)
+        assert recognizer.info().details["processes_lost"] == 1
+        # The other stream on it lost its utterance too; the stream on the other child never knew.
+        with pytest.raises(DecoderProcessLost, match="pocketsphinx-0's process was lost earlier"):
+            await neighbour.finish()
+        assert await transcribe(elsewhere, audio) == TEST_PHRASES[1]
+        # Each goes on after its reset, on a live child.
+        for lost in (stream, neighbour):
+            await lost.reset()
+            assert await transcribe(lost, audio) == TEST_PHRASES[1]
+        await asyncio.gather(*(s.close() for s in (stream, elsewhere, neighbour)))
 
     asyncio.run(scenario())
 
@@ -124,7 +204,7 @@ def test_a_child_that_died_idle_is_replaced_before_the_next_stream(recognizer):
             await stream.close()
 
     assert asyncio.run(scenario()) == TEST_PHRASES[2]
-    assert victim.lost == 1 and victim.pid != old_pid
+    assert victim.lost == {"died": 1, "hung": 0} and victim.pid != old_pid
 
 
 def test_a_child_that_cannot_build_its_decoders_fails_the_start_up():
@@ -181,6 +261,39 @@ def test_a_session_whose_child_is_killed_gets_an_error_and_goes_on():
                 assert (await client.wait_for("asr.final"))["text"] == TEST_PHRASES[0]
 
         asyncio.run(scenario())
-        assert process.lost == 1
+        assert process.lost == {"died": 1, "hung": 0}
+        assert server.metric("voicebot_decoder_processes_lost_total", 'cause="died",engine="pocketsphinx"') == 1
+        assert 'voicebot_decoder_processes_lost_total{cause="hung",engine="pocketsphinx"} 0.0' in server.get("/metrics").text
         pid = process.pid
     assert gone(pid)
+
+
+def test_a_session_whose_child_hangs_gets_an_error_and_goes_on(monkeypatch):
+    monkeypatch.setattr(pocketsphinx_process, "ANSWER_FLOOR_S", 2.0)
+    settings = make_settings(asr={"pocketsphinx": {"phrases": TEST_PHRASES, "processes": 1}})
+    with running_server(settings) as server:
+        process = server.runtime.recognizer.processes[0]
+        assert 'voicebot_decoder_processes_lost_total{cause="hung",engine="pocketsphinx"} 0.0' in server.get("/metrics").text
+
+        async def scenario() -> None:
+            async with VoiceClient.connect(server.ws_url) as client:
+                speech = speech_pcm(TEST_PHRASES[2])
+                await client.stream(speech[: len(speech) // 2], speed=4)
+                await client.wait_for("speech.started")
+                stopped = process.pid
+                os.kill(stopped, signal.SIGSTOP)
+                try:
+                    await client.stream(speech[len(speech) // 2 :], speed=4)
+                    error = await client.wait_for("error", timeout=HANG_SLACK_S)
+                finally:
+                    if not gone(stopped):
+                        os.kill(stopped, signal.SIGCONT)
+                assert error["code"] == "engine_error" and error["engine"] == "asr"
+                assert "pocketsphinx-0's process did not answer within 2 s (hung)" in error["message"]
+                await client.stream(speech_pcm(TEST_PHRASES[2]), speed=4)
+                assert (await client.wait_for("asr.final"))["text"] == TEST_PHRASES[2]
+
+        asyncio.run(scenario())
+        assert process.lost == {"died": 0, "hung": 1}
+        assert server.metric("voicebot_decoder_processes_lost_total", 'cause="hung",engine="pocketsphinx"') == 1
+        assert server.get("/readyz").json()["engines"][0]["details"]["processes_lost"] == 1

@@ -113,3 +113,24 @@ class _VoiceRefreshesFailed(Collector):
         family = CounterMetricFamily("voicebot_voice_refreshes_failed", "Voice state derivations (periodic reset) that failed; the voice kept its state")
         family.add_metric([], self.failed())
         yield family
+
+
+def register_processes_lost(registry: CollectorRegistry, engine: str, lost: Callable[[], dict[str, int]]) -> None:
+    """Export voicebot_decoder_processes_lost_total{engine,cause}: an engine's decoding processes
+    that died or hung (no answer by a request's deadline; killed) and were replaced, by cause, read
+    at scrape time, as /readyz's processes_lost."""
+    registry.register(_ProcessesLost(engine, lost))
+
+
+class _ProcessesLost(Collector):
+    def __init__(self, engine: str, lost: Callable[[], dict[str, int]]) -> None:
+        self.engine = engine
+        self.lost = lost
+
+    def collect(self):
+        family = CounterMetricFamily("voicebot_decoder_processes_lost", "Decoding processes lost and replaced, by engine and cause "
+                                     "(died; hung: no answer by its request's deadline, killed); their streams lost their utterance in progress",
+                                     labels=["engine", "cause"])
+        for cause, count in self.lost().items():
+            family.add_metric([self.engine, cause], count)
+        yield family

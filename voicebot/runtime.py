@@ -108,6 +108,7 @@ class Runtime:
         self.vad.start()
         for engine in (self.recognizer, self.synthesizer, *self.responders.values()):
             engine.load()
+        self.recognizer.register_metrics(self.metrics.registry)
         self.synthesizer.register_metrics(self.metrics.registry)
         register_vad_metrics(self.metrics.registry, self.vad)
         pools = [self.audio_worker, self.vad, *self.recognizer.workers(), *self.synthesizer.workers()]

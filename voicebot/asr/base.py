@@ -83,5 +83,8 @@ class Recognizer(ABC):
         An engine that answers admission itself (a batching device scheduler) lists none."""
         return []
 
+    def register_metrics(self, registry) -> None:
+        """Add the engine's own Prometheus collectors (pocketsphinx's decoding processes) to the app's registry."""
+
     def close(self) -> None:
         """Release shared resources at shutdown."""

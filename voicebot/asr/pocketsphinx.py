@@ -10,8 +10,9 @@ Where the decoders live (`asr.pocketsphinx.processes`):
 - in decoding processes (the default; voicebot/asr/pocketsphinx_process.py): the binding holds the
   GIL for a whole call, but a child's own. A stream is bound to the process with the fewest streams
   when it opens, for its life; the `decoders` pool is split among the processes. A stream whose
-  process died fails its utterance in progress (the session's `engine_error`), and its reset (the
-  session runs one after a failure) binds it to a live process.
+  process was lost (died, or hung past a request's deadline and killed) fails its utterance in
+  progress (the session's `engine_error`), and its reset (the session runs one after a failure)
+  binds it to a live process.
 - in the server's process (`processes: 0`), on two worker threads: every call holds the server's
   GIL, so the event loop and every session's audio pacing wait out each one (a Decoder's build,
   0.2-0.6 s; one thread decoding 10 s of audio in one call kept the loop off for 2.4 s), and the
@@ -33,9 +34,10 @@ import numpy as np
 
 from voicebot.asr.base import Hypothesis, Recognizer, RecognizerStream
 from voicebot.asr.pocketsphinx_decoders import PARTIAL_INTERVAL_SAMPLES, Decoders, Transcriber, model_name
-from voicebot.asr.pocketsphinx_process import DecoderProcess, DecoderProcessLost, start_all
+from voicebot.asr.pocketsphinx_process import LOSS_CAUSES, DecoderProcess, DecoderProcessLost, start_all
 from voicebot.config import PocketsphinxConfig
 from voicebot.engine_reports import EngineInfo, ResetReport
+from voicebot.metrics import register_processes_lost
 from voicebot.serving.worker import Worker
 
 __all__ = ["PARTIAL_INTERVAL_SAMPLES", "PocketsphinxRecognizer"]
@@ -95,8 +97,16 @@ class PocketsphinxRecognizer(Recognizer):
     def info(self) -> EngineInfo:
         details = {"model": self.model, "phrases": len(self.config.phrases), "processes": len(self.processes)}
         if self.processes:
-            details["processes_lost"] = sum(process.lost for process in self.processes)
+            details["processes_lost"] = sum(self.processes_lost().values())
         return EngineInfo("asr", self.name, "cpu", self._loaded, details)
+
+    def processes_lost(self) -> dict[str, int]:
+        """Decoding children lost under the server, by cause (died, hung)."""
+        return {cause: sum(process.lost[cause] for process in self.processes) for cause in LOSS_CAUSES}
+
+    def register_metrics(self, registry) -> None:
+        if self.processes:
+            register_processes_lost(registry, self.name, self.processes_lost)
 
     def workers(self) -> list[Worker | DecoderProcess]:
         # A process's load, for admission control, is its child's CPU time answering requests.
@@ -157,7 +167,7 @@ class ProcessStream(RecognizerStream):
             renewed = child is not None and await self.process.run(child, ("renew", self.id, self.engine.cepstral_mean))
         except DecoderProcessLost:
             renewed = False
-        if not renewed:  # its process died, and its decoder with it: a new one, on a live process
+        if not renewed:  # its process was lost, and its decoder with it: a new one, on a live process
             self.process.streams -= 1
             self._bind(self.engine.least_loaded())
             await self._child()

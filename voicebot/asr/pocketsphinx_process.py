@@ -15,14 +15,17 @@ server's main script again in the child.) It exits when its pipe closes, so a se
 outright leaves no child behind.
 
 Bounds: one request in flight per process (its worker has one thread), so the pipe holds at most
-one chunk; a stream awaits each call, so it has at most one request queued or in flight. A child
-holds at most `keep` idle decoders plus one per stream bound to it.
+one request, of at most 1 s of audio (`MAX_FEED_BYTES`: a longer feed goes as several); a stream
+awaits each call, so it has at most one request queued or in flight. A child holds at most `keep`
+idle decoders plus one per stream bound to it.
 
-A child that dies (killed, crashed) is noticed at the next request to it, or by the request it was
-answering: that request, and every later one of a stream that was bound to it, fails with
-`DecoderProcessLost` (the session reports a recognizer failure, loses that utterance, and its reset
-binds the stream to a live process: see PocketsphinxRecognizer); the death is counted (`lost`) and
-a new child is started at once, so the next stream works.
+A child is lost when it dies (killed, crashed: noticed at the next request to it, or by the request
+it was answering) or hangs (alive but silent past its request's deadline, `answer_deadline_s`: a
+decoder stuck in C, a SIGSTOP; it is killed). Either way that request, and every later one of a
+stream that was bound to it, fails with `DecoderProcessLost` (the session reports a recognizer
+failure, loses that utterance, and its reset binds the stream to a live process: see
+PocketsphinxRecognizer); the loss is counted by cause (`lost`: /readyz `processes_lost`,
+voicebot_decoder_processes_lost_total) and a new child is started at once, so the next stream works.
 """
 
 from __future__ import annotations
@@ -50,9 +53,32 @@ START_TIMEOUT_S = 60.0
 # After SIGTERM at shutdown, a child is given this long before SIGKILL.
 STOP_TIMEOUT_S = 5.0
 
+# A request's deadline: past it the child counts as hung (killed, replaced, its streams failed).
+# Generous, since a false alarm costs every stream on the child its utterance in progress, while a
+# real hang only has to be ended within seconds. Measured on this 2-core box at load 6 (four
+# developers' jobs): a Decoder's build took 0.5-0.6 s of CPU and up to 2.1 s of wall time with the
+# general LM (0.15-0.2 s with a grammar); 6.5 s of audio fed in one call took 3.2 s of CPU and 5.9 s
+# of wall time with the LM (0.2 s with a grammar), and its end of utterance 0.16 s.
+# Any request may wait behind one build the child runs between requests (Decoders' refill), and an
+# open may run one itself: two builds, 4.2 s at that worst, so a floor of 15 s (3.5 times that).
+ANSWER_FLOOR_S = 15.0
+# On top, per second of the audio the request decodes (a feed's chunk; for a finish, renew or close,
+# which end the utterance, the utterance so far: the best path and the LM's second pass search it
+# again): 4 s, four times the worst wall time measured (0.9 s per s of audio). The clock starts at
+# the send, so a request's wait in its worker's queue behind other streams' is not counted: 16 LM
+# streams at once on one child (bench/pocketsphinx_burst.py --model lm --streams 16) finished at
+# p95 0.6 s, far inside.
+ANSWER_S_PER_AUDIO_S = 4.0
+SAMPLE_RATE = 16000
+# The most audio one request carries: 1 s of s16le (32 KB). The socket's buffer (about 200 KB)
+# takes it whole, so a send never blocks on a hung child, which only its answer's deadline watches.
+MAX_FEED_BYTES = 2 * SAMPLE_RATE
+# Why a child was lost: it exited, or it hung (no answer by the deadline) and was killed.
+LOSS_CAUSES = ("died", "hung")
+
 
 class DecoderProcessLost(RuntimeError):
-    """The process holding a stream's decoder died; the stream's utterance went with it."""
+    """The process holding a stream's decoder died, or hung and was killed; the stream's utterance went with it."""
 
 
 class DecoderProcess:
@@ -68,9 +94,12 @@ class DecoderProcess:
         self.worker = Worker(self.name, threads=1)
         self._child: subprocess.Popen | None = None
         self._conn: Connection | None = None
-        self.generation = 0  # which child: one more at each death; a stream's requests name theirs
+        self.generation = 0  # which child: one more at each loss; a stream's requests name theirs
         self.streams = 0  # streams bound here (on the event loop: PocketsphinxRecognizer.open)
-        self.lost = 0  # children that died under the server
+        self.lost = dict.fromkeys(LOSS_CAUSES, 0)  # children lost under the server, by cause
+        # Samples fed to each bound stream's utterance in progress, for its end's deadline (on
+        # `worker`; one entry per stream bound to this child).
+        self._utterance_samples: dict[int, int] = {}
         self.busy_s = 0.0  # the children's CPU seconds answering requests, for admission control
         self._closing = False
 
@@ -114,21 +143,47 @@ class DecoderProcess:
         """One request of a stream bound to child `generation`, and its answer (blocking: on `worker`)."""
         self._live_child()
         if generation != self.generation:
-            raise DecoderProcessLost(f"{self.name}'s process died earlier; this stream's decoder went with it")
-        return self._round_trip(request)
+            raise DecoderProcessLost(f"{self.name}'s process was lost earlier; this stream's decoder went with it")
+        op, stream_id, argument = request
+        if op != "feed":
+            return self._round_trip(request)
+        partial = None  # the last partial that changed, as one feed of the whole would answer
+        for start in range(0, max(len(argument), 1), MAX_FEED_BYTES):
+            answer = self._round_trip((op, stream_id, argument[start : start + MAX_FEED_BYTES]))
+            partial = partial if answer is None else answer
+        return partial
 
     async def run(self, generation: int, request: tuple) -> Any:
         return await self.worker.run(self.call, generation, request)
 
+    def answer_deadline_s(self, request: tuple) -> float:
+        """How long the child may take to answer this request (see ANSWER_FLOOR_S); keeps count of
+        each stream's utterance, whose end is searched again."""
+        op, stream_id, argument = request
+        if op == "feed":
+            samples = len(argument) // 2
+            self._utterance_samples[stream_id] = self._utterance_samples.get(stream_id, 0) + samples
+        else:  # open starts a stream; finish, renew and close end its utterance
+            samples = self._utterance_samples.pop(stream_id, 0)
+        return ANSWER_FLOOR_S + samples / SAMPLE_RATE * ANSWER_S_PER_AUDIO_S
+
     def _round_trip(self, request: tuple) -> Any:
+        deadline_s = self.answer_deadline_s(request)
         try:
             self._conn.send(request)
-            result, error, cpu_s = self._conn.recv()
+            answered = self._conn.poll(deadline_s)
+            if answered:
+                result, error, cpu_s = self._conn.recv()
         except (EOFError, OSError):
-            code = self._bury()
+            code = self._bury("died")
             self._restart()
             raise DecoderProcessLost(f"{self.name}'s process died (exit code {code}) during this request; "
                                      f"a new one is started") from None
+        if not answered:
+            self._bury("hung")
+            self._restart()
+            raise DecoderProcessLost(f"{self.name}'s process did not answer within {deadline_s:.0f} s (hung): "
+                                     f"it was killed and a new one is started")
         self.busy_s += cpu_s
         if error is not None:
             raise RuntimeError(f"pocketsphinx: {error}")
@@ -139,16 +194,19 @@ class DecoderProcess:
         if self._child is None:
             self._restart(quiet=False)
         elif self._child.poll() is not None:
-            self._bury()
+            self._bury("died")
             self._restart(quiet=False)
 
-    def _bury(self) -> int | None:
-        """The child is dead: counted, its exit code; the streams bound to it are lost with it."""
+    def _bury(self, cause: str) -> int | None:
+        """The child is dead, or hung and killed here: counted by cause, its exit code; the streams
+        bound to it are lost with it."""
         code = self._end_child()
+        self._utterance_samples.clear()
         if not self._closing:
-            self.lost += 1
+            self.lost[cause] += 1
             self.generation += 1
-            log.error("%s's process died (exit code %s); its streams lose their utterance in progress", self.name, code)
+            log.error("%s's process was lost (%s, exit code %s); its streams lose their utterance in progress",
+                      self.name, cause, code)
         return code
 
     def _restart(self, quiet: bool = True) -> None:
