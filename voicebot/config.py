@@ -133,8 +133,9 @@ class EndpointConfig(Section):
     # repeated to the pause's length; its answer stands for the pause's if the user stays silent
     # until then. Exact in digital silence; in room noise it agrees with the pause's own answer
     # about as often as two noise samples do (bench/smart_turn.py). Sooner, a "complete" also lands
-    # inside more short pauses: on the espeak set 26 -> 29 cut-ins of 80 (bench/smart_turn.py --replay),
-    # which is why it is off by default: ~130 ms sooner for the shows that accept that ...
+    # inside more short pauses: at 192 ms and 0.8, asked at 32 ms, cut-ins of espeak 22 -> 24 of 80,
+    # Piper 67 -> 76 and 61 -> 67 of 182 (bench/smart_turn.py --replay, 80 ms answers), which is why
+    # it is off by default: ~80-130 ms sooner for the shows that accept that ...
     smart_early_ms: int = Field(0, ge=0, le=2000)
     # ... then again each time the pause grows by this much while the answer is "incomplete" ...
     smart_reask_ms: int = Field(320, ge=32, le=5000)
