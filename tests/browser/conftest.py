@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.support import speech, write_wav
+from tests.browser.support import WireLog, speech, write_wav
 from tests.conftest import TEST_PHRASES, make_settings, running_server
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -61,12 +61,24 @@ def browser(mic_wav, live_server):
         browser.close()
 
 
+WIRE_LOG = pytest.StashKey[WireLog]()
+
+
 @pytest.fixture
-def page(browser):
+def page(browser, request):
     context = browser.new_context(viewport={"width": 1280, "height": 800})
     page = context.new_page()
+    request.node.stash[WIRE_LOG] = WireLog(page)
     yield page
     context.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed browser test's report ends with what its page's WebSockets carried."""
+    report = (yield).get_result()
+    if report.when == "call" and report.failed and WIRE_LOG in item.stash:
+        report.sections.append(("the page's WebSocket messages", item.stash[WIRE_LOG].text()))
 
 
 @pytest.fixture
