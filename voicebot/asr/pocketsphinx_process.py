@@ -141,8 +141,11 @@ class DecoderProcess:
 
     def call(self, generation: int, request: tuple) -> Any:
         """One request of a stream bound to child `generation`, and its answer (blocking: on `worker`)."""
-        self._live_child()
+        dead_code = self._live_child()
         if generation != self.generation:
+            if dead_code is not None:  # it died since this stream's last request: this request is the first to know
+                raise DecoderProcessLost(f"{self.name}'s process died (exit code {dead_code}) before this "
+                                         f"request; a new one is started")
             raise DecoderProcessLost(f"{self.name}'s process was lost earlier; this stream's decoder went with it")
         op, stream_id, argument = request
         if op != "feed":
@@ -189,13 +192,16 @@ class DecoderProcess:
             raise RuntimeError(f"pocketsphinx: {error}")
         return result
 
-    def _live_child(self) -> None:
-        """A child that died while idle (or one that failed to start) replaced before a request."""
+    def _live_child(self) -> int | None:
+        """A child that died while idle (or one that failed to start) replaced before a request; the
+        dead child's exit code when it was found dead here, else None."""
         if self._child is None:
             self._restart(quiet=False)
         elif self._child.poll() is not None:
-            self._bury("died")
+            code = self._bury("died")
             self._restart(quiet=False)
+            return code
+        return None
 
     def _bury(self, cause: str) -> int | None:
         """The child is dead, or hung and killed here: counted by cause, its exit code; the streams
