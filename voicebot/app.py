@@ -21,7 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from voicebot import __version__, auth, limits, memory, openai_audio, protocol
-from voicebot.asr.funasr_ws import funasr_segmenter, serve_funasr
+from voicebot.asr.funasr_ws import RefusingInFunasrShape, funasr_segmenter, serve_funasr
 from voicebot.channels import run_listener
 from voicebot.config import Settings, load_settings
 from voicebot.loop_watch import LoopWatch
@@ -161,7 +161,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.websocket("/")  # the runtime's C++/Java/Python clients connect to ws://host:port/ only
     async def funasr(ws: WebSocket) -> None:
         """The FunASR runtime's 2-pass protocol (docs/funasr.md), on the same recognizer and VAD."""
-        if await admit(ws, funasr=True):
+        if await admit(RefusingInFunasrShape(ws), funasr=True):
             funasr_open[0] += 1
             try:
                 segmenter = funasr_segmenter(rt.recognizer, settings.endpoint, rt.vad)
