@@ -110,3 +110,32 @@ def test_a_say_past_the_reply_limit_is_cut_and_the_client_told_what(server):
     assert cut["code"] == "reply_cut" and cut["reply_id"] == done["reply_id"]
     assert done["text"] + cut["cut_text"] == text and cut["cut_chars"] == len(text) - len(done["text"]) > 0
     assert server.metric("voicebot_errors_total", 'code="reply_cut"') == cut_before + 1
+
+
+def test_an_invalid_utf8_text_frame_closes_1007_with_one_log_line_and_others_go_on(server):
+    # RFC 6455 8.1: the connection fails (the websockets library closes it 1007); the server logs
+    # one line for it, not a traceback per frame, and the next session is served.
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+
+    async def scenario():
+        async with VoiceClient.connect(server.ws_url) as client:
+            client.ws.protocol.send_text(b"\xff\xfe not utf-8")
+            client.ws.send_data()
+            await client.ws.wait_closed()
+            closed = client.ws.close_code
+        async with VoiceClient.connect(server.ws_url) as client:
+            await client.send({"type": "ping", "id": "next"})
+            await client.wait_for("pong")
+        return closed
+
+    try:
+        assert run(scenario()) == 1007
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    (line,) = [r for r in records if "UTF-8" in r.getMessage()]
+    assert line.exc_info is None and line.levelname == "WARNING"

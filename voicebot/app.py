@@ -31,7 +31,7 @@ from voicebot.realtime import RealtimeSocket, RefusingInOpenAIShape
 from voicebot.realtime_events import RealtimeTranslator
 from voicebot.runtime import Runtime
 from voicebot.session import Session
-from voicebot.transport import Socket, receive_loop
+from voicebot.transport import Socket, one_line_for_invalid_utf8, receive_loop
 
 log = logging.getLogger("voicebot")
 
@@ -40,6 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or load_settings()
     auth.check_exposure(settings.server)
     auth.hide_tokens_in_logs()
+    one_line_for_invalid_utf8()
     memory.limit_heap_arenas()  # before the engines start their threads
     rt = Runtime(settings)
     funasr_open = [0]  # /funasr connections: they count toward max_sessions like sessions do
