@@ -659,6 +659,12 @@ def _turn_detection(value: Any) -> dict | None:
     if value["type"] == "semantic_vad":
         return {"type": "semantic_vad", "eagerness": value.get("eagerness", "auto"), "create_response": True,
                 "interrupt_response": True}
+    # Not applied here (the endpointer keeps its own pre-roll; an idle turn is the client's to end):
+    # taken only as they are in force, as session.update takes every field it cannot apply.
+    for name in ("prefix_padding_ms", "idle_timeout_ms"):
+        if value.get(name, DEFAULT_TURN_DETECTION[name]) != DEFAULT_TURN_DETECTION[name]:
+            raise RealtimeError(f"{name} cannot be changed here; in force: {json.dumps(DEFAULT_TURN_DETECTION[name])}",
+                                "unsupported_value", f"{param}.{name}")
     detection = {**DEFAULT_TURN_DETECTION, **{k: v for k, v in value.items() if k in DEFAULT_TURN_DETECTION and v is not None}}
     silence = detection["silence_duration_ms"]
     if not isinstance(silence, int) or isinstance(silence, bool) or not SILENCE_MS[0] <= silence <= SILENCE_MS[1]:

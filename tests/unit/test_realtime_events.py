@@ -303,6 +303,10 @@ def test_no_speech_started_or_stopped_with_turn_detection_off():
     ({"temperature": 0.8}, "session.temperature", "unknown_parameter"),
     ({"max_output_tokens": 200}, "session.max_output_tokens", "unsupported_value"),
     ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction", "unsupported_value"),
+    ({"turn_detection": {"type": "server_vad", "prefix_padding_ms": 500}}, "session.audio.input.turn_detection.prefix_padding_ms",
+     "unsupported_value"),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 6000}}}},
+     "session.audio.input.turn_detection.idle_timeout_ms", "unsupported_value"),
 ])
 def test_beta_and_unserved_session_fields_are_refused_by_name(beta, param, code):
     t = translator()
