@@ -231,13 +231,63 @@ def test_manual_commit_without_turn_detection(server):
             await append_speech(connection, speech_pcm(phrase, rate=RATE, tail_s=0.6), speed=3)
             await asyncio.sleep(0.3)
             assert not events.of_type("input_audio_buffer.committed")  # no VAD commit without turn detection
+            # Push-to-talk: the commit and the response.create at once, as clients send them.
             await connection.input_audio_buffer.commit()
+            await connection.response.create()  # voicebot answers the committed turn: this asks for that reply
             committed = await events.wait("input_audio_buffer.committed")
             completed = await events.wait("conversation.item.input_audio_transcription.completed")
             assert completed["transcript"] == phrase and completed["item_id"] == committed["item_id"]
-            await connection.response.create()  # voicebot answers the committed turn: this asks for that reply
             done = (await events.wait("response.done"))["response"]
             assert done["status"] == "completed" and len(events.of_type("response.created")) == 1
+            kinds = [e["type"] for e in events.events]
+            assert kinds.count("error") == 1  # the empty commit's, before the update: none for the create
+            # VAD off: no speech_started/stopped (OpenAI sends none without turn detection)
+            assert not {"input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped"} & set(kinds)
+
+    run(scenario())
+
+
+def test_beta_shaped_session_fields_are_applied_or_refused_by_name(server):
+    async def scenario():
+        async with realtime(server) as (connection, events):
+            # The beta API's shape, as older clients send it: what is served is applied...
+            await connection.send_raw(json.dumps({"type": "session.update", "session": {
+                "modalities": ["text", "audio"], "voice": "en", "output_audio_format": "pcm16",
+                "turn_detection": {"type": "server_vad", "silence_duration_ms": 700}}}))
+            updated = (await events.wait("session.updated"))["session"]
+            assert updated["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 700
+            assert updated["voicebot"]["endpoint_silence_ms"] == 700
+            # ... and what is not is refused by name, the session unchanged.
+            for field, value in (("voice", "alloy"), ("output_audio_format", "g711_ulaw"), ("modalities", ["text"])):
+                await connection.send_raw(json.dumps({"type": "session.update", "event_id": field,
+                                                      "session": {field: value}}))
+            await events.wait("error", count=3)
+            errors = {e["error"]["event_id"]: e["error"] for e in events.of_type("error")}
+            assert errors["voice"]["param"] == "session.audio.output.voice" and "alloy" in errors["voice"]["message"]
+            assert errors["output_audio_format"]["code"] == "unsupported_value"
+            assert errors["modalities"]["param"] == "session.modalities"
+            assert len(events.of_type("session.updated")) == 1
+
+    run(scenario())
+
+
+def test_a_truncate_while_the_reply_plays_reports_what_was_played(server):
+    async def scenario():
+        async with realtime(server) as (connection, events):
+            await connection.conversation.item.create(item={
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG_TEXT}]})
+            await connection.response.create()
+            await events.wait("response.output_audio.delta", count=10)  # 2 s of the reply's audio
+            item_id = events.of_type("response.output_item.added")[0]["item"]["id"]
+            await connection.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=1000)
+            truncated = await events.wait("conversation.item.truncated")
+            done = (await events.wait("response.done"))["response"]
+            heard = truncated["voicebot"]["heard_text"]
+            assert heard and LONG_TEXT.startswith(heard) and heard != LONG_TEXT
+            # response.done says what the conversation keeps: what was played, not what was sent
+            assert done["status"] == "cancelled" and done["voicebot"]["heard_text"] == heard
+            assert done["voicebot"]["played_ms"] == 1000
+            assert history(server, events)[-1] == {"role": "assistant", "content": heard}
 
     run(scenario())
 

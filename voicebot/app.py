@@ -21,7 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from voicebot import __version__, auth, limits, memory, openai_audio, protocol
-from voicebot.asr.funasr_ws import funasr_segmenter, serve_funasr
+from voicebot.asr.funasr_ws import RefusingInFunasrShape, funasr_segmenter, serve_funasr
 from voicebot.channels import run_listener
 from voicebot.config import Settings, load_settings
 from voicebot.loop_watch import LoopWatch
@@ -31,7 +31,7 @@ from voicebot.realtime import RealtimeSocket, RefusingInOpenAIShape
 from voicebot.realtime_events import RealtimeTranslator
 from voicebot.runtime import Runtime
 from voicebot.session import Session
-from voicebot.transport import Socket, receive_loop
+from voicebot.transport import Socket, one_line_for_invalid_utf8, receive_loop
 
 log = logging.getLogger("voicebot")
 
@@ -40,6 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or load_settings()
     auth.check_exposure(settings.server)
     auth.hide_tokens_in_logs()
+    one_line_for_invalid_utf8()
     memory.limit_heap_arenas()  # before the engines start their threads
     rt = Runtime(settings)
     funasr_open = [0]  # /funasr connections: they count toward max_sessions like sessions do
@@ -161,7 +162,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.websocket("/")  # the runtime's C++/Java/Python clients connect to ws://host:port/ only
     async def funasr(ws: WebSocket) -> None:
         """The FunASR runtime's 2-pass protocol (docs/funasr.md), on the same recognizer and VAD."""
-        if await admit(ws, funasr=True):
+        if await admit(RefusingInFunasrShape(ws), funasr=True):
             funasr_open[0] += 1
             try:
                 segmenter = funasr_segmenter(rt.recognizer, settings.endpoint, rt.vad)

@@ -71,6 +71,8 @@ class ErrorCode:
     START_TIMEOUT = "start_timeout"  # no session.start within server.start_timeout_s; then CloseCode.POLICY
     IDLE_TIMEOUT = "idle_timeout"  # nothing from the client for server.idle_timeout_s; then CloseCode.POLICY
     CHANNEL_TAKEN = "channel_taken"  # session.start named a channel another session speaks on
+    REPLY_CUT = "reply_cut"  # a reply (a say, or the responder's text) past reply.max_reply_chars: the rest not spoken
+    CONVERSATION_LOST = "conversation_lost"  # another session resumed this session's conversation with its resume token
     CHANNEL_LOST = "channel_lost"  # a speaker whose channel another session took (its resume token, or the cluster)
     READ_ONLY = "read_only"  # a listener sent something other than ping
 
@@ -258,11 +260,16 @@ def _describe(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def audio_frame_limit(sample_rate: int) -> int:
+    """The most bytes one binary frame of audio may hold: MAX_CHUNK_SECONDS at `sample_rate`."""
+    return int(sample_rate * MAX_CHUNK_SECONDS) * 2
+
+
 def check_audio(nbytes: int, sample_rate: int) -> None:
     """Validate one binary frame of s16le mono PCM."""
     if nbytes % 2:
         raise ProtocolError(ErrorCode.ODD_PCM_BYTES, f"binary frame has {nbytes} bytes; s16le PCM needs an even count")
-    limit = int(sample_rate * MAX_CHUNK_SECONDS) * 2
+    limit = audio_frame_limit(sample_rate)
     if nbytes > limit:
         raise ProtocolError(
             ErrorCode.FRAME_TOO_LARGE,

@@ -85,7 +85,8 @@ class RealtimeSocket:
             await self._answer(self.translator.error("only the latest response can be truncated", "item_truncate_invalid_item_id",
                                                    "item_id"))
             return
-        await self._session.interrupt("client")  # a no-op if it has ended; otherwise it stops here
+        # A no-op if it has ended; otherwise it stops here, its response.done reporting what was played.
+        await self._session.interrupt("client", played_ms=action.audio_end_ms)
         heard = reply.truncate(action.audio_end_ms)
         await self._answer(self.translator.truncated(action, heard))
 

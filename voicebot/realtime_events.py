@@ -158,6 +158,10 @@ class RealtimeTranslator:
     _last_item: str | None = None
     _pending_texts: list[str] = field(default_factory=list)  # typed user messages awaiting response.create
     _turn_answered: bool = False  # voicebot answered the latest spoken turn on its own; no response.create claimed it
+    _commit_open: bool = False  # a commit was forwarded and its turn has not ended yet
+    # A response.create that came while the commit's turn was still being recognised: answered at
+    # that turn's end (its reply, or the error), so that it never overtakes `committed`. Its event_id.
+    _create_held: str | None = None
     _responses: dict[str, _Response] = field(default_factory=dict)  # by reply id, the last RESPONSES_KEPT
     _playing: _Response | None = None  # the response whose frames are arriving
     _in_force: dict = field(default_factory=dict)  # voicebot's own view of the settings (its session.updated)
@@ -190,7 +194,7 @@ class RealtimeTranslator:
             return [Send(self.error(exc.message, exc.code, exc.param, event_id=event_id))]
 
     def _session_update(self, event: dict) -> list[Action]:
-        session = _object(event, "session", "session")
+        session = self._ga_shaped(_object(event, "session", "session"))
         if session.get("type", "realtime") != "realtime":
             raise RealtimeError("only realtime sessions are served here (not transcription)", param="session.type")
         if session.get("output_modalities") not in (None, ["audio"]):
@@ -207,6 +211,10 @@ class RealtimeTranslator:
                                     f"session.audio.{where}.format")
         if audio_out.get("speed", 1.0) != 1.0:
             raise RealtimeError("speed is not supported", "unsupported_value", "session.audio.output.speed")
+        in_force = self.session()
+        _only_in_force(session, in_force, _SESSION_FIELDS, "session")
+        _only_in_force(audio_in, in_force["audio"]["input"], ("format", "turn_detection", "transcription"), "session.audio.input")
+        _only_in_force(audio_out, in_force["audio"]["output"], ("format", "voice", "speed"), "session.audio.output")
         voice = audio_out.get("voice")
         if voice is not None and (not isinstance(voice, str) or voice not in self.voices):
             raise RealtimeError(f"unknown voice {str(voice)[:64]!r}; available: {', '.join(self.voices)}", param="session.audio.output.voice")
@@ -233,6 +241,40 @@ class RealtimeTranslator:
         actions.append(_voice_message("session.update", **update))  # answered by session.updated
         return actions
 
+    def _ga_shaped(self, session: dict) -> dict:
+        """A session.update in the beta API's shape (`modalities`, `voice`, `input_audio_format`,
+        `output_audio_format`, `turn_detection`, `input_audio_transcription` at the top) mapped to
+        the GA fields it stands for; what has no GA field here is refused by the checks that follow."""
+        session = dict(session)
+        audio = dict(_object(session, "audio", "session.audio", required=False))
+        audio_in = dict(_object(audio, "input", "session.audio.input", required=False))
+        audio_out = dict(_object(audio, "output", "session.audio.output", required=False))
+        for beta, (where, name) in _BETA_FIELDS.items():
+            if beta not in session:
+                continue
+            value = session.pop(beta)
+            target = {"session": session, "input": audio_in, "output": audio_out}[where]
+            if beta == "modalities":
+                if not isinstance(value, list) or "audio" not in value:
+                    raise RealtimeError("modalities must include \"audio\": voicebot always speaks its replies (their "
+                                        "transcript comes with the audio)", "unsupported_value", "session.modalities")
+                value = ["audio"]
+            elif beta.endswith("_audio_format"):
+                if value != "pcm16":
+                    raise RealtimeError(f"{beta} {str(value)[:32]!r} is not served: audio is pcm16 at 24 kHz "
+                                        f"({json.dumps(PCM_FORMAT)})", "unsupported_value", f"session.{beta}")
+                value = PCM_FORMAT
+            if name in target and target[name] != value:
+                raise RealtimeError(f"session.{beta} and its GA field disagree: send one", param=f"session.{beta}")
+            target[name] = value
+        if audio_in:
+            audio["input"] = audio_in
+        if audio_out:
+            audio["output"] = audio_out
+        if audio:
+            session["audio"] = audio
+        return session
+
     def _append(self, event: dict) -> list[Action]:
         audio = event.get("audio")
         if not isinstance(audio, str):
@@ -251,6 +293,7 @@ class RealtimeTranslator:
         if self.uncommitted_bytes == 0:
             raise RealtimeError("the input audio buffer is empty", "input_audio_buffer_commit_empty")
         self.uncommitted_bytes = 0
+        self._commit_open = True
         return [_voice_message("input.end")]  # its utterance's asr.final brings `committed`
 
     def _clear(self, event: dict) -> list[Action]:
@@ -309,6 +352,11 @@ class RealtimeTranslator:
             # voicebot answers every spoken turn itself: this response.create asks for that reply.
             self._turn_answered = False
             return []
+        if self._commit_open and self._create_held is None:
+            # Push-to-talk's commit then response.create at once: the commit's turn is still being
+            # recognised; it answers this (_turn_end), after its `committed`.
+            self._create_held = event.get("event_id") if isinstance(event.get("event_id"), str) else ""
+            return []
         raise RealtimeError("nothing new to respond to: add a user message or commit speech first",
                             "response_create_nothing_new")
 
@@ -354,6 +402,8 @@ class RealtimeTranslator:
 
     def _speech_started(self, event: dict) -> list[dict]:
         self._utterance = _Utterance(f"item_{event['utterance_id']}", self._input_ms())
+        if self.turn_detection is None:
+            return []  # VAD off (push-to-talk): OpenAI sends no speech_started/stopped, only `committed`
         return [self._event("input_audio_buffer.speech_started", audio_start_ms=self._utterance.start_ms,
                             item_id=self._utterance.item_id)]
 
@@ -377,8 +427,10 @@ class RealtimeTranslator:
         previous, self._last_item = self._last_item, item_id
         item = {"id": item_id, "object": "realtime.item", "type": "message", "status": "completed", "role": "user",
                 "content": [{"type": "input_audio", "transcript": text if self.transcription is not None else None}]}
+        stopped = [] if self.turn_detection is None else [
+            self._event("input_audio_buffer.speech_stopped", audio_end_ms=end_ms, item_id=item_id)]
         events = [
-            self._event("input_audio_buffer.speech_stopped", audio_end_ms=end_ms, item_id=item_id),
+            *stopped,
             self._event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id),
             self._event("conversation.item.added", previous_item_id=previous, item=item),
             self._event("conversation.item.done", previous_item_id=previous, item=item),
@@ -398,6 +450,12 @@ class RealtimeTranslator:
         return [self._event("input_audio_buffer.cleared")]
 
     def _turn_end(self, event: dict) -> list[dict]:
+        held, self._create_held, self._commit_open = self._create_held, None, False
+        if held is not None:  # a response.create waited for this turn: it claims its reply, or learns there is none
+            if event["text"]:
+                return []
+            return [self.error("nothing new to respond to: the committed audio held no words",
+                               "response_create_nothing_new", event_id=held or None)]
         if event["text"]:
             self._turn_answered = True  # its reply follows (a turn may hold several utterances)
         return []
@@ -549,6 +607,34 @@ class RealtimeTranslator:
         return {"type": kind, "event_id": f"event_{next(self._events)}", **fields}
 
 
+# The beta API's session fields: where each goes in the GA shape (session, audio.input or audio.output).
+_BETA_FIELDS = {
+    "modalities": ("session", "output_modalities"),
+    "voice": ("output", "voice"),
+    "input_audio_format": ("input", "format"),
+    "output_audio_format": ("output", "format"),
+    "turn_detection": ("input", "turn_detection"),
+    "input_audio_transcription": ("input", "transcription"),
+}
+# The session fields session.update applies or checks itself; any other is taken only with the
+# value in force (a client may send back the session it was given), else refused by name.
+_SESSION_FIELDS = ("type", "instructions", "audio", "output_modalities", "tools")
+
+
+def _only_in_force(update: dict, in_force: dict, handled: Collection[str], param: str) -> None:
+    """Refuse every field of `update` not in `handled` whose value is not the one in force: a field
+    this server cannot apply is never dropped unsaid."""
+    for name, value in update.items():
+        if name in handled:
+            continue
+        if name not in in_force:
+            raise RealtimeError(f"{param}.{name[:64]} is not a setting here (settings: {', '.join(sorted(in_force))})",
+                                "unknown_parameter", f"{param}.{name[:64]}")
+        if value != in_force[name]:
+            raise RealtimeError(f"{param}.{name} cannot be changed here; in force: {json.dumps(in_force[name])[:200]}",
+                                "unsupported_value", f"{param}.{name}")
+
+
 def _object(parent: dict, key: str, param: str, required: bool = True) -> dict:
     value = parent.get(key)
     if value is None and not required:
@@ -573,6 +659,12 @@ def _turn_detection(value: Any) -> dict | None:
     if value["type"] == "semantic_vad":
         return {"type": "semantic_vad", "eagerness": value.get("eagerness", "auto"), "create_response": True,
                 "interrupt_response": True}
+    # Not applied here (the endpointer keeps its own pre-roll; an idle turn is the client's to end):
+    # taken only as they are in force, as session.update takes every field it cannot apply.
+    for name in ("prefix_padding_ms", "idle_timeout_ms"):
+        if value.get(name, DEFAULT_TURN_DETECTION[name]) != DEFAULT_TURN_DETECTION[name]:
+            raise RealtimeError(f"{name} cannot be changed here; in force: {json.dumps(DEFAULT_TURN_DETECTION[name])}",
+                                "unsupported_value", f"{param}.{name}")
     detection = {**DEFAULT_TURN_DETECTION, **{k: v for k, v in value.items() if k in DEFAULT_TURN_DETECTION and v is not None}}
     silence = detection["silence_duration_ms"]
     if not isinstance(silence, int) or isinstance(silence, bool) or not SILENCE_MS[0] <= silence <= SILENCE_MS[1]:

@@ -6,12 +6,18 @@ to a client that is gone), and `RuntimeError` from calling a socket that is alre
 `receive_loop` ends quietly on all three, whether they come out of the receive or out of a send
 made while handling a message; a RuntimeError while the socket is still open is a bug and is
 raised. Users: /v1/voice (speaker and listener), /obs/audio, /funasr (and the next protocol).
+
+A text frame that is not UTF-8 never reaches the app: RFC 6455 (8.1) has the server fail the
+connection, and the websockets library does, with close 1007 ("invalid frame payload data"), which
+is the client's answer. uvicorn's sans-I/O WebSocket logs a traceback for each such frame;
+`one_line_for_invalid_utf8` keeps it to its one line, so a client cannot fill the log with them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Collection
 from typing import Protocol
 
@@ -77,3 +83,21 @@ async def send(ws: Socket, message: Wire) -> None:
         await ws.send_bytes(message)
     else:
         await ws.send_text(message)
+
+
+class _OneLineForInvalidUtf8(logging.Filter):
+    """uvicorn's "Invalid UTF-8 sequence received from client." without its traceback: the
+    client's fault, answered with close 1007, not a server error to debug."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.getMessage().startswith("Invalid UTF-8 sequence received from client"):
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def one_line_for_invalid_utf8() -> None:
+    """Install the filter on uvicorn's error log (idempotent)."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _OneLineForInvalidUtf8) for f in logger.filters):
+        logger.addFilter(_OneLineForInvalidUtf8())

@@ -10,6 +10,7 @@ same transcript.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 
 import numpy as np
@@ -145,10 +146,36 @@ def test_mp3_file_decoded(server_url, audio_file):
     assert finals(messages)  # lossy: other samples, so other text from random weights; but speech
 
 
-def test_file_outside_offline_mode_is_refused_clearly(server_url, audio_file):
-    (error,) = stream(server_url, audio_file("mp3"), "2pass")
-    assert error["is_final"] and error["mode"] == "2pass-offline" and error["wav_name"] == "two-sentences.mp3"
-    assert error["text"].startswith("ERROR.") and "offline mode" in error["error"]
+def test_a_file_in_2pass_mode_is_decoded(server_url, audio_file, transcript):
+    # funasr-client sends the extension as wav_format in every mode; the file's audio is streamed
+    messages = stream(server_url, audio_file("flac"), "2pass")
+    well_formed(messages, name="two-sentences.flac")
+    assert "".join(m["text"] for m in finals(messages)) == transcript
+
+
+def test_the_runtime_clients_others_file_is_decoded_and_its_end_acknowledged(server_url, audio_file, transcript):
+    # funasr_wss_client.py (runtime/python/websocket): wav_format "others" for a file that is not
+    # .wav/.pcm, sent in 19200-byte pieces, then {"is_speaking": false, "is_end": true}; it waits
+    # for a message with is_end and reads is_final from it.
+    import websockets
+
+    async def run():
+        async with websockets.connect(with_token(server_url)) as ws:
+            await ws.send(json.dumps({"mode": "2pass", "chunk_size": [5, 10, 5], "chunk_interval": 10,
+                                      "audio_fs": 16000, "wav_name": "demo", "wav_format": "others",
+                                      "is_speaking": True, "hotwords": "", "itn": True}))
+            data = audio_file("flac").read_bytes()
+            for start in range(0, len(data), 19200):
+                await ws.send(data[start : start + 19200])
+            await ws.send(json.dumps({"is_speaking": False, "is_end": True}))
+            messages = []
+            while not (messages and messages[-1].get("is_end")):
+                messages.append(json.loads(await ws.recv()))
+            return messages
+
+    messages = asyncio.run(asyncio.wait_for(run(), 60))
+    assert messages[-1]["is_final"] and "error" not in messages[-1]
+    assert "".join(m["text"] for m in messages if m["mode"] == "2pass-offline") == transcript
 
 
 def test_without_the_token_refused(server_url, audio_file):
@@ -162,6 +189,20 @@ def test_without_the_token_refused(server_url, audio_file):
     with pytest.raises(ConnectionClosedError) as refused:
         asyncio.run(asyncio.wait_for(run(), 30))
     assert refused.value.rcvd.code == 4401 and refused.value.rcvd.reason == "unauthorized"
+
+
+def test_a_refusal_comes_in_funasrs_shape(server_url):
+    # A final error result, read as any result is (the runtime's clients and HTML5 page read mode,
+    # wav_name, text and is_final: a voicebot error event has none of them), then the close.
+    import websockets
+
+    async def run():
+        async with websockets.connect(server_url) as ws:  # no token
+            return json.loads(await ws.recv())
+
+    refusal = asyncio.run(asyncio.wait_for(run(), 30))
+    assert refusal["mode"] == "2pass-offline" and refusal["is_final"] and refusal["text"] == f"ERROR. {refusal['error']}"
+    assert refusal["code"] == "unauthorized" and "wav_name" in refusal and "type" not in refusal
 
 
 def test_wss_with_a_self_signed_certificate(tiny_models, audio_file, transcript, tmp_path):

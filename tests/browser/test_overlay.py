@@ -69,3 +69,23 @@ async def emulate_obs_plugin(url: str, stereo: np.ndarray) -> None:
             await asyncio.sleep(max(0.0, start + i * OBS_BLOCK / 48000 - time.monotonic()))
             await ws.send(obs_audio_message(stereo[offset : offset + OBS_BLOCK], timestamp_ns=offset * 10**9 // 48000))
         await ws.send(json.dumps({"type": "stop", "timestamp": time.time_ns() // 1000}))
+
+
+@pytest.mark.parametrize("labels", ["", "&userlabel=Viewer&botlabel=Mo"])
+def test_captions_sit_centred_on_the_page(page, live_server, labels):
+    # Without labels (the default) an empty label must not keep its margin: the text would sit
+    # off-centre by half of it. With labels, the label and text together are centred.
+    page.goto(f"{live_server.http_url}/static/obs.html?channel=centred{labels}")
+    page.wait_for_function("window.voicebotOverlay.connected", timeout=10_000)
+    offsets = page.evaluate("""() => ['user', 'bot'].map(id => {
+        const caption = document.getElementById(id);
+        caption.querySelector('.text').textContent = 'hello there';
+        caption.classList.add('shown');
+        const box = caption.getBoundingClientRect();
+        const content = [...caption.children].filter(c => c.textContent).map(c => c.getBoundingClientRect());
+        const left = Math.min(...content.map(r => r.left)), right = Math.max(...content.map(r => r.right));
+        return {page: (box.left + box.right) / 2 - window.innerWidth / 2,
+                inside: (left - box.left) - (box.right - right)};
+    })""")
+    for offset in offsets:
+        assert abs(offset["page"]) < 1 and abs(offset["inside"]) < 1, offsets

@@ -63,6 +63,7 @@ def test_max_length_cuts_at_a_word_boundary_and_stops():
     out = scrubber.push("The quick brown fox ") + scrubber.push("jumps over the lazy dog.")
     assert out == "The quick brown fox "
     assert scrubber.full and scrubber.push("more") == ""
+    assert scrubber.cut == "jumps over the lazy dog.more"  # what the limit kept from being spoken
     assert streamed(SpeechFilter([], max_chars=12), ["The quick brown fox"]) == "The quick "
     assert streamed(SpeechFilter([], max_chars=4), ["你好世界和平"]) == "你好世界"
 

@@ -247,3 +247,86 @@ def test_events_voicebot_has_and_realtime_does_not_are_dropped():
     t = translator()
     assert server(t, "pong", id=1) == [] and server(t, "state.reset", reason="periodic", duration_ms=1, engines=[]) == []
     assert t.server_audio(bytes(9600)) == []  # not between audio.start and its end
+
+
+# ---- push-to-talk, beta-shaped updates ----------------------------------------------------------
+
+def push_to_talk() -> RealtimeTranslator:
+    t = translator()
+    client(t, {"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    client(t, {"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\0\0" * 24000).decode()})
+    return t
+
+
+def utterance(t: RealtimeTranslator, text: str) -> list[dict]:
+    """What the session sends for a committed utterance: its start, its final, its turn's end."""
+    return (server(t, "speech.started", utterance_id="u1")
+            + server(t, "asr.final", utterance_id="u1", text=text, confidence=None, model="m", fallback=None, gate_muted_ms=0)
+            + server(t, "turn.end", utterance_id="u1", text=text, by="input.end"))
+
+
+def test_response_create_right_after_a_commit_waits_for_the_commits_turn():
+    # Push-to-talk clients send commit and response.create together; the create must not be
+    # refused because the utterance is still being recognised, nor overtake `committed`.
+    t = push_to_talk()
+    assert forwarded(client(t, {"type": "input_audio_buffer.commit"})) == [{"type": "input.end"}]
+    assert client(t, {"type": "response.create", "event_id": "c1"}) == []
+    events = utterance(t, "hello there")
+    assert "error" not in types(events) and "input_audio_buffer.committed" in types(events)
+    # The reply that follows is that create's; a second create has nothing new.
+    assert error_of(client(t, {"type": "response.create"}))["code"] == "response_create_nothing_new"
+
+
+def test_a_held_response_create_whose_commit_held_no_words_gets_its_error_after_committed():
+    t = push_to_talk()
+    client(t, {"type": "input_audio_buffer.commit"})
+    client(t, {"type": "response.create", "event_id": "c1"})
+    events = utterance(t, "")
+    assert types(events)[-1] == "error" and types(events).index("input_audio_buffer.committed") < len(events) - 1
+    assert events[-1]["error"]["code"] == "response_create_nothing_new" and events[-1]["error"]["event_id"] == "c1"
+
+
+def test_no_speech_started_or_stopped_with_turn_detection_off():
+    t = push_to_talk()
+    client(t, {"type": "input_audio_buffer.commit"})
+    events = utterance(t, "hi")
+    assert "input_audio_buffer.speech_started" not in types(events)
+    assert "input_audio_buffer.speech_stopped" not in types(events)
+    assert types(events)[0] == "input_audio_buffer.committed"
+
+
+@pytest.mark.parametrize("beta, param, code", [
+    ({"modalities": ["text"]}, "session.modalities", "unsupported_value"),
+    ({"voice": "alloy"}, "session.audio.output.voice", "invalid_value"),
+    ({"output_audio_format": "g711_ulaw"}, "session.output_audio_format", "unsupported_value"),
+    ({"input_audio_format": "g711_alaw"}, "session.input_audio_format", "unsupported_value"),
+    ({"temperature": 0.8}, "session.temperature", "unknown_parameter"),
+    ({"max_output_tokens": 200}, "session.max_output_tokens", "unsupported_value"),
+    ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction", "unsupported_value"),
+    ({"turn_detection": {"type": "server_vad", "prefix_padding_ms": 500}}, "session.audio.input.turn_detection.prefix_padding_ms",
+     "unsupported_value"),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 6000}}}},
+     "session.audio.input.turn_detection.idle_timeout_ms", "unsupported_value"),
+])
+def test_beta_and_unserved_session_fields_are_refused_by_name(beta, param, code):
+    t = translator()
+    before = t.session()
+    error = error_of(client(t, {"type": "session.update", "session": {"instructions": "x", **beta}}))
+    assert (error["param"], error["code"]) == (param, code) and error["message"]
+    assert t.session() == before
+
+
+def test_beta_session_fields_are_mapped_to_what_they_stand_for():
+    t = translator()
+    actions = client(t, {"type": "session.update", "session": {
+        "modalities": ["text", "audio"], "voice": "zh", "input_audio_format": "pcm16", "output_audio_format": "pcm16",
+        "turn_detection": {"type": "server_vad", "silence_duration_ms": 800, "threshold": 0.6},
+        "input_audio_transcription": {"model": "whisper-1", "language": "zh"}}})
+    (update,) = forwarded(actions)
+    assert update["voice"] == "zh" and update["endpointing"]["endpoint_silence_ms"] == 800 and update["language"] == "zh"
+    assert SetThreshold(0.6) in actions
+    session = t.session()
+    assert session["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 800
+    assert session["audio"]["input"]["transcription"]["language"] == "zh"
+    # The session a client was given, sent back as it is, changes nothing and is not refused.
+    assert not any(isinstance(a, Send) for a in client(t, {"type": "session.update", "session": t.session()}))

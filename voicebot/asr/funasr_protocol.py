@@ -16,14 +16,20 @@ and `2pass-offline` whatever the mode asked for (funasr-client's merge keeps onl
   `is_end: true` when the client's message did (the runtime's Python client waits for that);
 * extra fields: `confidence`, `asr_model`, `fallback` on final results.
 
-Audio is raw s16le PCM (`wav_format` pcm, any case, as the C++ server takes it), or, in offline
-mode, a whole file in any format the installed libsndfile decodes (wav, mp3, flac, ogg, ...),
-decoded at is_speaking=false. A message we cannot follow (not JSON, an unknown mode, a file format
-outside offline mode or one libsndfile lacks, a sample rate out of range) ends the stream as the C++
-server ends one: with a final result whose `text` says what was wrong (`error` holds the reason
-alone), after the results of the audio already received. Audio sent after that is dropped until a
-new first message starts a new stream; the amount is counted and reported at the client's next
-message.
+Audio is raw s16le PCM (`wav_format` pcm, any case, as the C++ server takes it), or, with any
+other `wav_format`, a whole file, decoded at is_speaking=false by what the bytes are, not by the
+label (voicebot.audio.files.decode_file): the runtime's clients label every file that is not
+.wav/.pcm "others", funasr-client and the HTML5 page send the extension. A file is taken in every
+mode (the runtime's Python client sends "others" in its default 2pass mode); its audio then goes
+through the segmenter and recognizer as a stream would, deltas included. A message we cannot
+follow (not JSON, an unknown mode, a sample rate out of range, a file that cannot be decoded) ends
+the stream as the C++ server ends one: with a final result whose `text` says what was wrong
+(`error` holds the reason alone), after the results of the audio already received. Audio sent
+after that is dropped until a new first message starts a new stream; the amount is counted and
+reported at the client's next message. A client's end (is_speaking=false) with `is_end: true` is
+always answered by exactly one final result that echoes it, an error result too, and after a
+stream that had already ended with an error (the runtime's Python client waits for the echo, 300 s
+by default, and reads `error` from it).
 
 An engine that fails raises `EngineFailed`, named as voicebot_engine_failures_total names it on
 /v1/voice (the segmenter: vad/chunk; the recognizer: asr/feed, asr/finish, its second pass and
@@ -63,7 +69,7 @@ import numpy as np
 
 from voicebot.asr.base import SAMPLE_RATE, Hypothesis, Recognizer, RecognizerStream
 from voicebot.audio.endpoint import EventKind, VadEvent
-from voicebot.audio.files import FILE_FORMATS, UndecodableAudio, decode_file
+from voicebot.audio.files import UndecodableAudio, decode_file
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
 from voicebot.metrics import Metrics
 from voicebot.protocol import ErrorCode, load_json
@@ -78,7 +84,9 @@ _MODES = ("online", "offline", "2pass")
 ONLINE, OFFLINE = "2pass-online", "2pass-offline"  # the result labels, in every mode
 
 # An uploaded file is held whole until is_speaking=false: 64 MiB is ~35 min of 16 kHz 16-bit wav,
-# hours of mp3. Beyond it the stream ends with an error (the audio is counted as dropped).
+# hours of mp3. Beyond it the stream ends with an error (the audio is counted as dropped). One
+# message holds at most voicebot.protocol.MAX_MESSAGE_BYTES of it (the server's WebSocket limit);
+# the flood guard does not count a file's bytes as PCM (funasr_ws.py), this bound holds them.
 MAX_FILE_BYTES = 64 * 2**20
 # A decoded file goes to the segmenter in pieces, as a live stream would arrive.
 _FILE_PIECE = SAMPLE_RATE  # samples (1 s)
@@ -107,8 +115,7 @@ class Segmenter(Protocol):
 class ClientConfig:
     mode: Mode = "2pass"
     wav_name: str = "stream"
-    # "pcm", or a FILE_FORMATS name (offline mode only): funasr-client and the HTML5 page send the
-    # file's extension
+    # "pcm", or anything else for a whole file (the label is kept for messages, never trusted)
     wav_format: str = "pcm"
     audio_fs: int = SAMPLE_RATE
 
@@ -121,14 +128,11 @@ class ClientConfig:
             raise ProtocolError(f"mode must be one of {', '.join(_MODES)}, not {mode!r}")
         audio_fs = _sample_rate(message.get("audio_fs", self.audio_fs))
         wav_format = str(message.get("wav_format") or self.wav_format).lower()
-        if wav_format != "pcm":
-            if wav_format not in FILE_FORMATS:
-                raise ProtocolError(f"wav_format {wav_format!r} cannot be decoded here; send pcm, or in offline "
-                                    f"mode a file in one of: {', '.join(sorted(FILE_FORMATS))}")
-            if mode != "offline":
-                raise ProtocolError(f"wav_format {wav_format!r} is a file: files are taken in offline mode; "
-                                    f"{mode} mode streams pcm")
         self.mode, self.audio_fs, self.wav_format = mode, audio_fs, wav_format
+
+    @property
+    def is_file(self) -> bool:
+        return self.wav_format != "pcm"
 
 
 def _sample_rate(value: object) -> int:
@@ -159,6 +163,7 @@ class FunasrSession:
         self._odd_byte = b""
         self._file = bytearray()  # a whole file (wav_format other than pcm), decoded at the end
         self._refused = False  # the stream ended with an error; audio is dropped until a new first message
+        self._refusal = ""  # why it ended
         self.dropped_bytes = 0  # audio bytes received and not recognised, over the connection
         self._dropped_unreported = 0
 
@@ -169,26 +174,33 @@ class FunasrSession:
             return await self.refuse(f"not JSON: {exc.message}" if exc.code == ErrorCode.INVALID_JSON else exc.message)
         if not isinstance(message, dict):
             return await self.refuse("a text message must be a JSON object")
+        ending = not message.get("is_speaking", True)
+        is_end = ending and bool(message.get("is_end"))
         if self._refused:
-            if not message.get("is_speaking", True):
-                return [self._dropped_report()] if self._dropped_unreported else []
+            if ending:  # the client's end of a stream that already ended with an error
+                return [self._end_of_refused_stream(is_end)] if self._dropped_unreported or is_end else []
             self._refused = False  # a new first message: a new stream
         previous = (self.config.audio_fs, self.config.wav_format)
         try:
             self.config.update(message)
         except ProtocolError as exc:
-            return await self.refuse(str(exc))
+            return await self.refuse(str(exc), is_end=is_end)
         if (self.config.audio_fs, self.config.wav_format) != previous:
             self._resampler = StreamResampler(self.config.audio_fs, SAMPLE_RATE)
-        if message.get("is_speaking", True):
+        if not ending:
             return []
-        return await self._end_of_input(bool(message.get("is_end")))
+        return await self._end_of_input(is_end)
+
+    @property
+    def takes_file(self) -> bool:
+        """The stream is receiving a whole file: its bytes are held (bounded by MAX_FILE_BYTES), not PCM."""
+        return self.config.is_file and not self._refused
 
     async def on_audio(self, data: bytes) -> list[dict]:
         if self._refused:
             self._drop(len(data))
             return []
-        if self.config.wav_format != "pcm":
+        if self.config.is_file:
             if len(self._file) + len(data) > MAX_FILE_BYTES:
                 self._drop(len(data))
                 return await self.refuse(f"the file is over {MAX_FILE_BYTES // 2**20} MiB")
@@ -205,11 +217,11 @@ class FunasrSession:
             self._stream = None
 
     async def _end_of_input(self, is_end: bool) -> list[dict]:
-        if self.config.wav_format != "pcm":
+        if self.config.is_file:
             try:
                 audio, _ = await asyncio.to_thread(decode_file, bytes(self._file))
             except UndecodableAudio as exc:
-                return await self.refuse(f"the {self.config.wav_format} file: {exc}")
+                return await self.refuse(f"the file (wav_format {self.config.wav_format!r}): {exc}", is_end=is_end)
             self._file.clear()
             messages = []
             for start in range(0, len(audio), _FILE_PIECE):
@@ -225,8 +237,9 @@ class FunasrSession:
             messages[-1]["is_end"] = True
         return messages
 
-    async def refuse(self, reason: str) -> list[dict]:
-        """End the stream: the results of the audio received so far, then the error as the final result."""
+    async def refuse(self, reason: str, is_end: bool = False) -> list[dict]:
+        """End the stream: the results of the audio received so far, then the error as the final
+        result (echoing `is_end` when it answers the client's end that carried it)."""
         messages = []
         if not self._refused:
             self._drop(len(self._file))
@@ -235,21 +248,27 @@ class FunasrSession:
             self._resampler = StreamResampler(self.config.audio_fs, SAMPLE_RATE)
             messages += await self._events(await self._segmenter_call(self.segmenter.force_end))
         self._refused = True
-        return [*messages, self.error_result(reason)]
+        self._refusal = reason
+        return [*messages, self.error_result(reason, is_end)]
 
-    def error_result(self, reason: str) -> dict:
+    def error_result(self, reason: str, is_end: bool = False) -> dict:
         """The final result that ends a stream with an error, as the FunASR runtime sends one."""
-        return self._message(OFFLINE, f"ERROR. {reason}") | {"error": reason, "is_final": True}
+        result = self._message(OFFLINE, f"ERROR. {reason}") | {"error": reason, "is_final": True}
+        return result | {"is_end": True} if is_end else result
 
     def _drop(self, n_bytes: int) -> None:
         self.dropped_bytes += n_bytes
         self._dropped_unreported += n_bytes
 
-    def _dropped_report(self) -> dict:
-        reason = (f"{self._dropped_unreported} bytes of audio sent after the stream ended with an error were not "
-                  f"recognised; send a new first message to start a new stream")
+    def _end_of_refused_stream(self, is_end: bool) -> dict:
+        """The answer to the client's end of a stream that had already ended with an error: that
+        error again, with the audio dropped since, if any."""
+        reason = f"the stream had ended with an error: {self._refusal}"
+        if self._dropped_unreported:
+            reason += (f"; {self._dropped_unreported} bytes of audio sent after it were not recognised; send a new "
+                       f"first message to start a new stream")
         self._dropped_unreported = 0
-        return self.error_result(reason)
+        return self.error_result(reason, is_end)
 
     async def _hear(self, audio: np.ndarray) -> list[dict]:
         """The results of a piece of 16 kHz audio: through the segmenter, then the recognizer."""

@@ -3,7 +3,9 @@
 Serves existing FunASR runtime clients with the server's loaded recognizer (same model, same
 worker, shared with /v1/voice sessions); utterances end by fsmn-vad when one is configured (as in
 the FunASR runtime), else by the server's own Silero endpointer. The same limits as a session's:
-the flood guard (with `limits.funasr_audio_burst_s` for files sent whole) and the idle timeout.
+the flood guard (with `limits.funasr_audio_burst_s` for PCM sent faster than real time; a whole
+file's bytes are bounded by MAX_FILE_BYTES instead) and the idle timeout. Refusals at admission
+(busy, unauthorized, ...) are sent in FunASR's result shape (`RefusingInFunasrShape`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
 
 from voicebot.asr.base import Recognizer
-from voicebot.asr.funasr_protocol import EngineFailed, FunasrSession, ProtocolError, Segmenter
+from voicebot.asr.funasr_protocol import OFFLINE, EngineFailed, FunasrSession, ProtocolError, Segmenter
 from voicebot.audio.endpoint import SAMPLE_RATE, WINDOW, Endpointer, VadEvent
 from voicebot.config import EndpointConfig, Settings
 from voicebot.metrics import Metrics
@@ -83,7 +85,8 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
     async def on_message(message: Wire) -> None:
         nonlocal handling
         idle.heard()
-        audio_bytes = len(message) if isinstance(message, bytes) else 0
+        # A file's bytes are not PCM: MAX_FILE_BYTES bounds them, not the audio rate.
+        audio_bytes = len(message) if isinstance(message, bytes) and not session.takes_file else 0
         if reason := flood.check(audio_bytes, session.config.audio_fs):
             # Counted as PCM at audio_fs, a compressed file's bytes too. The receive loop ends here.
             metrics.input_dropped.labels("flooding").inc(audio_bytes / (2 * session.config.audio_fs))
@@ -141,3 +144,28 @@ async def _end(ws: WebSocket, session: FunasrSession, metrics: Metrics, code: st
         for reply in replies:
             await ws.send_text(json.dumps(reply, ensure_ascii=False))
         await ws.close(close_code, code)
+
+
+class RefusingInFunasrShape:
+    """The WebSocket as admission (voicebot.app admit, voicebot.auth) uses it, with its refusals
+    (voicebot error events: busy, unauthorized, ...) sent as the FunASR runtime ends a stream: a
+    final `2pass-offline` result whose `text` is `ERROR. <why>`. The runtime's clients and HTML5
+    page read `mode`, `wav_name`, `text` and `is_final` of every message (a voicebot error event
+    has none of them: a traceback in the Python client, "undefined" on the page); the event's own
+    fields (`error`, `code`, `retry_after_s`, ...) come along for clients that read them."""
+
+    def __init__(self, ws: WebSocket) -> None:
+        self._ws = ws
+
+    def __getattr__(self, name: str):
+        return getattr(self._ws, name)
+
+    async def send_json(self, data: dict) -> None:
+        await self._ws.send_json(funasr_refusal(data))
+
+
+def funasr_refusal(event: dict) -> dict:
+    """A voicebot error event as FunASR's error result (see RefusingInFunasrShape)."""
+    extra = {k: v for k, v in event.items() if k not in ("type", "message")}
+    return {"mode": OFFLINE, "wav_name": "", "text": f"ERROR. {event['message']}", "is_final": True,
+            "error": event["message"]} | extra

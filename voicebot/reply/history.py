@@ -55,6 +55,18 @@ class Conversation:
     def messages(self) -> list[Message]:
         return list(self._messages)
 
+    def copy(self) -> "Conversation":
+        """Another conversation with the same messages and instructions."""
+        twin = Conversation(1, self.max_tokens)
+        twin._messages = deque(self._messages, maxlen=self._messages.maxlen)
+        twin._tokens, twin.instructions = self._tokens, self.instructions
+        return twin
+
+    def clear(self) -> None:
+        """Forget every message (the instructions stay)."""
+        self._messages.clear()
+        self._tokens = 0
+
     @property
     def tokens(self) -> int:
         return self._tokens

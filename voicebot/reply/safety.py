@@ -41,9 +41,10 @@ class SpeechFilter:
     def scrubber(self) -> "Scrubber":
         return Scrubber(self)
 
-    async def apply(self, deltas: AsyncIterator[str]) -> AsyncIterator[str]:
-        """The filtered text of a stream of deltas; past max_chars the source is closed."""
-        scrubber = self.scrubber()
+    async def apply(self, deltas: AsyncIterator[str], scrubber: "Scrubber | None" = None) -> AsyncIterator[str]:
+        """The filtered text of a stream of deltas; past max_chars the source is closed (pass your
+        own `scrubber` to read what was cut: `Scrubber.cut`)."""
+        scrubber = scrubber or self.scrubber()
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 if text := scrubber.push(delta):
@@ -61,6 +62,7 @@ class Scrubber:
         self.rules = rules
         self.released = 0
         self.full = False
+        self.cut = ""  # the text max_chars cut off (of the delta that reached it; nothing after it is read)
         self._pending = ""
         self._context = ""  # the character before _pending, for word-boundary checks
 
@@ -93,12 +95,14 @@ class Scrubber:
     def _limit(self, text: str) -> str:
         limit = self.rules.max_chars
         if not limit or self.full:
+            self.cut += text if self.full else ""
             return "" if self.full else text
         room = limit - self.released
         if len(text) > room:
-            text, following = text[:room], text[room]
+            whole, text, following = text, text[:room], text[room]
             if following.isascii() and following.isalnum():
                 text = _TRAILING_WORD.sub("", text)  # do not speak half a word
+            self.cut = whole[len(text):]
             self.full = True
         self.released += len(text)
         return text

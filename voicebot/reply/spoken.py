@@ -13,7 +13,7 @@ import logging
 from typing import AsyncIterator, Awaitable, Callable
 
 from voicebot.reply.base import ResponderError
-from voicebot.reply.safety import SpeechFilter
+from voicebot.reply.safety import Scrubber, SpeechFilter
 
 log = logging.getLogger("voicebot.reply")
 
@@ -23,10 +23,11 @@ async def spoken(
     speech_filter: SpeechFilter,
     fallback_line: str,
     on_failure: Callable[[ResponderError], Awaitable[None]],
+    scrubber: Scrubber | None = None,
 ) -> AsyncIterator[str]:
     said = False
     try:
-        async with contextlib.aclosing(speech_filter.apply(deltas)) as texts:
+        async with contextlib.aclosing(speech_filter.apply(deltas, scrubber)) as texts:
             async for text in texts:
                 said = True
                 yield text

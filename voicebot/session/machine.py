@@ -183,7 +183,10 @@ class Session:
         await self._dispatch(message)
 
     async def on_bytes(self, data: bytes) -> None:
-        if self._flooding(len(data)):
+        # A frame over the frame limit counts as that limit for the flood guard: it is refused with
+        # frame_too_large below, not taken for a flood (a 256 KB frame at 16 kHz would empty the
+        # audio allowance at once); frames that keep coming still flood it.
+        if self._flooding(min(len(data), protocol.audio_frame_limit(self.sample_rate))):
             return
         if self.state is State.STARTING:
             await self.outbox.error(ErrorCode.NOT_STARTED, "audio before session.start: send session.start first")
@@ -193,6 +196,7 @@ class Session:
         try:
             protocol.check_audio(len(data), self.sample_rate)
         except ProtocolError as exc:
+            self._drop_input(len(data) & ~1, exc.code)  # not heard: counted, as all dropped input is
             await self.outbox.error(exc.code, exc.message)
             return
         self.rt.input_recorder.record(self.id, self.sample_rate, data)
@@ -292,9 +296,21 @@ class Session:
         that client was ever told the token); register ours under our own token."""
         conversation = await self.rt.conversations.take(resume_token) if resume_token else None
         if conversation is not None:
+            holder = next((s for s in self.rt.sessions.values() if s is not self and s.resume_token == resume_token), None)
+            if holder is not None:  # taken from a session still live here: one conversation, one live session
+                conversation = conversation.copy()
+                holder.lose_conversation()
             self.conversation = conversation
         self.rt.conversations.register(self.resume_token, self.conversation)
         return conversation is not None
+
+    def lose_conversation(self) -> None:
+        """Another session resumed this one's conversation with its resume token and took a copy:
+        this one's is emptied (its replies, one in progress too, write only there, and nothing can
+        resume it), and its client is told."""
+        self.conversation.clear()
+        # Told from its own task: the resuming session does not wait on this one's outbox.
+        self._tasks.append(asyncio.create_task(self.outbox.error(ErrorCode.CONVERSATION_LOST, CONVERSATION_LOST_MESSAGE)))
 
     async def _claim(self, channel: str | None, resumed_from: str | None) -> ChannelRefused | None:
         """Speak on the channel named in session.start, if any; why not, when the session may not."""
@@ -447,8 +463,9 @@ class Session:
                 if self.state is not State.CLOSING:
                     self._enter(State.LISTENING)
 
-    async def interrupt(self, reason: str) -> None:
-        """Stop the reply in progress at once and drop everything queued for it."""
+    async def interrupt(self, reason: str, played_ms: float | None = None) -> None:
+        """Stop the reply in progress at once and drop everything queued for it; `played_ms`: what
+        the client says it played of it (/v1/realtime's truncate), else the pacer's count."""
         reply, task = self._reply, self._reply_task
         if reply is None or task is None or task.done():
             return
@@ -457,7 +474,7 @@ class Session:
             await task
         if self.echo is not None:
             self.echo.stop()  # the client drops what it has not played
-        await reply.cancel(reason)
+        await reply.cancel(reason, played_ms)
 
     # ---- periodic reset ---------------------------------------------------------------------
 
@@ -472,6 +489,11 @@ class Session:
                 if self._reply is None and not self.listening.in_utterance and not self.turn_taking.open:
                     await self.engine_reset.run("periodic")
 
+
+CONVERSATION_LOST_MESSAGE = (
+    "another session resumed this conversation with this session's resume token and holds it now; this session goes "
+    "on with an empty conversation that cannot be resumed. If the other session is your own client, close this "
+    "one; if not, your resume token is known to someone else: start a new session without it")
 
 PRIVATE_FIELDS = {"session_id", "resume_token"}
 

@@ -93,6 +93,7 @@ class Reply:
         # bounded by reply.max_reply_chars of text. None: emitted as they come.
         self._held: list[dict] | None = None
         self._history: list[dict] = []  # the conversation before this turn, as the responder gets it
+        self._scrubber = stage.speech_filter.scrubber()  # its blocklist and length limit, and what the limit cut
 
     # ---- the owner's controls -------------------------------------------------------------------
 
@@ -149,15 +150,16 @@ class Reply:
             self._remember(self._heard_before_failure())
         await self._finished()
 
-    async def cancel(self, reason: str) -> None:
+    async def cancel(self, reason: str, played_ms: float | None = None) -> None:
         """Stop the reply (its owner cancels a running play() first): stop the producer, drop and
-        count what was not sent, keep what was heard, and tell the client."""
+        count what was not sent, keep what was heard (of `played_ms` if the client said how much it
+        played), and tell the client."""
         if self._producer is not None and not self._producer.done():
             self._producer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._producer
         dropped = self.drop_pending("interrupted")
-        played_ms = self.pacer.played_ms()
+        played_ms = self.pacer.played_ms() if played_ms is None else played_ms
         heard = self.remember_heard(played_ms)
         self.stage.metrics.underruns.inc(self.pacer.underruns)
         await self.stage.outbox.emit(
@@ -211,14 +213,14 @@ class Reply:
     def _texts(self) -> AsyncIterator[str]:
         stage = self.stage
         if self.turn.say:
-            return stage.speech_filter.apply(_one(self.turn.text))
+            return stage.speech_filter.apply(_one(self.turn.text), self._scrubber)
         history = self._history
         if stage.conversation.instructions:  # the client's system prompt, in place of the persona
             history = [{"role": "system", "content": stage.conversation.instructions}, *history]
         limits = stage.reply_config.openai  # the reply timeouts, for every responder (voicebot/reply/deadline.py)
         deltas = within_deadline(self.responder.reply(history, self.turn.text, voice=stage.tts.voice),
                                  limits.idle_timeout_s, limits.total_timeout_s)
-        return spoken(deltas, stage.speech_filter, stage.reply_config.fallback_line, self._responder_failed)
+        return spoken(deltas, stage.speech_filter, stage.reply_config.fallback_line, self._responder_failed, self._scrubber)
 
     async def _responder_failed(self, exc: ResponderError) -> None:
         self.failed = True
@@ -241,6 +243,11 @@ class Reply:
                 yield delta
         if not (self.turn.say or self.failed):
             metrics.reply_total.observe(time.monotonic() - self.started)
+        if cut := self._scrubber.cut:  # reply.max_reply_chars reached: what was not spoken, said and counted
+            await self._emit(protocol.error(
+                ErrorCode.REPLY_CUT, f"the reply reached reply.max_reply_chars ({self.stage.speech_filter.max_chars} "
+                f"characters): {len(cut)} characters{' of the say' if self.turn.say else ''} were not spoken",
+                reply_id=self.id, cut_text=cut, cut_chars=len(cut)))
         await self._emit(protocol.event("reply.done", reply_id=self.id, text=self.text))
 
     async def _emit(self, event: dict) -> None:
