@@ -157,6 +157,7 @@ class Reply:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._producer
         dropped = self.drop_pending("interrupted")
+        self.stage.metrics.replies_interrupted.labels(reason).inc()
         played_ms = self.pacer.played_ms()
         heard = self.remember_heard(played_ms)
         self.stage.metrics.underruns.inc(self.pacer.underruns)
