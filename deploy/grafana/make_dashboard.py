@@ -27,10 +27,10 @@ class Panel:
     description: str
     unit: str
     targets: list[tuple[str, str]]  # (PromQL, legend)
-    no_value: str = "0"  # what Grafana shows when a query has no series
+    no_value: str = "0"  # what Grafana shows when no query has a series: a count's 0, or why a latency has none
 
 
-# Rows of panels, three to a row, for what an operator asks at 3 a.m.
+# Rows of panels, side by side, for what an operator asks at 3 a.m.
 ROWS: list[tuple[str, list[Panel]]] = [
     ("Sessions", [
         Panel("Live sessions and listeners", "Speaking sessions connected now (each a speaker: a browser, an OBS source, "
@@ -53,15 +53,17 @@ ROWS: list[tuple[str, list[Panel]]] = [
               "frame sent. The VoicebotFirstAudioSlow alert fires at p95 over 2 s for 5 minutes.", "s", [
             (quantile(0.5, "voicebot_first_audio_seconds"), "p50"),
             (quantile(0.95, "voicebot_first_audio_seconds"), "p95"),
-        ]),
+        ], no_value="no replies"),
         Panel("Input lag", "How far behind real time the server hears a session's audio.", "s", [
             (quantile(0.5, "voicebot_input_lag_seconds"), "p50"),
             (quantile(0.95, "voicebot_input_lag_seconds"), "p95"),
-        ]),
-        Panel("Event loop lag and stalls", "How late the event loop runs a timer (p99), and ticks over 100 ms late "
-              "per minute by what held the loop (gc, gil, callback).", "s", [
+        ], no_value="no input"),
+        Panel("Event loop lag", "How late the event loop runs a timer, p99: every session's audio waits on it.", "s", [
             (quantile(0.99, "voicebot_event_loop_lag_seconds"), "lag p99"),
-            (f"sum by (cause) (rate(voicebot_event_loop_stalls_total{J}[{RATE}])) * 60", "stalls / min {{cause}}"),
+        ]),
+        Panel("Event loop stalls", "Ticks over 100 ms late per minute, by what held the loop (gc; gil: another "
+              "thread kept the GIL; callback: a slow call on the loop, named in the log).", "short", [
+            (f"sum by (cause) (rate(voicebot_event_loop_stalls_total{J}[{RATE}])) * 60", "{{cause}}"),
         ]),
     ]),
     ("Turns and replies", [
@@ -88,11 +90,15 @@ ROWS: list[tuple[str, list[Panel]]] = [
             (f"sum by (engine, cause) (increase(voicebot_decoder_processes_lost_total{J}[{RATE}])) or on() vector(0)",
              "decoding process lost {{engine}} {{cause}}"),
         ]),
-        Panel("Resets and their duration", "Periodic engine-state resets per minute and how long they take (p95); "
-              "VoicebotResetSlow fires over 0.5 s.", "s", [
+        Panel("Resets", "Periodic engine-state resets per minute, and engines whose reset could not rebuild "
+              "their state (kept it), by engine.", "short", [
             (f"sum(rate(voicebot_resets_total{J}[{RATE}])) * 60", "resets / min"),
-            (quantile(0.95, "voicebot_reset_duration_seconds"), "duration p95"),
+            (f"sum by (engine) (rate(voicebot_resets_skipped_total{J}[{RATE}])) * 60 or on() vector(0)", "skipped / min {{engine}}"),
         ]),
+        Panel("Reset duration", "How long a periodic reset holds a session at a turn boundary, p95; "
+              "VoicebotResetSlow fires over 0.5 s.", "s", [
+            (quantile(0.95, "voicebot_reset_duration_seconds"), "p95"),
+        ], no_value="no resets"),
         Panel("Batch sizes", "Rows per call of the batched engines: the VAD batcher's onnxruntime calls and, with a "
               "device scheduler (CosyVoice 2), its LM decode steps; per second, by batch size.", "short", [
             (f"sum by (batch_size) (rate(voicebot_vad_calls_total{J}[{RATE}]))", "VAD rows={{batch_size}}"),
@@ -125,11 +131,12 @@ def dashboard() -> dict:
         panels.append({"type": "row", "title": row_title, "id": next_id, "collapsed": False, "panels": [],
                        "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})
         next_id, y = next_id + 1, y + 1
+        width = 24 // len(row)
         for i, panel in enumerate(row):
             panels.append({
                 "type": "timeseries", "title": panel.title, "description": panel.description, "id": next_id,
                 "datasource": datasource,
-                "gridPos": {"h": 8, "w": 8, "x": 8 * i, "y": y},
+                "gridPos": {"h": 8, "w": width, "x": width * i, "y": y},
                 "fieldConfig": {"defaults": {"unit": panel.unit, "noValue": panel.no_value, "min": 0}, "overrides": []},
                 "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
                             "tooltip": {"mode": "multi", "sort": "desc"}},
