@@ -1,7 +1,8 @@
-"""What goes on air, measured: the real server (output.loudness_lufs -14, output.true_peak_dbtp -1.5,
+"""What goes on air, measured: the real server (output.loudness_lufs -18, output.true_peak_dbtp -1.5,
 not the defaults, to show they are what holds) speaks a line in its espeak voice on a channel, and
-the frames the channel's listener (the OBS overlay) receives are at -14 LUFS within 1 LU (ITU-R
-BS.1770, pyloudnorm) with their true peak under -1.5 dBTP."""
+the frames the channel's listener (the OBS overlay) receives are at -18 LUFS within 1 LU (ITU-R
+BS.1770, pyloudnorm) with their true peak under -1.5 dBTP. As synthesized, the same line is at
+-21.3 LUFS: without the output stage this fails."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import websockets
 from tests.conftest import VoiceClient, make_settings, running_server
 from voicebot.audio.rates import SPEAK_RATE
 
-TARGET_LUFS, CEILING_DBTP = -14.0, -1.5
+TARGET_LUFS, CEILING_DBTP = -18.0, -1.5
 LINE = "Welcome back to the show. Tonight we talk about the weather, the games, and what time the show starts tomorrow."
 
 
