@@ -25,6 +25,7 @@ import httpx
 import pytest
 import websockets
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import VoiceClient, free_port, make_settings, running_server, speech_pcm
 from tests.deploy.test_manifests import DEPLOY, tool
@@ -189,3 +190,26 @@ def test_the_generator_wrote_the_committed_dashboard():
     made = subprocess.run([sys.executable, "-c", "import json, make_dashboard; print(json.dumps(make_dashboard.dashboard()))"],
                           cwd=DEPLOY / "grafana", capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(DASHBOARD.read_text()) == json.loads(made.stdout), "run python deploy/grafana/make_dashboard.py"
+
+
+def test_a_broken_query_is_answered_as_an_error(scraped):
+    """The check above can fail: Prometheus answers invalid PromQL with an error, not an empty result."""
+    url, _ = scraped
+    answer = query(url, as_prometheus_sees_it('sum by (le) (rate(voicebot_first_audio_seconds_bucket{job="$job"}[$__rate_interval])', "2m"))
+    assert answer["status"] == "error" and answer["errorType"] == "bad_data"
+
+
+def test_the_gpu_memory_panel_reads_what_pytorch_reports(monkeypatch):
+    """voicebot_gpu_memory_bytes, DEVICE_ONLY above, from a CUDA PyTorch (faked here: no GPU on the test machine)."""
+    from voicebot.metrics import Metrics
+
+    reported = {"allocated": [3 << 30, 1 << 30], "reserved": [4 << 30, 2 << 30]}
+    cuda = SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 2,
+                           memory_allocated=lambda d: reported["allocated"][d], memory_reserved=lambda d: reported["reserved"][d])
+    exposition = generate_latest(Metrics().registry).decode()
+    assert "voicebot_gpu_memory_bytes{" not in exposition  # torch not imported, or no CUDA: no samples
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda))
+    [family] = [f for f in text_string_to_metric_families(generate_latest(Metrics().registry).decode())
+                if f.name == "voicebot_gpu_memory_bytes"]
+    assert {(s.labels["device"], s.labels["kind"]): s.value for s in family.samples} == {
+        (str(device), kind): value for kind, values in reported.items() for device, value in enumerate(values)}
