@@ -7,18 +7,20 @@ gated at -70 LUFS and 10 LU under the running level. `LoudnessMeter` measures it
 pyloudnorm's K-weighting filters run chunk by chunk (pyloudnorm measures whole buffers only; the
 tests measure our output with its `integrated_loudness`). The level it tracks is the gated
 blocks' mean power (the integrated loudness) over the first `AGC_SECONDS` of speech, then their
-exponential average over that long, kept for the whole session,
-so the gain moves slowly (no pumping between words) and a reply starts where the last one ended.
+exponential average over that long, kept for the whole session, so the gain moves slowly (no
+pumping between words) and a reply starts where the last one ended.
 
 The gain of each chunk is set after the meter has heard the chunk itself (the chunk is its own
-look-ahead) and ramps linearly from the previous gain, at most `MAX_SLEW_DB_PER_S`, except before
-the first measurement, where it starts at the measured gain. It never exceeds `MAX_GAIN_DB`:
-near-silence is not boosted into noise.
+look-ahead) and moves from the previous gain evenly in dB, at most `MAX_SLEW_DB_PER_S`, except
+before the first measurement, where it starts at the measured gain. It never exceeds
+`MAX_GAIN_DB`: near-silence is not boosted into noise.
 
-The limiter keeps the true peak (4x oversampled, BS.1770 annex 2) under the ceiling: the gain needed at
-each sample is reached by a linear ramp over the `LOOKAHEAD_MS` before it (so the limiter holds
-back that much audio, flushed at the reply's end) and recovers at `RELEASE_PER_S`. It only acts on
-peaks the AGC's gain pushes over the ceiling; speech at -16 LUFS seldom has them.
+The limiter keeps the true peak (4x oversampled, as BS.1770's annex 2 measures it) under the
+ceiling: the gain needed at each sample is reached by a ramp over the `LOOKAHEAD_MS` before it (so
+the limiter holds back that much audio, flushed at the reply's end) and recovers at
+`RELEASE_PER_S`. What it takes off the loudness (a peaky voice pushed towards the ceiling loses
+some) is measured and made up by the AGC: from the session's first chunk on (a few rounds of a
+fixed point on that chunk), then from its running average.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class LoudnessMeter:
     """BS.1770 K-weighted loudness of a stream, as an exponentially weighted, gated level."""
 
     def __init__(self, rate: int) -> None:
-        # pyloudnorm's K-weighting (high shelf, then high pass) for this rate, run with kept state.
+        # pyloudnorm's K-weighting (high shelf, then high pass) for this rate, run with kept state
+        # (read from its Meter: the filters it measures with, not a copy of their parameters).
         self._filters = [(f.b, f.a) for f in pyloudnorm.Meter(rate)._filters.values()]
         self._states = [lfilter_zi(b, a) * 0.0 for b, a in self._filters]
         self._hop = int(HOP_S * rate)
