@@ -176,6 +176,17 @@ class ResetConfig(Section):
     interval_s: float = Field(1800.0, gt=0)
 
 
+class OutputConfig(Section):
+    """The level of reply audio on air (voicebot/audio/loudness.py): every session's, hence what a
+    channel's listeners (the OBS overlay) and /obs/audio's channel get."""
+
+    # Integrated loudness (ITU-R BS.1770 / EBU R128) replies are held at: -16 LUFS sits with
+    # streaming platforms' -14 to -16 and podcasts' -16; EBU broadcast is -23. null: as synthesized.
+    loudness_lufs: float | None = Field(-16.0, ge=-40.0, le=-5.0)
+    # True peak (4x oversampled) ceiling: -1 dBTP leaves room for a platform's lossy encoder.
+    true_peak_dbtp: float = Field(-1.0, ge=-12.0, le=0.0)
+
+
 class PocketsphinxConfig(Section):
     # Phrases for a closed grammar (deterministic, for tests and demos); empty = general English LM.
     phrases: list[str] = []
@@ -418,6 +429,7 @@ class Settings(BaseSettings):
     endpoint: EndpointConfig = EndpointConfig()
     pacing: PacingConfig = PacingConfig()
     reset: ResetConfig = ResetConfig()
+    output: OutputConfig = OutputConfig()
     asr: AsrConfig = AsrConfig()
     tts: TtsConfig = TtsConfig()
     reply: ReplyConfig = ReplyConfig()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+import sys
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # voicebot.reply.base.ResponderError kinds, exported as 0 from the start so alerts can rate() them.
@@ -44,6 +46,8 @@ class Metrics:
         self.tts_first_audio = Histogram("voicebot_tts_first_audio_seconds", "First reply text to first synthesized audio", buckets=LATENCY_BUCKETS, registry=r)
         self.frames_sent = Counter("voicebot_frames_sent_total", "Reply audio frames sent", registry=r)
         self.frames_dropped = Counter("voicebot_frames_dropped_total", "Reply audio frames not sent, by reason (interrupted, client_gone, overload, preemptive: a prepared reply discarded)", ["reason"], registry=r)
+        self.replies_interrupted = Counter("voicebot_replies_interrupted_total", "Replies stopped while playing, by reason (barge_in: the user spoke over the bot; client: reply.cancel; say: a say message)", ["reason"], registry=r)
+        self.replies_interrupted.labels("barge_in")
         self.underruns = Counter("voicebot_underruns_total", "Reply frames sent after the client should already have played them", registry=r)
         self.gate_muted = Counter("voicebot_gate_muted_seconds_total", "Input audio muted by the noise gate", registry=r)
         self.input_dropped = Counter("voicebot_input_dropped_seconds_total", "Input audio dropped, by reason", ["reason"], registry=r)
@@ -68,6 +72,8 @@ class Metrics:
         self.engine_failures = Counter("voicebot_engine_failures_total", "Engine calls that failed in a session, by engine (asr, vad, responder, tts) and stage (feed, finish, chunk, stream, synthesis)", ["engine", "stage"], registry=r)
         self.engine_overloads = Counter("voicebot_engine_overloads_total", "Input an engine had no room for in a session (answered busy, not an engine failure), by engine (vad)", ["engine"], registry=r)
         self.engine_overloads.labels("vad")
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...: the RSS alert's
+        r.register(_GpuMemory())
         for engine, stage in ENGINE_FAILURES:
             self.engine_failures.labels(engine, stage)
         for kind in REPLY_ERROR_KINDS:
@@ -84,6 +90,22 @@ class Metrics:
     def watch_workers(self, workers) -> None:
         """Export voicebot_worker_threads_lost_total for these voicebot.serving.worker.Workers."""
         self.registry.register(_ThreadsLost(workers))
+
+
+class _GpuMemory(Collector):
+    """voicebot_gpu_memory_bytes{device,kind}: what this process's PyTorch holds on each CUDA device
+    (allocated: in tensors; reserved: by its caching allocator), read at scrape time. No samples in a
+    server that never imported torch (the default config's) or has no CUDA device."""
+
+    def collect(self):
+        family = GaugeMetricFamily("voicebot_gpu_memory_bytes", "CUDA memory held by this process's PyTorch, by device and kind "
+                                   "(allocated: in tensors; reserved: by the caching allocator)", labels=["device", "kind"])
+        torch = sys.modules.get("torch")  # never imported here: only read when an engine loaded it
+        if torch is not None and torch.cuda.is_initialized():
+            for device in range(torch.cuda.device_count()):
+                family.add_metric([str(device), "allocated"], torch.cuda.memory_allocated(device))
+                family.add_metric([str(device), "reserved"], torch.cuda.memory_reserved(device))
+        yield family
 
 
 class _ThreadsLost(Collector):

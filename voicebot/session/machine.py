@@ -20,7 +20,8 @@ from typing import Awaitable, Callable
 from voicebot import protocol
 from voicebot.asr.base import RecognizerStream
 from voicebot.audio.echo import EchoCanceller
-from voicebot.audio.rates import LISTEN_RATE
+from voicebot.audio.loudness import OutputLevel
+from voicebot.audio.rates import LISTEN_RATE, SPEAK_RATE
 from voicebot.audio.resample import pcm16_to_float
 from voicebot.channels import ChannelRefused
 from voicebot.messages import AudioFrame, AudioIn, ClearInput, Event, Inbound, InputEnd, Turn
@@ -277,7 +278,8 @@ class Session:
         resumed = await self._resume(message.resume)
         refused = await self._claim(message.channel, message.resume if resumed else None)
         self.replies = Replying(self.tts, self.conversation, self.outbox, self.rt.metrics, self.rt.speech_filter,
-                                 self.settings.reply, self.settings.pacing)
+                                 self.settings.reply, self.settings.pacing,
+                                 level=OutputLevel(SPEAK_RATE, self.settings.output))
         self.engine_reset = EngineReset(self.settings.reset.interval_s, self.asr, self.tts, self.rt.metrics, self.outbox)
         await self.outbox.emit(protocol.session_ready(self.id, self.resume_token, self.sample_rate, self.tts.voice, self.choices.responder,
                                                              resumed=resumed))

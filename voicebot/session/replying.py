@@ -19,16 +19,17 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import numpy as np
 
 from voicebot import protocol
 from voicebot.audio.framing import Framer
+from voicebot.audio.loudness import OutputLevel
 from voicebot.audio.rates import SPEAK_RATE
 from voicebot.audio.resample import float_to_pcm16
-from voicebot.config import PacingConfig, ReplyConfig
+from voicebot.config import OutputConfig, PacingConfig, ReplyConfig
 from voicebot.messages import Turn
 from voicebot.metrics import Metrics
 from voicebot.pacing import HeardText, Pacer
@@ -59,6 +60,8 @@ class Replying:
     reply_config: ReplyConfig
     pacing: PacingConfig
     clock: Callable[[], float] = time.monotonic  # the pacer's; a test passes its event loop's
+    # The session's output level (config output.*); by default as synthesized, under 0 dBFS true peak.
+    level: OutputLevel = field(default_factory=lambda: OutputLevel(SPEAK_RATE, OutputConfig(loudness_lufs=None, true_peak_dbtp=0.0)))
 
     def reply(self, turn: Turn, responder_name: str, responder: Responder, on_speaking: Callable[[], None]) -> "Reply":
         return Reply(self, turn, responder_name, responder, on_speaking)
@@ -77,6 +80,7 @@ class Reply:
         self.id = uuid.uuid4().hex[:12]
         self.frames: asyncio.Queue[bytes | None] = asyncio.Queue(FRAMES_MAX)  # None: the producer's end
         self.framer = Framer(SPEAK_RATE, protocol.FRAME_MS)
+        self.level = stage.level.reply()  # loudness and true peak, before framing
         self.pacer = Pacer(protocol.FRAME_MS, stage.pacing.lead_ms, clock=stage.clock)
         self.heard = HeardText()
         self.text = ""
@@ -159,6 +163,7 @@ class Reply:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._producer
         dropped = self.drop_pending("interrupted")
+        self.stage.metrics.replies_interrupted.labels(reason).inc()
         played_ms = self.pacer.played_ms() if played_ms is None else played_ms
         heard = self.remember_heard(played_ms)
         self.stage.metrics.underruns.inc(self.pacer.underruns)
@@ -274,6 +279,7 @@ class Reply:
             raise
         except Exception as exc:
             failure = exc
+        await self._put_frames(self.framer.push(self.level.flush()))
         last = self.framer.flush()
         if last is not None:
             await self._put_frames([last])
@@ -291,7 +297,7 @@ class Reply:
                         self.stage.metrics.tts_first_audio.observe(self.first_audio_at - (self.first_text_at or self.started))
                     self.heard.add(chunk.text, chunk.segment, self._produced_samples, len(chunk.audio))
                     self._produced_samples += len(chunk.audio)
-                    await self._put_frames(self.framer.push(chunk.audio))
+                    await self._put_frames(self.framer.push(self.level.process(chunk.audio)))
         finally:
             # Close the text source now, not when it is garbage collected: on barge-in the
             # responder's HTTP stream must close at once.
