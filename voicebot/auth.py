@@ -166,16 +166,17 @@ class CheckHost:
 PROBES = frozenset({"/healthz", "/readyz"})
 # Served without the token on purpose (docs/security.md): the probes (/readyz says only ready or
 # not without it), the pages and their files (they hold no secret and ask for the token
-# themselves), and the voice list the mic page reads. /v1/audio/* checks the token itself, in
-# OpenAI's error shape, and counts the refusal.
+# themselves), and the voice list the mic page reads.
 PUBLIC_PATHS = PROBES | {"/", "/v1/voices"}
-PUBLIC_PREFIXES = ("/static/", "/v1/audio/")
+PUBLIC_PREFIXES = ("/static/",)
+# Routes that check the token themselves: /v1/audio/* answers in OpenAI's error shape and counts it.
+CHECKED_BY_THE_ROUTE = ("/v1/audio/",)
 
 
 class RequireToken:
-    """ASGI middleware: with server.token set, every HTTP route outside PUBLIC_PATHS and
-    PUBLIC_PREFIXES needs it (?token=, or `Authorization: Bearer`); /metrics also takes
-    server.metrics_token, for a Prometheus that should not hold the main one."""
+    """ASGI middleware: with server.token set, every HTTP route outside PUBLIC_PATHS,
+    PUBLIC_PREFIXES and CHECKED_BY_THE_ROUTE needs it (?token=, or `Authorization: Bearer`);
+    /metrics also takes server.metrics_token, for a Prometheus that should not hold the main one."""
 
     def __init__(self, app: ASGIApp, server: ServerConfig) -> None:
         self.app, self.server = app, server
@@ -183,7 +184,7 @@ class RequireToken:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if (scope["type"] != "http" or self.server.token is None or path in PUBLIC_PATHS
-                or path.startswith(PUBLIC_PREFIXES) or self.authorized(HTTPConnection(scope))):
+                or path.startswith(PUBLIC_PREFIXES + CHECKED_BY_THE_ROUTE) or self.authorized(HTTPConnection(scope))):
             return await self.app(scope, receive, send)
         await _send_error(send, 401, "invalid_api_key", "missing or wrong token (?token= or Authorization: Bearer)",
                           {"www-authenticate": "Bearer"})
