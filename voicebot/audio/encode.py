@@ -13,6 +13,7 @@ the samples.
 from __future__ import annotations
 
 import struct
+import threading
 
 import av
 import numpy as np
@@ -64,38 +65,49 @@ class SpeechEncoder:
         if response_format not in FORMATS:
             raise ValueError(f"response_format {response_format!r}: not one of {', '.join(FORMATS)}")
         self.response_format, self.rate = response_format, rate
+        self.compressed = response_format in COMPRESSED  # encoding costs CPU: callers keep it off the loop
         self._header = wav_header(rate) if response_format == "wav" else b""
         self._container = self._stream = None
-        if response_format in COMPRESSED:
+        if self.compressed:
             muxer, encoder, _ = COMPRESSED[response_format]
             self._sink = _Sink()
             self._container = av.open(self._sink, mode="w", format=muxer, options={"flush_packets": "1", **MUXER_OPTIONS.get(muxer, {})})
             self._stream = self._container.add_stream(encoder, rate=rate, layout="mono")
         self._samples = 0  # the pts of the next frame, in samples
+        # encode/finish run on a worker thread; close may come from the loop while one is in flight
+        # (the request cancelled): never two at once on one FFmpeg context.
+        self._lock = threading.Lock()
 
     def encode(self, pcm16: bytes) -> bytes:
         out, self._header = self._header, b""
-        if self._container is None:
+        if not self.compressed:
             return out + pcm16
-        samples = np.frombuffer(pcm16, dtype=np.int16).reshape(1, -1)
-        frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
-        frame.sample_rate, frame.pts = self.rate, self._samples
-        self._samples += samples.shape[1]
-        self._container.mux(self._stream.encode(frame))
-        return out + self._sink.take()
+        with self._lock:
+            if self._container is None:
+                raise ValueError("the encoder is closed")
+            samples = np.frombuffer(pcm16, dtype=np.int16).reshape(1, -1)
+            frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
+            frame.sample_rate, frame.pts = self.rate, self._samples
+            self._samples += samples.shape[1]
+            self._container.mux(self._stream.encode(frame))
+            return out + self._sink.take()
 
     def finish(self) -> bytes:
         """The rest: what the encoder still held, and the container's trailer. Closes the encoder."""
         out, self._header = self._header, b""
-        if self._container is None:
+        if not self.compressed:
             return out
-        self._container.mux(self._stream.encode(None))
-        self._container.close()
-        self._container = None
-        return out + self._sink.take()
-
-    def close(self) -> None:
-        """Drop an unfinished stream (the client left)."""
-        if self._container is not None:
+        with self._lock:
+            if self._container is None:
+                raise ValueError("the encoder is closed")
+            self._container.mux(self._stream.encode(None))
             self._container.close()
             self._container = None
+            return out + self._sink.take()
+
+    def close(self) -> None:
+        """Drop an unfinished stream (the client left); waits for an encode in flight."""
+        with self._lock:
+            if self._container is not None:
+                self._container.close()
+                self._container = None
