@@ -95,7 +95,8 @@ class RunningServer:
         return f"ws://127.0.0.1:{self.settings.server.port}/v1/voice"
 
     def get(self, path: str) -> httpx.Response:
-        return httpx.get(self.http_url + path, timeout=10)
+        token = self.settings.server.token  # every route but the probes and pages asks for it
+        return httpx.get(self.http_url + path, timeout=10, headers={"Authorization": f"Bearer {token}"} if token else None)
 
     def metric(self, name: str, labels: str = "") -> float:
         """The value of one sample in /metrics (0 when absent)."""

@@ -1,5 +1,6 @@
-"""A hypothesis fuzzer of the three WebSocket protocols (/v1/voice, /obs/audio, /funasr) against the
-real server on 127.0.0.1, and the socket limit of run_server.py.
+"""A hypothesis fuzzer of the three WebSocket protocols (/v1/voice, /obs/audio, /funasr) and of the
+HTTP routes (/v1/audio/speech, /v1/audio/transcriptions, the GET routes) against the real server on
+127.0.0.1, and the socket limit of run_server.py.
 
 Each example opens one connection, sends a short generated sequence (valid messages with fuzzed
 fields, the hostile frames of tests/hostile.py, random JSON, text and bytes) as fast as it can,
@@ -9,6 +10,10 @@ with a documented code after an `error` event (flooding, busy). After the client
 server's handler must end without an exception ("Exception in ASGI application" is a session that
 died), and the server must still serve /healthz. Bounded: about 2,500 messages in all, under a
 minute on two cores (and a server start).
+
+Each HTTP example is one request with a generated body (fuzzed fields, random bytes, hostile
+JSON): the answer must be a success or a documented refusal with a message (never a 500, never a
+dead handler), and the request must have given its max_sessions place back.
 """
 
 from __future__ import annotations
@@ -16,9 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import io
 import logging
+import struct
 import time
+import wave
 
+import httpx
 import pytest
 import websockets
 from hypothesis import HealthCheck, given, settings
@@ -257,3 +266,99 @@ def test_the_largest_valid_obs_chunk_is_accepted_and_an_oversize_message_closes_
     accepted, close_code = asyncio.run(scenario())
     assert accepted
     assert close_code == protocol.CloseCode.TOO_BIG
+
+
+# ---- the HTTP routes ------------------------------------------------------------------------------
+
+HTTP_REFUSALS = {400, 401, 403, 404, 405, 413, 422}  # documented refusals, each with a message
+hostile_json = st.sampled_from([b"[" * 100_000, b"{" * 50_000, b'{"a": ' + b"9" * 5000 + b"}", b'"\\ud800"',
+                                b'{"input": "\\udfff"}', b"\xff\xfe\x00", b"", b"null", b"1e999999", b"-" * 10])
+speech_body = st.one_of(
+    # a valid request with some of its fields replaced or added
+    st.fixed_dictionaries({}, optional={
+        "model": json_values, "voice": st.sampled_from(["en", "nope", ""]) | json_values,
+        "input": st.sampled_from(["hello there", "", " ", "\ud800", "x" * 4097]) | st.text(max_size=30) | json_values,
+        "response_format": st.sampled_from(["mp3", "opus", "aac", "flac", "wav", "pcm", "ogg"]) | json_values,
+        "stream_format": st.sampled_from(["audio", "sse", "x"]) | json_values,
+        "speed": st.sampled_from([1, 1.0, 0.25, 4.5, True]) | json_values,
+        "instructions": json_values,
+    }).map(lambda fields: json.dumps({"model": "tts-1", "voice": "en", "input": "hello"} | fields).encode()),
+    json_values.map(lambda value: json.dumps(value).encode()),
+    hostile_json,
+    st.binary(max_size=200),
+)
+
+
+def _wav(rate: int, channels: int, bits: int, frames: bytes) -> bytes:
+    """A WAV whose header says what it is told, whatever the data."""
+    fmt = struct.pack("<HHIIHH", 1, channels, rate, (rate * channels * bits // 8) % 2**32, (channels * bits // 8) % 2**16, bits)
+    return b"RIFF" + struct.pack("<I", 36 + len(frames)) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + \
+        b"data" + struct.pack("<I", len(frames)) + frames
+
+
+def _real_wav(seconds: float) -> bytes:
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes(bytes(int(32000 * seconds)))
+    return buffer.getvalue()
+
+
+upload_file = st.one_of(
+    st.builds(_wav, st.sampled_from([0, 1, 7999, 8000, 16000, 384001, 2**32 - 1]), st.sampled_from([0, 1, 2, 33, 2**16 - 1]),
+              st.sampled_from([8, 16, 24, 32, 0, 7]), st.binary(max_size=4000)),
+    st.floats(0, 2).map(_real_wav),
+    st.binary(max_size=3000),
+    st.sampled_from([b"#EXTM3U\nfile:///etc/passwd\n", b"ffconcat version 1.0\nfile '/etc/passwd'\n", b"ID3" + bytes(200)]),
+)
+upload_fields = st.fixed_dictionaries({}, optional={
+    "model": st.sampled_from(["", "whisper-1"]) | st.text(max_size=10),
+    "response_format": st.sampled_from(["json", "text", "srt", "vtt", "verbose_json", "diarized_json", ""]),
+    "language": st.sampled_from(["en", "", "xx"]) | st.text(max_size=5),
+    "stream": st.sampled_from(["true", "false", "x"]),
+    "timestamp_granularities[]": st.sampled_from(["segment", "word"]),
+}).map(lambda fields: {"model": "whisper-1"} | fields)
+
+
+def _check_http(server, response: httpx.Response, before: int) -> None:
+    assert response.status_code == 200 or response.status_code in HTTP_REFUSALS, f"{response.status_code}: {response.text[:300]}"
+    if response.status_code != 200:
+        assert response.json()["error"]["message"]
+    deadline = time.monotonic() + 10
+    while server.metric("voicebot_audio_api_active") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.metric("voicebot_audio_api_active") == 0, "a request kept its max_sessions place"
+    crashed = server.crashes.records[before:]
+    assert not crashed, f"the handler died: {crashed[0].getMessage()} {crashed[0].exc_info and crashed[0].exc_info[1]!r}"
+
+
+@settings(FUZZ, max_examples=40)
+@given(body=speech_body, content_type=st.sampled_from(["application/json", "text/plain", "multipart/form-data"]))
+def test_fuzz_speech(fuzzed_server, body, content_type):
+    before = len(fuzzed_server.crashes.records)
+    response = httpx.post(f"{fuzzed_server.http_url}/v1/audio/speech", content=body, timeout=60,
+                          headers={"content-type": content_type})
+    _check_http(fuzzed_server, response, before)
+
+
+@settings(FUZZ, max_examples=30)
+@given(file=upload_file, name=st.sampled_from(["a.wav", "a.mp3", "a.m4a", "noname", "../../etc/passwd"]), fields=upload_fields)
+def test_fuzz_transcriptions(fuzzed_server, file, name, fields):
+    before = len(fuzzed_server.crashes.records)
+    response = httpx.post(f"{fuzzed_server.http_url}/v1/audio/transcriptions", timeout=60, data=fields,
+                          files={"file": (name, file)})
+    _check_http(fuzzed_server, response, before)
+
+
+@settings(FUZZ, max_examples=30)
+@given(path=st.sampled_from(["/healthz", "/readyz", "/metrics", "/v1/voices", "/docs", "/openapi.json", "/nope",
+                             "/v1/audio/speech", "/debug/input/x.wav"]),
+       query=st.dictionaries(st.sampled_from(["token", "tok%65n", "x", "channel"]), st.text(max_size=10), max_size=3),
+       host=st.sampled_from(["127.0.0.1", "localhost", "evil.example", "[::1]", "a b", ""]))
+def test_fuzz_get_routes(fuzzed_server, path, query, host):
+    before = len(fuzzed_server.crashes.records)
+    response = httpx.get(f"{fuzzed_server.http_url}{path}", params=query, headers={"Host": host}, timeout=30)
+    assert response.status_code < 500 or (path == "/readyz" and response.status_code == 503), response.text[:300]
+    if host in ("evil.example", "a b") and path not in ("/healthz", "/readyz"):
+        assert response.status_code in (400, 403)
+    _check_http(fuzzed_server, httpx.get(f"{fuzzed_server.http_url}/healthz", timeout=10), before)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -71,6 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="voicebot", version=__version__, lifespan=lifespan)
     app.state.runtime = rt
     client_limits = limits.install(app, settings.server)  # connections and sessions per client address
+    auth.install(app, settings.server)  # the Host header, and the token on HTTP routes
     app.state.audio_requests, app.state.occupied, app.state.client_limits = audio_requests, occupied, client_limits
     app.include_router(openai_audio.router)  # /v1/audio/speech, /v1/audio/transcriptions
 
@@ -79,7 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/readyz")
-    async def readyz() -> JSONResponse:
+    async def readyz(request: Request) -> JSONResponse:
         engines = [e.info() for e in (rt.recognizer, rt.synthesizer, *rt.responders.values()) if e is not None] if rt.ready else []
         # At its session limit, or one more session would be refused by admit(): it would overload a
         # thread pool (serving/capacity.py) or slow the synthesizer's speaking sessions below real time.
@@ -102,6 +103,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "uptime_s": round(time.monotonic() - rt.started_at, 1),
             "cluster": None if rt.cluster is None else {"redis_up": rt.cluster.link.up},
         }
+        if settings.server.token is not None and not auth.token_matches(auth.presented_token(request), settings.server.token):
+            body = {key: body[key] for key in ("ready", "draining", "full")}  # public: a probe needs no more
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")

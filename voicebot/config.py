@@ -34,6 +34,14 @@ class ServerConfig(Section):
     # present it (?token=, a `token.<TOKEN>` subprotocol, or `Authorization: Bearer`). None: open.
     # Set it through VOICEBOT_SERVER__TOKEN rather than in a committed file.
     token: str | None = Field(None, min_length=8)
+    # With `token` set: a second token that opens /metrics only (a Prometheus scrape's bearer token),
+    # so the scraper need not hold the one that drives the bot. /metrics takes either.
+    metrics_token: str | None = Field(None, min_length=8)
+    # Host names (Host header) the server answers to, besides IP addresses, localhost and `host`
+    # itself: e.g. ["voice.example.com"], "*.example.com" for its subdomains, "*" for any. Any other
+    # name is refused (403, WebSockets too): a web page on a domain made to resolve to this server
+    # (DNS rebinding) would otherwise be "same-origin" with it. Probes (/healthz, /readyz) are exempt.
+    allowed_hosts: list[str] = []
     # Listener connections (OBS overlays) across all channels; each queues at most ~600 KB.
     max_listeners: int = Field(50, ge=0)
     # Tests and troubleshooting only: keep the first N seconds of raw input of the 8 most recent

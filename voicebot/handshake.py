@@ -1,11 +1,12 @@
-"""A deadline on the HTTP request head, for the server run by run_server.py.
+"""A deadline on every HTTP request head, for the server run by run_server.py.
 
-uvicorn times out a connection only between requests (`timeout_keep_alive`): one that connects
-and sends nothing, or sends its headers a byte at a time (slowloris), stays open for ever, and
-enough of them exhaust the process's file descriptors. `HandshakeDeadline` is uvicorn's
-httptools protocol with one addition: a connection whose request head is not complete within
-`timeout_s` of connecting is closed. A WebSocket is past its head before it upgrades, so live
-sessions are untouched.
+uvicorn times out a connection only while it is idle between requests (`timeout_keep_alive`,
+cancelled by the first byte that comes): one that connects and sends nothing, or sends its headers
+a byte at a time (slowloris), stays open for ever, and enough of them exhaust the process's file
+descriptors. `HandshakeDeadline` is uvicorn's httptools protocol with one addition: a request head
+not complete within `timeout_s` is closed, the first one counted from the connection, each later
+one on a keep-alive connection from the end of the response before it. A WebSocket is past its head
+before it upgrades, so live sessions are untouched.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ class HandshakeDeadline(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_deadline = self.loop.call_later(self.timeout_s, self._head_too_slow)
+
+    def on_response_complete(self) -> None:
+        # Idle now unless a pipelined request (its head already complete) is next.
+        idle = not self.pipeline
+        super().on_response_complete()
+        if idle and not self.transport.is_closing():
+            self._head_deadline.cancel()
+            self._head_deadline = self.loop.call_later(self.timeout_s, self._head_too_slow)
 
     def on_headers_complete(self) -> None:
         self._head_deadline.cancel()

@@ -72,7 +72,7 @@ def test_the_service_monitor_scrapes_the_service_metrics_port():
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     port_names = {p["name"] for p in service["spec"]["ports"]}
     for endpoint in monitor["spec"]["endpoints"]:
-        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme"}
+        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "authorization"}  # Prometheus Operator >= 0.51
         assert endpoint["port"] in port_names and endpoint["path"] == "/metrics"
 
 

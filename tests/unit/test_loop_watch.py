@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
 import logging
 import threading
@@ -55,11 +57,16 @@ def test_a_slow_callback_is_named_by_its_stack(caplog):
     assert metrics.loop_lag._sum.get() >= HOLD_S / 2
 
 
+# A C call that keeps the GIL for as long as it is told, like a C extension's long call: libc's
+# usleep through ctypes.PyDLL, which (unlike CDLL) does not release the GIL around the call. Timed,
+# not a fixed amount of work, so it holds as long on any machine.
+_LIBC_KEEPING_THE_GIL = ctypes.PyDLL(ctypes.util.find_library("c"))
+
+
 def _keeps_the_gil() -> None:
-    # sum() over a range is one C loop that never lets the GIL go, like a C extension's long call.
-    deadline = time.monotonic() + HOLD_S
-    while time.monotonic() < deadline:
-        sum(range(3_000_000))
+    time.sleep(0.1)  # the loop back in its selector first: what it waits for then is the GIL
+    _LIBC_KEEPING_THE_GIL.usleep(int(HOLD_S * 1e6))
+    time.sleep(0.1)  # the GIL let go with this frame still here, for the watchdog to see as it wakes
 
 
 def test_a_thread_that_keeps_the_gil_is_a_gil_stall_with_its_thread_named(caplog):
