@@ -265,7 +265,7 @@ def describe(row: Row) -> dict[str, str]:
     refused = [r.refusal for r in row.runs if not r.admitted]
     reasons: dict[str, int] = {}
     for e in refused:
-        key = f"{e.get('code')}:{e.get('overloaded') or e.get('limit') or '-'}"
+        key = f"{e.get('code')}:{e.get('cause') or e.get('limit') or '-'}:{e.get('overloaded') or '-'}"
         key += f"@{e['retry_after_s']}s" if e.get("retry_after_s") is not None else " (no retry hint)"
         reasons[key] = reasons.get(key, 0) + 1
     latencies, lag = row.latencies(), row.client_lag()
@@ -310,7 +310,7 @@ def main() -> None:
           f"end of speech -> first reply frame at the client (ms); input lag p50/p95 (ms: server histogram, "
           f"client-side asked-pause); CPU cores per admitted speaker; input cost µs per session per s of audio")
     columns = ["admitted", "p50", "p95", "answered", "lag srv", "lag cli", "cpu main", "cpu kids", "input us", "whole us", "refused"]
-    print(f"{'code':>5} {'N':>3} " + " ".join(f"{c:>9}" for c in columns[:-1]) + "  refused (code:reason@retry x count)")
+    print(f"{'code':>5} {'N':>3} " + " ".join(f"{c:>9}" for c in columns[:-1]) + "  refused (code:cause:pool@retry x count)")
     for label, rows in runs.items():
         for row in rows:
             cells = describe(row)

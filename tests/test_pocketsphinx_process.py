@@ -301,3 +301,50 @@ def test_a_session_whose_child_hangs_gets_an_error_and_goes_on(monkeypatch):
         assert process.lost == {"died": 0, "hung": 1}
         assert server.metric("voicebot_decoder_processes_lost_total", 'cause="hung",engine="pocketsphinx"') == 1
         assert server.get("/readyz").json()["engines"][0]["details"]["processes_lost"] == 1
+
+
+def test_feeds_queued_while_a_batch_is_in_flight_go_to_the_child_as_the_next_batch():
+    """Batching without a child: the round trip is the test's. Each feed's answer comes back to its
+    own stream, a feed the child failed on fails alone, and a lost child fails every feed it held."""
+    import threading
+
+    process = DecoderProcess(0, [], False, keep=1)  # never spawned
+    requests: list[tuple] = []
+    in_flight, release = threading.Event(), threading.Event()
+    lost = [False]
+
+    def round_trip(request):
+        requests.append(request)
+        in_flight.set()
+        release.wait(10)
+        if lost[0]:
+            raise DecoderProcessLost("pocketsphinx-0's process died (exit code -9) during this request")
+        return [(None, "KeyError: 3") if feed[1] == 3 else (f"heard {feed[1]}", None) for feed in request[2]]
+
+    process._round_trip = round_trip
+    process._live_child = lambda: None
+    chunk = bytes(640)
+    try:
+        first = process.queue_feed(0, ("feed", 1, chunk))
+        assert in_flight.wait(10)  # the first batch is with the child: the next three gather meanwhile
+        later = [process.queue_feed(0, ("feed", stream, chunk)) for stream in (2, 3, 4)]
+        release.set()
+        assert first.result(10) == "heard 1"
+        assert [later[0].result(10), later[2].result(10)] == ["heard 2", "heard 4"]
+        with pytest.raises(RuntimeError, match="pocketsphinx: KeyError: 3"):
+            later[1].result(10)
+        assert [[feed[1] for feed in request[2]] for request in requests] == [[1], [2, 3, 4]]
+        assert process.feed_batches == {1: 1, 3: 1}
+        lost[0] = True
+        gone = [process.queue_feed(0, ("feed", stream, chunk)) for stream in (5, 6)]
+        for future in gone:
+            with pytest.raises(DecoderProcessLost, match="died"):
+                future.result(10)
+        # A stream of an earlier child fails at once, without a round trip.
+        stale = process.queue_feed(-1, ("feed", 7, chunk))
+        with pytest.raises(DecoderProcessLost, match="lost earlier"):
+            stale.result(10)
+        assert all(feed[1] != 7 for request in requests for feed in request[2])
+    finally:
+        release.set()
+        process.worker.shutdown()

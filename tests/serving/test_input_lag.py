@@ -90,3 +90,28 @@ def test_a_session_behind_a_stalled_pool_catches_up_in_one_trip_while_others_loa
     assert pools and all(p["chunks"] > 0 and p["p95_s"] is not None for p in pools.values())
     assert sum(p["deadline_misses"] for p in pools.values()) >= 0.6 * STALL_S * 1000 / CHUNK_MS  # the stall's, counted
     assert 'voicebot_input_lag_seconds_bucket{le="0.1",pool="pocketsphinx-' in metrics
+
+
+def test_a_burst_of_connects_before_any_cost_is_known_is_let_in_as_configured_and_told_why_not(monkeypatch):
+    with running_server(make_settings(limits={"cold_start_sessions": 1})) as server:
+        admission = server.runtime.admission
+
+        def nothing_learnt() -> None:
+            """As at start-up (running_server's own first session taught the pools), and nothing
+            learnt from here on: the loads stay as measured."""
+            for pool in admission.pools:
+                pool.cost_per_session = pool.cost_bound = None
+                monkeypatch.setattr(pool, "sample", lambda sessions, pool=pool: pool.load())
+
+        async def run():
+            server.on_loop(nothing_learnt)
+            async with VoiceClient.connect(server.ws_url):  # one in: the most per 5 s until a cost is known
+                readyz = server.get("/readyz")
+                async with VoiceClient.connect(server.ws_url, send_start=False) as refused:
+                    busy = await refused.wait_for("error")
+                return readyz, busy
+
+        readyz, busy = asyncio.run(run())
+        assert readyz.status_code == 503 and readyz.json()["full"]
+        assert busy["code"] == "busy" and busy["cause"] == "cold_start" and busy["retry_after_s"] > 0 and busy["overloaded"]
+        assert server.metric("voicebot_sessions_refused_total", 'reason="cold_start"') == 1

@@ -114,9 +114,12 @@ def test_a_burst_at_cold_start_gets_cold_start_sessions_in_per_window():
     assert let_in == 4
     refusal = adm.refuse(let_in)
     assert refusal.reason == "cold_start" and refusal.retry_after_s == WINDOW_S
-    # Once the window has turned over, their load is measured: the next are let in by what it says.
-    run_for(adm, worker, clock, WINDOW_S, load=0.2, sessions=4)  # 0.05 each
-    assert adm.pools[0].cost_per_session == pytest.approx(0.05)
+    # Their first window says nothing yet (their start-ups); once a whole window holds their load,
+    # the next are let in by what it says.
+    run_for(adm, worker, clock, WINDOW_S, load=0.2, sessions=4)
+    assert adm.pools[0].cost_per_session is None and adm.refuse(4).reason == "cold_start"
+    run_for(adm, worker, clock, WINDOW_S, load=0.2, sessions=4)
+    assert adm.pools[0].cost_per_session == pytest.approx(0.05)  # 0.2 over 4
     assert adm.refuse(4) is None
 
 

@@ -19,12 +19,12 @@ voicebot_sessions_refused_total{reason}) when
 - `pool_load`: a pool is above `limits.max_worker_load` now, or its learnt cost per connected session
   (its load over the sessions connected, an average over time, so a session's pauses count) says one
   more would pass that limit; this catches a burst of connections that have not started speaking;
-- `cold_start`: the sessions admitted in the last window, whose load the window does not hold yet,
-  plus this one, at each pool's cost per session, would pass the limit. Before a pool's cost is
-  learnt it is taken as max_load / `limits.cold_start_sessions`, so a burst of connects at start-up
-  gets at most that many in per window; once a pool was seen too idle to learn from, its cost is
-  bounded by what that says.
-An admitted session is never dropped for load: these rules only keep the next one out.
+- the sessions admitted in the last window, whose load the window does not hold yet, plus this one,
+  at a pool's cost per session, would pass the limit (`pool_load`); before a pool's cost is known
+  (learnt, or bounded by a window too idle to learn from), `cold_start`: at most
+  `limits.cold_start_sessions` are let in per window.
+The first session always fits: it slows nobody. An admitted session is never dropped for load:
+these rules only keep the next one out.
 Devices whose engines batch (the CosyVoice 2 scheduler) answer for themselves through
 `Synthesizer.admit()`; both are asked.
 
@@ -119,20 +119,26 @@ class PoolLoad:
         self._samples: deque[tuple[float, float]] = deque(maxlen=int(WINDOW_S / SAMPLE_S) + 1)
         self.cost_per_session: float | None = None  # learnt load of one connected session
         self.cost_bound: float | None = None  # at most this, while too idle to learn
+        self._sessions_since: float | None = None  # when the sessions connected last went from none to some
 
     def sample(self, sessions: int) -> float:
-        self._samples.append((self._clock(), self.worker.busy_s))
+        now = self._clock()
+        self._samples.append((now, self.worker.busy_s))
+        if not sessions:
+            self._sessions_since = None
+        elif self._sessions_since is None:
+            self._sessions_since = now
         load = self.load()
-        if sessions and load >= MIN_LOAD_TO_LEARN:
-            cost = load / sessions
-            self.cost_per_session = cost if self.cost_per_session is None else (
-                self.cost_per_session + COST_EWMA * (cost - self.cost_per_session))
-        elif sessions and self.full_window():
-            self.cost_bound = min(self.cost_bound or 1.0, MIN_LOAD_TO_LEARN / sessions)
+        # Learnt only from a whole window with sessions in it: a session's start-up, or a window
+        # that was mostly empty, says nothing of what one costs.
+        if sessions and self._sessions_since <= now - WINDOW_S:
+            if load >= MIN_LOAD_TO_LEARN:
+                cost = load / sessions
+                self.cost_per_session = cost if self.cost_per_session is None else (
+                    self.cost_per_session + COST_EWMA * (cost - self.cost_per_session))
+            else:
+                self.cost_bound = min(self.cost_bound or 1.0, MIN_LOAD_TO_LEARN / sessions)
         return load
-
-    def full_window(self) -> bool:
-        return len(self._samples) == self._samples.maxlen
 
     def load(self) -> float:
         if len(self._samples) < 2:
@@ -140,11 +146,9 @@ class PoolLoad:
         (t0, busy0), (t1, busy1) = self._samples[0], self._samples[-1]
         return (busy1 - busy0) / (self.worker.threads * max(t1 - t0, 1e-9))
 
-    def cost(self, cold: float) -> tuple[float, bool]:
-        """(one session's load here, whether it is learnt); `cold` before anything is known."""
-        if self.cost_per_session is not None:
-            return self.cost_per_session, True
-        return (cold if self.cost_bound is None else min(cold, self.cost_bound)), False
+    def cost(self) -> float | None:
+        """One session's load here: learnt, or bounded by an idle window; None before either."""
+        return self.cost_per_session if self.cost_per_session is not None else self.cost_bound
 
 
 class InputLag:
@@ -212,7 +216,7 @@ class Admission:
         self.pools = [PoolLoad(w, clock) for w in workers]
         self.max_load = max_load
         self.lag = lag or InputLag(float("inf"), clock=clock)
-        self.cold_cost = max_load / cold_start_sessions
+        self.cold_start_sessions = cold_start_sessions
         self._admitted: deque[float] = deque(maxlen=ADMISSIONS_MAX)  # when each recent session was let in
 
     def watch_pool(self, worker: Pool) -> None:
@@ -227,7 +231,10 @@ class Admission:
         self._admitted.append(self._clock())
 
     def refuse(self, sessions: int) -> Refusal | None:
-        """Why one more session does not fit (see the module doc), or None."""
+        """Why one more session does not fit (see the module doc), or None. The first always fits:
+        it slows nobody."""
+        if sessions == 0:
+            return None
         late, pool, sessions_late = self.lag.late_share()
         if late > LATE_SHARE and sessions_late >= LATE_SESSIONS:
             return Refusal("input_lag", pool or "-", WINDOW_S,
@@ -236,15 +243,16 @@ class Admission:
         since = self._clock() - WINDOW_S
         unmeasured = sum(1 for at in self._admitted if at >= since)
         for p in self.pools:
-            load = p.load()
-            cost, learnt = p.cost(self.cold_cost)
-            name = p.worker.name
-            if load > self.max_load or (learnt and max(load + cost, (sessions + 1) * cost) > self.max_load):
-                # The window must turn over before the load can have fallen.
+            load, cost, name = p.load(), p.cost(), p.worker.name
+            # The window must turn over before the load can have fallen: retry after it.
+            if load > self.max_load or (p.cost_per_session is not None and (sessions + 1) * cost > self.max_load):
                 return Refusal("pool_load", name, WINDOW_S, f"one more session would overload {name}")
-            if load + (unmeasured + 1) * cost > self.max_load:
-                return Refusal("cold_start" if not learnt else "pool_load", name, WINDOW_S,
-                               f"{unmeasured} sessions let in during the last {WINDOW_S:g} s are not measured yet on {name}")
+            if cost is None and unmeasured >= self.cold_start_sessions:
+                return Refusal("cold_start", name, WINDOW_S, f"{unmeasured} sessions let in during the last {WINDOW_S:g} s "
+                               f"are not measured yet on {name}, whose cost per session is not known yet")
+            if cost is not None and load + (unmeasured + 1) * cost > self.max_load:
+                return Refusal("pool_load", name, WINDOW_S, f"{unmeasured} sessions let in during the last {WINDOW_S:g} s "
+                               f"are not measured yet on {name}; one more would overload it")
         return None
 
     def report(self) -> dict[str, dict]:

@@ -36,7 +36,7 @@ from voicebot.audio.gate import NoiseGate
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
 from voicebot.config import EndpointConfig, GateConfig
-from voicebot.messages import AudioIn, Inbound, InputEnd, Utterance
+from voicebot.messages import AudioIn, InputEnd, Utterance
 from voicebot.metrics import Metrics
 from voicebot.protocol import ErrorCode
 from voicebot.serving.capacity import InputLag
