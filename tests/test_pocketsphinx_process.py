@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,8 +18,8 @@ from tests.audio import espeak_speech
 from tests.conftest import TEST_PHRASES, VoiceClient, make_settings, running_server, speech_pcm
 from voicebot.asr import pocketsphinx_process
 from voicebot.asr.pocketsphinx import PocketsphinxRecognizer
-from voicebot.asr.pocketsphinx_process import (ANSWER_FLOOR_S, ANSWER_S_PER_AUDIO_S, MAX_FEED_BYTES, DecoderProcess,
-                                               DecoderProcessLost)
+from voicebot.asr.pocketsphinx_process import (ANSWER_FLOOR_S, ANSWER_S_PER_AUDIO_S, MAX_BATCH_BYTES, MAX_FEED_BYTES,
+                                               DecoderProcess, DecoderProcessLost)
 from voicebot.config import PocketsphinxConfig
 
 
@@ -131,12 +132,12 @@ def test_a_long_feed_goes_to_the_child_in_pieces_of_at_most_a_second(recognizer,
     audio = np.concatenate([utterance(TEST_PHRASES[0]), np.zeros(16000, np.float32)])
     assert len(audio) * 2 > 2 * MAX_FEED_BYTES  # three pieces, the last a short one
     process = recognizer.processes[0]
-    sent: list[int] = []
+    sent: list[list[int]] = []  # per request to the child, its feeds' bytes
     round_trip = process._round_trip
 
     def recorded(request):
-        if request[0] == "feed":
-            sent.append(len(request[2]))
+        if request[0] == "batch":
+            sent.append([len(feed[2]) for feed in request[2]])
         return round_trip(request)
 
     monkeypatch.setattr(process, "_round_trip", recorded)
@@ -151,7 +152,9 @@ def test_a_long_feed_goes_to_the_child_in_pieces_of_at_most_a_second(recognizer,
             await stream.close()
 
     assert asyncio.run(scenario()) == TEST_PHRASES[0]
-    assert sum(sent) == len(audio) * 2 and max(sent) == MAX_FEED_BYTES and len(sent) == -(-len(audio) * 2 // MAX_FEED_BYTES)
+    pieces = [size for request in sent for size in request]
+    assert sum(pieces) == len(audio) * 2 and max(pieces) == MAX_FEED_BYTES and len(pieces) == -(-len(audio) * 2 // MAX_FEED_BYTES)
+    assert all(sum(request) <= MAX_BATCH_BYTES for request in sent) and len(sent) == 2  # two pieces, then the third
 
 
 def test_a_hung_child_is_killed_its_streams_fail_clearly_and_it_is_replaced(recognizer, monkeypatch):
@@ -289,7 +292,8 @@ def test_a_session_whose_child_hangs_gets_an_error_and_goes_on(monkeypatch):
                     if not gone(stopped):
                         os.kill(stopped, signal.SIGCONT)
                 assert error["code"] == "engine_error" and error["engine"] == "asr"
-                assert "pocketsphinx-0's process did not answer within 2 s (hung)" in error["message"]
+                # 2 s and 4 s per s of the audio in its batch (chunks that waited go together)
+                assert re.search(r"pocketsphinx-0's process did not answer within \d+ s \(hung\)", error["message"])
                 await client.stream(speech_pcm(TEST_PHRASES[2]), speed=4)
                 assert (await client.wait_for("asr.final"))["text"] == TEST_PHRASES[2]
 
@@ -297,3 +301,50 @@ def test_a_session_whose_child_hangs_gets_an_error_and_goes_on(monkeypatch):
         assert process.lost == {"died": 0, "hung": 1}
         assert server.metric("voicebot_decoder_processes_lost_total", 'cause="hung",engine="pocketsphinx"') == 1
         assert server.get("/readyz").json()["engines"][0]["details"]["processes_lost"] == 1
+
+
+def test_feeds_queued_while_a_batch_is_in_flight_go_to_the_child_as_the_next_batch():
+    """Batching without a child: the round trip is the test's. Each feed's answer comes back to its
+    own stream, a feed the child failed on fails alone, and a lost child fails every feed it held."""
+    import threading
+
+    process = DecoderProcess(0, [], False, keep=1)  # never spawned
+    requests: list[tuple] = []
+    in_flight, release = threading.Event(), threading.Event()
+    lost = [False]
+
+    def round_trip(request):
+        requests.append(request)
+        in_flight.set()
+        release.wait(10)
+        if lost[0]:
+            raise DecoderProcessLost("pocketsphinx-0's process died (exit code -9) during this request")
+        return [(None, "KeyError: 3") if feed[1] == 3 else (f"heard {feed[1]}", None) for feed in request[2]]
+
+    process._round_trip = round_trip
+    process._live_child = lambda: None
+    chunk = bytes(640)
+    try:
+        first = process.queue_feed(0, ("feed", 1, chunk))
+        assert in_flight.wait(10)  # the first batch is with the child: the next three gather meanwhile
+        later = [process.queue_feed(0, ("feed", stream, chunk)) for stream in (2, 3, 4)]
+        release.set()
+        assert first.result(10) == "heard 1"
+        assert [later[0].result(10), later[2].result(10)] == ["heard 2", "heard 4"]
+        with pytest.raises(RuntimeError, match="pocketsphinx: KeyError: 3"):
+            later[1].result(10)
+        assert [[feed[1] for feed in request[2]] for request in requests] == [[1], [2, 3, 4]]
+        assert process.feed_batches == {1: 1, 3: 1}
+        lost[0] = True
+        gone = [process.queue_feed(0, ("feed", stream, chunk)) for stream in (5, 6)]
+        for future in gone:
+            with pytest.raises(DecoderProcessLost, match="died"):
+                future.result(10)
+        # A stream of an earlier child fails at once, without a round trip.
+        stale = process.queue_feed(-1, ("feed", 7, chunk))
+        with pytest.raises(DecoderProcessLost, match="lost earlier"):
+            stale.result(10)
+        assert all(feed[1] != 7 for request in requests for feed in request[2])
+    finally:
+        release.set()
+        process.worker.shutdown()

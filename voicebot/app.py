@@ -56,7 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await asyncio.to_thread(rt.load)
         await rt.start_cluster()
         lag = asyncio.create_task(LoopWatch(rt.metrics).run())
-        load = asyncio.create_task(rt.admission.watch(lambda: len(rt.sessions), lambda: _report_load(rt)))
+        load = asyncio.create_task(rt.admission.watch(occupied, lambda: _report_load(rt)))
         trim = asyncio.create_task(memory.trim_periodically())
         _drain_on_sigterm(rt)
         log.info("voicebot %s ready on %s:%s", __version__, settings.server.host, settings.server.port)
@@ -84,7 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         engines = [e.info() for e in (rt.recognizer, rt.synthesizer, *rt.responders.values()) if e is not None] if rt.ready else []
         # At its session limit, or one more session would be refused by admit(): it would overload a
         # thread pool (serving/capacity.py) or slow the synthesizer's speaking sessions below real time.
-        full = (occupied() >= settings.server.max_sessions or bool(rt.admission and rt.admission.refuse(len(rt.sessions)))
+        full = (occupied() >= settings.server.max_sessions or bool(rt.admission and rt.admission.refuse(occupied()))
                 or (rt.ready and rt.synthesizer.full() is not None))
         body = {
             # Load balancers and Kubernetes send new connections only where this is true.
@@ -99,6 +99,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "active_sessions": len(rt.sessions),
             "max_sessions": settings.server.max_sessions,
             "capacity": rt.admission.report() if rt.admission else {},
+            # Each pool's input lag over the last 5 s (p50, p95) and deadline misses since start.
+            "input_lag": rt.input_lag.report() if rt.input_lag else {},
             "vad": rt.vad.stats(),  # the VAD batcher: requests waiting, rows per call
             "uptime_s": round(time.monotonic() - rt.started_at, 1),
             "cluster": None if rt.cluster is None else {"redis_up": rt.cluster.link.up},
@@ -132,24 +134,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                           CloseCode.POLICY, "bad channel")
             return False
         if too_many := client_limits.refusal(ws.scope, session=not listener):
-            await _refuse(ws, rt, ErrorCode.BUSY, too_many, CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=5, limit="per_client")
+            await _refuse(ws, rt, ErrorCode.BUSY, too_many, CloseCode.TRY_AGAIN_LATER, "busy", refusal="per_client", retry_after_s=5,
+                          limit="per_client")
             return False
         if not listener and occupied() >= settings.server.max_sessions:
             await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at its limit of {settings.server.max_sessions} sessions",
-                          CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=5)
+                          CloseCode.TRY_AGAIN_LATER, "busy", refusal="max_sessions", retry_after_s=5)
             return False
-        if not listener and (full := rt.admission.refuse(len(rt.sessions))):
-            pool, retry_after = full
-            await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at capacity: one more session would overload {pool}",
-                          CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=retry_after, overloaded=pool)
+        if not listener and (full := rt.admission.refuse(occupied())):
+            await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at capacity: {full.message}", CloseCode.TRY_AGAIN_LATER, "busy",
+                          refusal=full.reason, retry_after_s=full.retry_after_s, overloaded=full.pool, cause=full.reason)
             return False
         if not listener and (retry_after := rt.synthesizer.admit()) is not None:
             await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at capacity: one more session would slow {rt.synthesizer.name}'s "
-                          "speaking sessions below real time", CloseCode.TRY_AGAIN_LATER, "busy", retry_after_s=retry_after,
-                          overloaded=rt.synthesizer.name)
+                          "speaking sessions below real time", CloseCode.TRY_AGAIN_LATER, "busy", refusal="synthesizer",
+                          retry_after_s=retry_after, overloaded=rt.synthesizer.name)
             return False
         if not listener:
             client_limits.hold_session(ws.scope)
+            rt.admission.admitted()
         return True
 
     @app.websocket("/v1/voice")
@@ -245,8 +248,12 @@ async def run_session(ws: Socket, rt: Runtime, on_session: Callable[[Session], N
         rt.metrics.active_sessions.dec()
 
 
-async def _refuse(ws: WebSocket, rt: Runtime, code: str, message: str, close_code: int, reason: str, **extra) -> None:
-    rt.metrics.sessions_refused.labels(code).inc()
+async def _refuse(ws: WebSocket, rt: Runtime, code: str, message: str, close_code: int, reason: str, refusal: str | None = None,
+                  **extra) -> None:
+    """Refuse a connection, counted in voicebot_sessions_refused_total by `refusal` (what was full:
+    max_sessions, per_client, input_lag, pool_load, cold_start, synthesizer), else by the error code."""
+    rt.metrics.sessions_refused.labels(refusal or code).inc()
+    log.info("refused a connection (%s): %s", refusal or code, message)
     rt.metrics.errors.labels(code).inc()
     with contextlib.suppress(Exception):
         await ws.send_json(protocol.error(code, message, **extra))

@@ -93,6 +93,13 @@ class LimitsConfig(Section):
     # A new session is refused (busy) when an engine thread pool that cannot batch would be busier
     # than this share of its threads' time with it (voicebot/serving/capacity.py).
     max_worker_load: float = Field(0.85, gt=0, le=1)
+    # A chunk of input processed later than this after it arrived misses its deadline; a new session
+    # is refused while more than 5 % of the last 5 s of chunks did (voicebot/serving/capacity.py).
+    # A 20 ms chunk's trip through the front end, the VAD and the recognizer takes milliseconds on
+    # an idle box; a listener hears the lag in every reply's start.
+    max_input_lag_s: float = Field(0.25, gt=0)
+    # Before a pool's cost per session is learnt, at most this many sessions are let in per 5 s.
+    cold_start_sessions: int = Field(8, ge=1)
 
 
 class GateConfig(Section):

@@ -33,7 +33,14 @@ class Metrics:
         self.listeners_dropped = Counter("voicebot_listeners_dropped_total", "Listeners dropped for falling behind their channel", registry=r)
         self.obs_bad_chunks = Counter("voicebot_obs_bad_chunks_total", "Messages on /obs/audio that could not be used, by reason", ["reason"], registry=r)
         self.sessions_total = Counter("voicebot_sessions_total", "Sessions started", registry=r)
-        self.sessions_refused = Counter("voicebot_sessions_refused_total", "Sessions refused", ["reason"], registry=r)
+        self.sessions_refused = Counter("voicebot_sessions_refused_total", "Sessions refused, by cause (input_lag, pool_load, cold_start, max_sessions, per_client, synthesizer; else the error code: unauthorized, shutting_down, ...)", ["reason"], registry=r)
+        # Per chunk of input, once the front end, the VAD, the endpoint rule and the recognizer's feed
+        # are done with it: how long after its arrival (voicebot/serving/capacity.py, InputLag).
+        self.input_lag = Histogram("voicebot_input_lag_seconds", "Input chunk arrival to processed (front end, VAD, endpoint, recognizer feed), by the decoding pool of its session",
+                                   ["pool"], buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0), registry=r)
+        self.input_deadline_misses = Counter("voicebot_input_deadline_misses_total", "Input chunks processed later than limits.max_input_lag_s after they arrived, by pool", ["pool"], registry=r)
+        # The input path's cost: voicebot_input_cpu_seconds_total (register_input_cpu) over this.
+        self.input_audio = Counter("voicebot_input_audio_seconds_total", "Input audio processed by the sessions' input path", registry=r)
         self.utterances = Counter("voicebot_utterances_total", "Final transcripts, by the model that produced the text used", ["model"], registry=r)
         self.dialect_fallbacks = Counter("voicebot_dialect_fallbacks_total", "Utterances re-decoded by the fallback model", ["used"], registry=r)
         self.asr_confidence = Histogram("voicebot_asr_confidence", "Final transcript confidence", ["model"], buckets=(0.1, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0), registry=r)
@@ -155,4 +162,24 @@ class _ProcessesLost(Collector):
                                      labels=["engine", "cause"])
         for cause, count in self.lost().items():
             family.add_metric([self.engine, cause], count)
+        yield family
+
+
+def register_input_cpu(registry: CollectorRegistry, stages: Callable[[], dict[str, float]]) -> None:
+    """Export voicebot_input_cpu_seconds_total{stage}: the CPU seconds the input path's pools spent
+    (front_end: the audio worker's resampler, echo canceller and gate; vad; asr: the recognizer's
+    pools, finishes included), read at scrape time; over voicebot_input_audio_seconds_total, the
+    input path's cost per second of audio."""
+    registry.register(_InputCpu(stages))
+
+
+class _InputCpu(Collector):
+    def __init__(self, stages: Callable[[], dict[str, float]]) -> None:
+        self.stages = stages
+
+    def collect(self):
+        family = CounterMetricFamily("voicebot_input_cpu_seconds", "CPU seconds of the input path's pools, by stage "
+                                     "(front_end, vad, asr)", labels=["stage"])
+        for stage, seconds in self.stages().items():
+            family.add_metric([stage], seconds)
         yield family

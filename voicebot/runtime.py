@@ -23,12 +23,12 @@ from voicebot.cluster.conversations import RedisConversationStore
 from voicebot.config import Settings
 from voicebot.engines import build_recognizer, build_responders, build_synthesizer
 from voicebot.input_recorder import InputRecorder
-from voicebot.metrics import Metrics
+from voicebot.metrics import Metrics, register_input_cpu
 from voicebot.models import fetch_all
 from voicebot.reply.base import Responder
 from voicebot.reply.resume import ConversationStore
 from voicebot.reply.safety import SpeechFilter
-from voicebot.serving.capacity import Admission
+from voicebot.serving.capacity import Admission, InputLag, ServerCpu
 from voicebot.serving.metrics import register_vad_metrics
 from voicebot.serving.vad import VadBatcher
 from voicebot.serving.worker import Worker
@@ -81,7 +81,8 @@ class Runtime:
     cluster: Cluster | None = None  # shared state in Redis, when cluster.redis_url is set
     _notices: set[asyncio.Task] = field(default_factory=set)  # cluster error events being queued, one per session
     speech_filter: SpeechFilter = field(init=False)  # blocklist and max length of what is spoken
-    admission: Admission | None = None  # the thread pools' load; built by load()
+    admission: Admission | None = None  # the thread pools' load and the input lag; built by load()
+    input_lag: InputLag | None = None  # every session's, per pool (voicebot/serving/capacity.py); built by load()
     # Set when a reply ends or a session leaves: what wait_until() wakes on to look again.
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -111,8 +112,15 @@ class Runtime:
         self.recognizer.register_metrics(self.metrics.registry)
         self.synthesizer.register_metrics(self.metrics.registry)
         register_vad_metrics(self.metrics.registry, self.vad)
-        pools = [self.audio_worker, self.vad, *self.recognizer.workers(), *self.synthesizer.workers()]
-        self.admission = Admission(pools, s.limits.max_worker_load)
+        # The decoding children's CPU (pocketsphinx's processes), for the whole server's load.
+        children = getattr(self.recognizer, "processes", [])
+        pools = [self.audio_worker, self.vad, *self.recognizer.workers(), *self.synthesizer.workers(),
+                 ServerCpu(lambda: sum(child.busy_s for child in children))]
+        self.input_lag = InputLag(s.limits.max_input_lag_s, self.metrics.input_lag, self.metrics.input_deadline_misses)
+        self.admission = Admission(pools, s.limits.max_worker_load, self.input_lag, s.limits.cold_start_sessions)
+        register_input_cpu(self.metrics.registry, lambda: {
+            "front_end": self.audio_worker.busy_s, "vad": self.vad.busy_s,
+            "asr": sum(pool.busy_s for pool in self.recognizer.workers())})
         if s.endpoint.turn == "smart":
             try:
                 self.smart_turn = SmartTurn()
@@ -120,6 +128,8 @@ class Runtime:
                 self.turn_problem = str(exc)
                 log.warning("endpoint.turn is smart but the end-of-turn model cannot be used (%s): "
                             "turns end by the silence rule (%d ms)", exc, s.endpoint.endpoint_silence_ms)
+            else:
+                self.admission.watch_pool(self.smart_turn.worker)  # every session's pauses ask it: a pool like the others
         self.echo_problem = linear_canceller_problem()
         if self.echo_problem:
             log.warning("echo cancellation: %s", self.echo_problem)

@@ -1,10 +1,14 @@
-"""Admission control of the thread pools that cannot batch (voicebot/serving/capacity.py), on a fake clock."""
+"""Admission control of the CPU engines (voicebot/serving/capacity.py), on a fake clock: the pools'
+load and learnt costs, the cold start, and the input lag."""
 
 from __future__ import annotations
 
 import time
 
-from voicebot.serving.capacity import SAMPLE_S, WINDOW_S, Admission
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from voicebot.serving.capacity import LATE_SHARE, SAMPLE_S, WINDOW_S, Admission, InputLag, LoopThread, ServerCpu
 from voicebot.serving.worker import Worker
 
 
@@ -19,8 +23,8 @@ class Clock:
 class BusyWorker(Worker):
     """A pool whose busy time the test sets (as running calls would add to it)."""
 
-    def __init__(self, threads: int) -> None:
-        super().__init__("asr", threads)
+    def __init__(self, threads: int, name: str = "asr") -> None:
+        super().__init__(name, threads)
         self.busy = 0.0
 
     @property
@@ -53,14 +57,22 @@ def test_the_pool_measures_the_cpu_time_of_its_calls():
         worker.shutdown()
 
 
+def test_the_loop_pool_is_the_cpu_time_of_the_thread_that_built_it():
+    loop = LoopThread()
+    before = loop.busy_s
+    spin(0.05)
+    time.sleep(0.1)
+    assert 0.05 <= loop.busy_s - before < 0.1
+
+
 def test_an_idle_pool_admits_and_a_saturated_one_refuses():
     clock, worker = Clock(), BusyWorker(threads=2)
     adm = Admission([worker], max_load=0.85, clock=clock)
     run_for(adm, worker, clock, WINDOW_S, load=0.1, sessions=1)
     assert adm.refuse(1) is None
     run_for(adm, worker, clock, WINDOW_S, load=0.95, sessions=6)
-    pool, retry_after = adm.refuse(6)
-    assert pool == "asr" and retry_after > 0
+    refusal = adm.refuse(6)
+    assert (refusal.reason, refusal.pool) == ("pool_load", "asr") and refusal.retry_after_s > 0
     run_for(adm, worker, clock, WINDOW_S, load=0.0, sessions=0)  # everyone left
     assert adm.pools[0].load() == 0.0
 
@@ -76,12 +88,95 @@ def test_the_learnt_cost_refuses_a_burst_before_it_speaks():
     run_for(adm, worker, clock, WINDOW_S, load=0.0, sessions=4)
     assert adm.pools[0].load() == 0.0 and 0.12 < adm.pools[0].cost_per_session <= 0.15
     assert adm.refuse(4) is None  # 5 x <= 0.15 = 0.75
-    assert adm.refuse(7) is not None  # 8 x > 0.12 = 0.96 > 0.85
+    assert adm.refuse(7).reason == "pool_load"  # 8 x > 0.12 = 0.96 > 0.85
 
 
-def test_a_pool_too_idle_to_measure_learns_nothing():
+def test_a_pool_too_idle_to_measure_learns_no_cost_only_a_bound():
     clock, worker = Clock(), BusyWorker(threads=1)
-    adm = Admission([worker], max_load=0.85, clock=clock)
+    adm = Admission([worker], max_load=0.85, cold_start_sessions=4, clock=clock)
     run_for(adm, worker, clock, 30, load=0.01, sessions=3)
     assert adm.pools[0].cost_per_session is None
-    assert adm.refuse(100) is None
+    assert adm.pools[0].cost_bound == pytest.approx(0.05 / 3)  # under 5 % with 3 connected
+    assert adm.refuse(100) is None  # nothing says 101 sessions would fill it
+    for _ in range(10):  # and a burst goes by the bound, not by the cold start's 4 per window
+        adm.admitted()
+    assert adm.refuse(13) is None
+
+
+def test_a_burst_at_cold_start_gets_cold_start_sessions_in_per_window():
+    clock, worker = Clock(), BusyWorker(threads=2)
+    adm = Admission([worker], max_load=0.8, cold_start_sessions=4, clock=clock)
+    let_in = 0
+    for _ in range(16):  # sixteen connect at once, before any cost is known
+        if adm.refuse(let_in) is None:
+            adm.admitted()
+            let_in += 1
+    assert let_in == 4
+    refusal = adm.refuse(let_in)
+    assert refusal.reason == "cold_start" and refusal.retry_after_s == WINDOW_S
+    # Their first window says nothing yet (their start-ups); once a whole window holds their load,
+    # the next are let in by what it says.
+    run_for(adm, worker, clock, WINDOW_S, load=0.2, sessions=4)
+    assert adm.pools[0].cost_per_session is None and adm.refuse(4).reason == "cold_start"
+    run_for(adm, worker, clock, WINDOW_S, load=0.2, sessions=4)
+    assert adm.pools[0].cost_per_session == pytest.approx(0.05)  # 0.2 over 4
+    assert adm.refuse(4) is None
+
+
+def lag_admission(clock: Clock, worker: BusyWorker) -> tuple[Admission, InputLag]:
+    lag = InputLag(deadline_s=0.25, clock=clock)
+    return Admission([worker], max_load=0.85, lag=lag, clock=clock), lag
+
+
+def test_late_input_in_several_sessions_refuses_the_next_one_whatever_holds_the_cpu():
+    clock, worker = Clock(), BusyWorker(threads=1)
+    adm, lag = lag_admission(clock, worker)
+    run_for(adm, worker, clock, WINDOW_S, load=0.1, sessions=20)  # our pools idle: another tenant holds the box
+    lag.observe("pocketsphinx-0", "s1", [0.01] * 90)
+    lag.observe("pocketsphinx-1", "s2", [0.01] * 80 + [0.4] * 10)
+    lag.observe("pocketsphinx-1", "s3", [0.4] * 10)  # 10 % of all late, in two sessions, on one pool
+    refusal = adm.refuse(20)
+    assert (refusal.reason, refusal.pool) == ("input_lag", "pocketsphinx-1") and refusal.retry_after_s > 0
+    # The window turns over with everyone on time again: room.
+    clock.now += WINDOW_S + 0.1
+    lag.observe("pocketsphinx-1", "s2", [0.02] * 100)
+    assert adm.refuse(20) is None
+
+
+def test_a_few_late_chunks_or_one_late_session_refuse_nobody():
+    clock, worker = Clock(), BusyWorker(threads=1)
+    adm, lag = lag_admission(clock, worker)
+    run_for(adm, worker, clock, WINDOW_S, load=0.1, sessions=20)
+    late = int(100 * LATE_SHARE)
+    lag.observe("p", "s1", [0.01] * (100 - late))
+    lag.observe("p", "s2", [1.0] * late)  # 5 %: not more than the share
+    assert adm.refuse(20) is None
+    clock.now += WINDOW_S + 0.1
+    lag.observe("p", "s1", [0.01] * 50)
+    lag.observe("p", "s2", [2.0] * 50)  # one session's decoding process restarting, say
+    assert lag.late_share() == (0.5, "p", 1) and adm.refuse(20) is None
+
+
+def test_the_lag_report_and_metrics():
+    clock, registry = Clock(), CollectorRegistry()
+    histogram = Histogram("lag", "", ["pool"], buckets=(0.1, 1.0), registry=registry)
+    misses = Counter("misses", "", ["pool"], registry=registry)
+    lag = InputLag(0.25, histogram, misses, clock=clock)
+    lag.observe("a", "s", [0.01 * i for i in range(1, 101)])  # 10 ms .. 1 s
+    report = lag.report()["a"]
+    assert report["chunks"] == 100 and report["p50_s"] == pytest.approx(0.505) and report["p95_s"] == pytest.approx(0.9505)
+    assert report["deadline_misses"] == 75
+    assert registry.get_sample_value("lag_count", {"pool": "a"}) == 100
+    assert registry.get_sample_value("lag_bucket", {"pool": "a", "le": "0.1"}) == 10
+    assert registry.get_sample_value("misses_total", {"pool": "a"}) == 75
+    clock.now += WINDOW_S + 1  # the window is empty; the misses since start stay
+    assert lag.report()["a"] == {"chunks": 0, "deadline_misses": 75, "p50_s": None, "p95_s": None}
+
+
+def test_the_server_pool_is_the_process_and_its_children_over_the_cores():
+    children = [0.0]
+    server = ServerCpu(lambda: children[0])
+    before = server.busy_s
+    spin(0.05)
+    children[0] = 1.0  # a decoding child answered for a second of CPU
+    assert 1.05 <= server.busy_s - before < 1.2 and server.threads >= 1

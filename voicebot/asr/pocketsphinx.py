@@ -136,6 +136,11 @@ class ProcessStream(RecognizerStream):
         self.generation = 0  # of resets
         self._bind(engine.least_loaded())
 
+    @property
+    def pool(self) -> str:
+        """Where this stream decodes: what its input lag is reported by (voicebot/serving/capacity.py)."""
+        return self.process.name
+
     def _bind(self, process: DecoderProcess) -> None:
         self.process = process
         process.streams += 1
@@ -189,6 +194,8 @@ class ProcessStream(RecognizerStream):
 
 class ThreadStream(RecognizerStream):
     """A stream whose decoder lives in the server's process, called on the engine's worker threads."""
+
+    pool = "pocketsphinx"  # its worker threads: what its input lag is reported by
 
     def __init__(self, engine: PocketsphinxRecognizer) -> None:
         self.engine = engine

@@ -14,10 +14,18 @@ decoders' and pocketsphinx, nothing of the server. (multiprocessing's spawn woul
 server's main script again in the child.) It exits when its pipe closes, so a server killed
 outright leaves no child behind.
 
+Feeds are batched: a stream's feed joins the process's queue of feeds, and one call on the worker
+takes every feed queued there, of every stream bound here, to the child as one request ("batch"),
+whose answer holds each feed's (`feed_batches` counts the feeds per batch). So the streams of a
+process cost one round trip per batch, not one per chunk per stream: while the child decodes one
+batch, the next gathers, and a stream's next chunk waits at most for the batch in flight.
+
 Bounds: one request in flight per process (its worker has one thread), so the pipe holds at most
-one request, of at most 1 s of audio (`MAX_FEED_BYTES`: a longer feed goes as several); a stream
-awaits each call, so it has at most one request queued or in flight. A child holds at most `keep`
-idle decoders plus one per stream bound to it.
+one request, of at most 1 s of audio for a lone request (`MAX_FEED_BYTES`: a longer feed goes as
+several) and `MAX_BATCH_BYTES` of audio for a batch (a bigger one goes as several requests); a
+stream awaits each call, so it has at most one request queued or in flight, and the feed queue at
+most one feed per stream bound here. A child holds at most `keep` idle decoders plus one per stream
+bound to it.
 
 A child is lost when it dies (killed, crashed: noticed at the next request to it, or by the request
 it was answering) or hangs (alive but silent past its request's deadline, `answer_deadline_s`: a
@@ -30,14 +38,17 @@ voicebot_decoder_processes_lost_total) and a new child is started at once, so th
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any
@@ -73,6 +84,9 @@ SAMPLE_RATE = 16000
 # The most audio one request carries: 1 s of s16le (32 KB). The socket's buffer (about 200 KB)
 # takes it whole, so a send never blocks on a hung child, which only its answer's deadline watches.
 MAX_FEED_BYTES = 2 * SAMPLE_RATE
+# The most audio one batch of feeds carries (64 KB: 50 streams' 20 ms chunks): under the socket's
+# buffer, as MAX_FEED_BYTES is.
+MAX_BATCH_BYTES = 2 * MAX_FEED_BYTES
 # Why a child was lost: it exited, or it hung (no answer by the deadline) and was killed.
 LOSS_CAUSES = ("died", "hung")
 
@@ -102,6 +116,12 @@ class DecoderProcess:
         self._utterance_samples: dict[int, int] = {}
         self.busy_s = 0.0  # the children's CPU seconds answering requests, for admission control
         self._closing = False
+        # Feeds waiting for the next batch: (generation, request, its future); at most one per stream
+        # bound here. `_batch_queued`: a batch call is on the worker's queue and has not taken them yet.
+        self._feeds: list[tuple[int, tuple, concurrent.futures.Future]] = []
+        self._feeds_lock = threading.Lock()
+        self._batch_queued = False
+        self.feed_batches: Counter[int] = Counter()  # feeds per batch
 
     @property
     def pid(self) -> int | None:
@@ -141,12 +161,7 @@ class DecoderProcess:
 
     def call(self, generation: int, request: tuple) -> Any:
         """One request of a stream bound to child `generation`, and its answer (blocking: on `worker`)."""
-        dead_code = self._live_child()
-        if generation != self.generation:
-            if dead_code is not None:  # it died since this stream's last request: this request is the first to know
-                raise DecoderProcessLost(f"{self.name}'s process died (exit code {dead_code}) before this "
-                                         f"request; a new one is started")
-            raise DecoderProcessLost(f"{self.name}'s process was lost earlier; this stream's decoder went with it")
+        self._check_generation(generation, self._live_child())
         op, stream_id, argument = request
         if op != "feed":
             return self._round_trip(request)
@@ -157,12 +172,87 @@ class DecoderProcess:
         return partial
 
     async def run(self, generation: int, request: tuple) -> Any:
+        if request[0] == "feed":
+            return await asyncio.wrap_future(self.queue_feed(generation, request))
         return await self.worker.run(self.call, generation, request)
+
+    def queue_feed(self, generation: int, request: tuple) -> concurrent.futures.Future:
+        """A feed for the next batch (any thread); its future gets the partial, as `call` answers it."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._feeds_lock:
+            self._feeds.append((generation, request, future))
+            start_batch, self._batch_queued = not self._batch_queued, True
+        if start_batch:
+            try:
+                self.worker.submit(self.feed_batch)
+            except RuntimeError as exc:  # shut down
+                self.feed_batch(DecoderProcessLost(f"{self.name} is shut down: {exc}"))
+        return future
+
+    def feed_batch(self, failed: Exception | None = None) -> None:
+        """Every queued feed to the child, in as few requests as MAX_BATCH_BYTES allows (blocking: on
+        `worker`); each feed's future answered."""
+        with self._feeds_lock:
+            feeds, self._feeds, self._batch_queued = self._feeds, [], False
+        self.feed_batches[len(feeds)] += 1
+        # (future, its pieces' indices in `pieces`); a feed of a lost child fails at once.
+        pieces: list[tuple] = []
+        waiting: list[tuple[concurrent.futures.Future, range]] = []
+        for generation, (op, stream_id, pcm), future in feeds:
+            if not future.set_running_or_notify_cancel():
+                continue  # its session went away
+            if failed is not None:
+                future.set_exception(failed)
+                continue
+            try:
+                self._check_generation(generation, self._live_child())
+            except Exception as exc:  # noqa: BLE001 -- this feed's, told to its stream
+                future.set_exception(exc)
+                continue
+            first = len(pieces)
+            pieces += [(op, stream_id, pcm[start : start + MAX_FEED_BYTES]) for start in range(0, max(len(pcm), 1), MAX_FEED_BYTES)]
+            waiting.append((future, range(first, len(pieces))))
+        answers: list = []
+        try:
+            while len(answers) < len(pieces):
+                batch, size = [], 0
+                for piece in pieces[len(answers):]:
+                    if batch and size + len(piece[2]) > MAX_BATCH_BYTES:
+                        break
+                    batch.append(piece)
+                    size += len(piece[2])
+                answers += self._round_trip(("batch", None, batch))
+        except Exception as exc:  # noqa: BLE001 -- the child was lost: every feed not answered fails with it
+            for future, indices in waiting:
+                if indices and indices[-1] >= len(answers):
+                    future.set_exception(exc)
+            waiting = [(f, i) for f, i in waiting if not i or i[-1] < len(answers)]
+        for future, indices in waiting:
+            partial, error = None, None  # the last partial that changed, as one feed of the whole would answer
+            for result, piece_error in (answers[i] for i in indices):
+                error = error or piece_error
+                partial = partial if result is None else result
+            if error is not None:
+                future.set_exception(RuntimeError(f"pocketsphinx: {error}"))
+            else:
+                future.set_result(partial)
+
+    def _check_generation(self, generation: int, dead_code: int | None) -> None:
+        """Raise if the stream's child (`generation`) is not the live one; `dead_code`, the exit code
+        of a child found dead just now (_live_child)."""
+        if generation != self.generation:
+            if dead_code is not None:  # it died since this stream's last request: this request is the first to know
+                raise DecoderProcessLost(f"{self.name}'s process died (exit code {dead_code}) before this "
+                                         f"request; a new one is started")
+            raise DecoderProcessLost(f"{self.name}'s process was lost earlier; this stream's decoder went with it")
 
     def answer_deadline_s(self, request: tuple) -> float:
         """How long the child may take to answer this request (see ANSWER_FLOOR_S); keeps count of
-        each stream's utterance, whose end is searched again."""
+        each stream's utterance, whose end is searched again. A batch's: one floor, and the time
+        for each of its feeds' audio."""
         op, stream_id, argument = request
+        if op == "batch":
+            return ANSWER_FLOOR_S + sum(self.answer_deadline_s(feed) - ANSWER_FLOOR_S for feed in argument)
         if op == "feed":
             samples = len(argument) // 2
             self._utterance_samples[stream_id] = self._utterance_samples.get(stream_id, 0) + samples
@@ -245,6 +335,7 @@ class DecoderProcess:
         """Stop the child with the server: queued requests cancelled, the child terminated."""
         self._closing = True
         self.worker.shutdown()
+        self.feed_batch(DecoderProcessLost(f"{self.name} is shut down"))  # feeds whose batch call was cancelled
         child = self._child
         if child is None:
             return
@@ -271,6 +362,8 @@ def start_all(processes: list[DecoderProcess]) -> None:
 
 def _answer(pool: Decoders, streams: dict[int, Transcriber], request: tuple) -> Any:
     op, stream_id, argument = request
+    if op == "batch":  # feeds of several streams: (partial, error) of each, in order
+        return [_answer_one(pool, streams, feed) for feed in argument]
     if op == "feed":
         return streams[stream_id].feed(argument)
     if op == "finish":
@@ -287,6 +380,13 @@ def _answer(pool: Decoders, streams: dict[int, Transcriber], request: tuple) -> 
     else:
         raise ValueError(f"unknown request {op!r}")
     return None
+
+
+def _answer_one(pool: Decoders, streams: dict[int, Transcriber], request: tuple) -> tuple[Any, str | None]:
+    try:
+        return _answer(pool, streams, request), None
+    except Exception as exc:  # noqa: BLE001 -- this feed's failure, its stream's to report
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def serve(conn: Connection, phrases: list[str], second_pass: bool, keep: int) -> None:
@@ -309,10 +409,7 @@ def serve(conn: Connection, phrases: list[str], second_pass: bool, keep: int) ->
         except EOFError:
             return  # the server is gone
         cpu = time.process_time()
-        try:
-            result, error = _answer(pool, streams, request), None
-        except Exception as exc:  # noqa: BLE001 -- this request's failure, the server's to report
-            result, error = None, f"{type(exc).__name__}: {exc}"
+        result, error = _answer_one(pool, streams, request)
         conn.send((result, error, time.process_time() - cpu))
 
 

@@ -1,44 +1,113 @@
-"""Admission control for the thread pools: engines that cannot batch (pocketsphinx, espeak-ng, the
-resampler and gate) and the VAD batcher.
+"""Admission control for the CPU engines: the thread pools that cannot batch (pocketsphinx's decoding
+processes, espeak-ng, the audio worker), the VAD batcher and the event loop, and what the listener
+feels: each session's input lag.
 
-Such an engine runs on a `Worker`, a fixed pool of threads (the VAD batcher, one thread, counts its
-time the same way). Its load is the share of the pool's
-thread-time spent running calls, measured over a sliding window. A pool near saturation delays
-every session that uses it, all at once: the default config with 16 speakers gave no reply within
-10 s and told nobody. So a new session is refused with `busy` and a retry-after instead, when
-- a pool is above `limits.max_worker_load` now, or
-- the pool's learnt cost per connected session (its load divided by the sessions connected, an
-  average over time, so a session's pauses count) says one more would pass that limit. This second
-  rule catches a burst of connections that have not started speaking yet.
+A pool's load is the share of its threads' time spent running calls over a sliding window (CPU
+time: a call waiting for a core costs what it computes). The event loop is a pool of one thread
+(`LoopThread`): every chunk of every session passes through it; the whole server (`ServerCpu`) is a
+pool of one thread per core. A session's input lag is how far
+behind the wall clock its input is processed: when a chunk has been through the front end, the VAD,
+the endpoint rule and the recognizer's feed, the time since it arrived (`InputLag`).
+
+A new session is refused with `busy` and a retry-after (`Refusal`, and its `reason`, counted in
+voicebot_sessions_refused_total{reason}) when
+- `input_lag`: more than LATE_SHARE of the chunks processed in the last window missed their deadline
+  (`limits.max_input_lag_s`), in at least LATE_SESSIONS sessions: the speakers already in are falling
+  behind real time, whatever holds the CPU (our pools, or another tenant of the box: either way one
+  more session only adds to it). One session late alone is its own matter (its decoding process
+  restarting after a crash, its client sending a backlog at once); it is counted all the same.
+- `pool_load`: a pool is above `limits.max_worker_load` now, or its learnt cost per connected session
+  (its load over the sessions connected, an average over time, so a session's pauses count) says one
+  more would pass that limit; this catches a burst of connections that have not started speaking;
+- the sessions admitted in the last window, whose load the window does not hold yet, plus this one,
+  at a pool's cost per session, would pass the limit (`pool_load`); before a pool's cost is known
+  (learnt, or bounded by a window too idle to learn from), `cold_start`: at most
+  `limits.cold_start_sessions` are let in per window.
+The first session always fits: it slows nobody. An admitted session is never dropped for load:
+these rules only keep the next one out.
 Devices whose engines batch (the CosyVoice 2 scheduler) answer for themselves through
 `Synthesizer.admit()`; both are asked.
 
-Memory bound: per pool a window of WINDOW_S / SAMPLE_S samples (two floats each).
+Memory bound: per pool a window of WINDOW_S / SAMPLE_S samples (two floats each); the lag window
+keeps at most LAG_SAMPLES_MAX (time, lag) pairs per pool; the recent admissions at most
+ADMISSIONS_MAX times.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
-from collections import deque
-from typing import Callable, Protocol, Sequence
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol, Sequence
+
+import numpy as np
 
 SAMPLE_S = 0.5
 WINDOW_S = 5.0
 # How fast the cost per session follows a new measurement (per sample): about 20 s to settle.
 COST_EWMA = 0.025
-# Below this load a pool's cost per session is too small to measure; it is not learnt from.
+# Below this load a pool's cost per session is too small to measure; it is not learnt from, only
+# bounded (at most this load over the sessions connected).
 MIN_LOAD_TO_LEARN = 0.05
+# input_lag refuses when more than this share of the window's chunks were late: its p95 past the deadline.
+LATE_SHARE = 0.05
+# Late input refuses only when this many sessions had late chunks in the window (see the module doc).
+LATE_SESSIONS = 2
+# A pool's lag window: 24 sessions' 20 ms chunks for 5 s is 6,000.
+LAG_SAMPLES_MAX = 8192
+ADMISSIONS_MAX = 1024
 
 
 class Pool(Protocol):
-    """What the load is read from: a Worker, or the VAD batcher."""
+    """What the load is read from: a Worker, the VAD batcher, a decoding process, the loop."""
 
     name: str
     threads: int
 
     @property
     def busy_s(self) -> float: ...  # CPU seconds spent running calls since start
+
+
+class LoopThread:
+    """The event loop's thread as a pool of one: its CPU seconds (the session logic, the sockets, the
+    turn-taking of every session). Built on the loop's thread (Admission.watch)."""
+
+    name = "loop"
+    threads = 1
+
+    def __init__(self) -> None:
+        self._clock = time.pthread_getcpuclockid(threading.get_ident())
+
+    @property
+    def busy_s(self) -> float:
+        return time.clock_gettime(self._clock)
+
+
+class ServerCpu:
+    """The whole server as a pool with one thread per core it may use: its process's CPU seconds (the
+    loop and every thread) and its decoding children's (`children`). Each pool can have room while
+    together they fill the box: this is the pool that says so."""
+
+    name = "server"
+
+    def __init__(self, children: Callable[[], float] = lambda: 0.0) -> None:
+        self.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self._children = children
+
+    @property
+    def busy_s(self) -> float:
+        return time.process_time() + self._children()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str  # input_lag, pool_load, cold_start
+    pool: str  # the pool that is late or full
+    retry_after_s: float
+    message: str
 
 
 class PoolLoad:
@@ -49,14 +118,26 @@ class PoolLoad:
         self._clock = clock
         self._samples: deque[tuple[float, float]] = deque(maxlen=int(WINDOW_S / SAMPLE_S) + 1)
         self.cost_per_session: float | None = None  # learnt load of one connected session
+        self.cost_bound: float | None = None  # at most this, while too idle to learn
+        self._sessions_since: float | None = None  # when the sessions connected last went from none to some
 
     def sample(self, sessions: int) -> float:
-        self._samples.append((self._clock(), self.worker.busy_s))
+        now = self._clock()
+        self._samples.append((now, self.worker.busy_s))
+        if not sessions:
+            self._sessions_since = None
+        elif self._sessions_since is None:
+            self._sessions_since = now
         load = self.load()
-        if sessions and load >= MIN_LOAD_TO_LEARN:
-            cost = load / sessions
-            self.cost_per_session = cost if self.cost_per_session is None else (
-                self.cost_per_session + COST_EWMA * (cost - self.cost_per_session))
+        # Learnt only from a whole window with sessions in it: a session's start-up, or a window
+        # that was mostly empty, says nothing of what one costs.
+        if sessions and self._sessions_since <= now - WINDOW_S:
+            if load >= MIN_LOAD_TO_LEARN:
+                cost = load / sessions
+                self.cost_per_session = cost if self.cost_per_session is None else (
+                    self.cost_per_session + COST_EWMA * (cost - self.cost_per_session))
+            else:
+                self.cost_bound = min(self.cost_bound or 1.0, MIN_LOAD_TO_LEARN / sessions)
         return load
 
     def load(self) -> float:
@@ -65,25 +146,113 @@ class PoolLoad:
         (t0, busy0), (t1, busy1) = self._samples[0], self._samples[-1]
         return (busy1 - busy0) / (self.worker.threads * max(t1 - t0, 1e-9))
 
+    def cost(self) -> float | None:
+        """One session's load here: learnt, or bounded by an idle window; None before either."""
+        return self.cost_per_session if self.cost_per_session is not None else self.cost_bound
+
+
+class InputLag:
+    """Each chunk's input lag, per pool (the decoding pool its session's recognizer stream is bound
+    to), over the last WINDOW_S: for admission and /readyz; every observation also goes to the
+    histogram and the deadline misses to the counter, when given (voicebot/metrics.py)."""
+
+    def __init__(self, deadline_s: float, histogram=None, misses=None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.deadline_s = deadline_s
+        self._histogram = histogram
+        self._misses = misses
+        self._clock = clock
+        # (when, lag, which session) of each chunk, per pool
+        self._lags: defaultdict[str, deque[tuple[float, float, str]]] = defaultdict(lambda: deque(maxlen=LAG_SAMPLES_MAX))
+        self.misses: defaultdict[str, int] = defaultdict(int)  # since start
+
+    def observe(self, pool: str, session: str, lags: Iterable[float]) -> None:
+        now, window = self._clock(), self._lags[pool]
+        for lag in lags:
+            window.append((now, lag, session))
+            if self._histogram is not None:
+                self._histogram.labels(pool).observe(lag)
+            if lag > self.deadline_s:
+                self.misses[pool] += 1
+                if self._misses is not None:
+                    self._misses.labels(pool).inc()
+
+    def recent(self, pool: str) -> np.ndarray:
+        """The lags of the last WINDOW_S of one pool."""
+        since = self._clock() - WINDOW_S
+        return np.array([lag for at, lag, _ in self._lags[pool] if at >= since], np.float64)
+
+    def late_share(self) -> tuple[float, str | None, int]:
+        """The share of the window's chunks past the deadline, the pool with the most of them, and
+        how many sessions had one."""
+        since = self._clock() - WINDOW_S
+        worst, most, late_all, count_all, sessions = None, 0, 0, 0, set()
+        for pool in list(self._lags):
+            late = 0
+            for at, lag, session in self._lags[pool]:
+                if at >= since:
+                    count_all += 1
+                    if lag > self.deadline_s:
+                        late += 1
+                        sessions.add(session)
+            late_all += late
+            if late > most:
+                worst, most = pool, late
+        return (late_all / count_all if count_all else 0.0), worst, len(sessions)
+
+    def report(self) -> dict[str, dict]:
+        out = {}
+        for pool in sorted(self._lags):
+            lags = self.recent(pool)
+            out[pool] = {"chunks": len(lags), "deadline_misses": self.misses[pool],
+                         **({"p50_s": round(float(np.percentile(lags, 50)), 4), "p95_s": round(float(np.percentile(lags, 95)), 4)}
+                            if len(lags) else {"p50_s": None, "p95_s": None})}
+        return out
+
 
 class Admission:
-    def __init__(self, workers: Sequence[Pool], max_load: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, workers: Sequence[Pool], max_load: float, lag: InputLag | None = None, cold_start_sessions: int = 8,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self.pools = [PoolLoad(w, clock) for w in workers]
         self.max_load = max_load
+        self.lag = lag or InputLag(float("inf"), clock=clock)
+        self.cold_start_sessions = cold_start_sessions
+        self._admitted: deque[float] = deque(maxlen=ADMISSIONS_MAX)  # when each recent session was let in
+
+    def watch_pool(self, worker: Pool) -> None:
+        self.pools.append(PoolLoad(worker, self._clock))
 
     def sample(self, sessions: int) -> None:
         for pool in self.pools:
             pool.sample(sessions)
 
-    def refuse(self, sessions: int) -> tuple[str, float] | None:
-        """(the pool that is full, retry after seconds) when one more session does not fit, else None."""
-        for pool in self.pools:
-            load = pool.load()
-            with_one_more = load + (pool.cost_per_session or 0.0)
-            learnt_total = (sessions + 1) * (pool.cost_per_session or 0.0)
-            if load > self.max_load or max(with_one_more, learnt_total) > self.max_load:
-                # The window must turn over before the load can have fallen.
-                return pool.worker.name, WINDOW_S
+    def admitted(self) -> None:
+        """A session was let in: until the window holds its load, it is counted at its pools' cost."""
+        self._admitted.append(self._clock())
+
+    def refuse(self, sessions: int) -> Refusal | None:
+        """Why one more session does not fit (see the module doc), or None. The first always fits:
+        it slows nobody."""
+        if sessions == 0:
+            return None
+        late, pool, sessions_late = self.lag.late_share()
+        if late > LATE_SHARE and sessions_late >= LATE_SESSIONS:
+            return Refusal("input_lag", pool or "-", WINDOW_S,
+                           f"{late:.0%} of the last {WINDOW_S:g} s of input was processed more than "
+                           f"{self.lag.deadline_s:g} s late (pool {pool})")
+        since = self._clock() - WINDOW_S
+        unmeasured = sum(1 for at in self._admitted if at >= since)
+        for p in self.pools:
+            load, cost, name = p.load(), p.cost(), p.worker.name
+            # The window must turn over before the load can have fallen: retry after it.
+            if load > self.max_load or (p.cost_per_session is not None and (sessions + 1) * cost > self.max_load):
+                return Refusal("pool_load", name, WINDOW_S, f"one more session would overload {name}")
+            if cost is None and unmeasured >= self.cold_start_sessions:
+                return Refusal("cold_start", name, WINDOW_S, f"{unmeasured} sessions let in during the last {WINDOW_S:g} s "
+                               f"are not measured yet on {name}, whose cost per session is not known yet")
+            if cost is not None and load + (unmeasured + 1) * cost > self.max_load:
+                return Refusal("pool_load", name, WINDOW_S, f"{unmeasured} sessions let in during the last {WINDOW_S:g} s "
+                               f"are not measured yet on {name}; one more would overload it")
         return None
 
     def report(self) -> dict[str, dict]:
@@ -92,7 +261,9 @@ class Admission:
                 for p in self.pools}
 
     async def watch(self, sessions: Callable[[], int], on_sample: Callable[[], None] = lambda: None) -> None:
-        """Sample every SAMPLE_S until cancelled (runs on the event loop: a few float reads)."""
+        """Sample every SAMPLE_S until cancelled (runs on the event loop: a few float reads); the
+        loop's own thread is watched from here on."""
+        self.watch_pool(LoopThread())
         while True:
             self.sample(sessions())
             on_sample()

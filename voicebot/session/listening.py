@@ -24,7 +24,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -36,9 +36,10 @@ from voicebot.audio.gate import NoiseGate
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
 from voicebot.config import EndpointConfig, GateConfig
-from voicebot.messages import AudioIn, Inbound, InputEnd, Utterance
+from voicebot.messages import AudioIn, InputEnd, Utterance
 from voicebot.metrics import Metrics
 from voicebot.protocol import ErrorCode
+from voicebot.serving.capacity import InputLag
 from voicebot.serving.vad import VadBatcher
 from voicebot.serving.worker import Worker
 from voicebot.session.outbox import Outbox
@@ -88,10 +89,13 @@ class FrontEnd:
         # back: a sample's position in the stream is the same at every stage, its chunk is not.
         self._arrivals: deque[tuple[int, float]] = deque(maxlen=ARRIVALS_MAX)
 
-    async def process(self, chunk: AudioIn, worker: Worker) -> FrontEndOutput:
-        """The signal path on the worker, its windows' speech probabilities on the VAD batcher, then
-        the endpoint rule here on the loop (a few comparisons per window)."""
-        windows, muted = await worker.run(self._prepare, chunk)
+    async def process(self, chunks: AudioIn | Sequence[AudioIn], worker: Worker) -> FrontEndOutput:
+        """Consecutive chunks of input (one, or all that waited in the session's queue): the signal
+        path on the worker in one call, all their windows' speech probabilities in one request to the
+        VAD batcher, then the endpoint rule here on the loop (a few comparisons per window). A session
+        that fell behind catches up in one trip, not one per chunk (see Listening.hear)."""
+        chunks = [chunks] if isinstance(chunks, AudioIn) else chunks
+        windows, muted = await worker.run(self._prepare, *chunks)
         probabilities = await self.vad.probabilities(self.endpointer.vad, windows)
         return FrontEndOutput(self._decide(windows, probabilities), muted)
 
@@ -112,22 +116,25 @@ class FrontEnd:
                     spans.append((event, end - len(event.audio), end))
         return [replace(event, audio=self._kept(start, end)) if end > start else event for event, start, end in spans]
 
-    def _prepare(self, chunk: AudioIn) -> tuple[np.ndarray, int]:
-        """Blocking (the audio worker): the chunk resampled, echo-cancelled and gated, cut in VAD
-        windows; what the recognizer hears of it kept."""
-        samples = pcm16_to_float(chunk.pcm)
-        self._input_samples += len(samples)
-        self._arrivals.append((self._input_samples, chunk.arrived))
-        audio = heard = self.resampler.process(samples)
-        if self.echo is not None:
-            audio, heard = self.echo.process(audio, chunk.arrived)
-        muted = 0
-        if self.gate is not None:
-            muted_before = self.gate.muted_samples
-            audio, heard = self._gate(audio, heard)
-            muted = self.gate.muted_samples - muted_before
-        self._keep(heard)
-        return self.endpointer.cut(audio), muted
+    def _prepare(self, *chunks: AudioIn) -> tuple[np.ndarray, int]:
+        """Blocking (the audio worker): the chunks resampled, echo-cancelled and gated, cut in VAD
+        windows; what the recognizer hears of them kept. Chunk by chunk: the echo canceller matches
+        each with the reply audio played when it arrived."""
+        windows, muted = [], 0
+        for chunk in chunks:
+            samples = pcm16_to_float(chunk.pcm)
+            self._input_samples += len(samples)
+            self._arrivals.append((self._input_samples, chunk.arrived))
+            audio = heard = self.resampler.process(samples)
+            if self.echo is not None:
+                audio, heard = self.echo.process(audio, chunk.arrived)
+            if self.gate is not None:
+                muted_before = self.gate.muted_samples
+                audio, heard = self._gate(audio, heard)
+                muted += self.gate.muted_samples - muted_before
+            self._keep(heard)
+            windows.append(self.endpointer.cut(audio))
+        return np.concatenate(windows), muted
 
     def _gate(self, audio: np.ndarray, heard: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The gate decides on `audio`; `heard` is muted where it muted `audio`, and delayed as
@@ -199,9 +206,10 @@ class Listening:
     """Turns a session's input into utterances (see the module doc)."""
 
     def __init__(self, front_end: FrontEnd, asr: RecognizerStream, worker: Worker, metrics: Metrics, outbox: Outbox,
-                 session_id: str) -> None:
+                 session_id: str, input_lag: InputLag | None = None) -> None:
         self.front_end = front_end
         self.asr = asr
+        self._input_lag = input_lag
         self._worker = worker
         self._metrics = metrics
         self._outbox = outbox
@@ -219,12 +227,17 @@ class Listening:
     def in_utterance(self) -> bool:
         return self.front_end.endpointer.in_utterance
 
-    async def hear(self, item: Inbound) -> list[Utterance]:
-        """One chunk (or input.end) in; the utterances it ended out, in order."""
+    async def hear(self, item: InputEnd | AudioIn | Sequence[AudioIn]) -> list[Utterance]:
+        """Consecutive chunks (one, or every chunk that waited in the session's queue: one trip
+        through the front end, the VAD and the recognizer for all of them), or input.end, in; the
+        utterances they ended out, in order. Each chunk's input lag is then counted: the time from
+        its arrival to here, where the recognizer has been fed with it."""
+        chunks: Sequence[AudioIn] = []
         if isinstance(item, InputEnd):
             events = self.front_end.end()
         else:
-            out = await self.front_end.process(item, self._worker)
+            chunks = [item] if isinstance(item, AudioIn) else item
+            out = await self.front_end.process(chunks, self._worker)
             if out.muted_samples:
                 self._metrics.gate_muted.inc(out.muted_samples / LISTEN_RATE)
                 if self._open is not None:
@@ -234,7 +247,15 @@ class Listening:
         for event in events:
             if (utterance := await self._on_event(event)) is not None:
                 utterances.append(utterance)
+        if chunks:
+            self._heard(chunks)
         return utterances
+
+    def _heard(self, chunks: Sequence[AudioIn]) -> None:
+        now = time.monotonic()
+        self._metrics.input_audio.inc(sum(len(c.pcm) for c in chunks) / (2 * self.front_end.input_rate))
+        if self._input_lag is not None:
+            self._input_lag.observe(getattr(self.asr, "pool", "asr"), self._session_id, [now - c.arrived for c in chunks])
 
     async def _on_event(self, event: VadEvent) -> Utterance | None:
         if event.kind is EventKind.START:

@@ -269,7 +269,8 @@ class Session:
         if message.echo_cancellation:  # /obs/audio asks for it (voicebot/obs_plugin.py)
             self.echo = EchoCanceller()
         front_end = FrontEnd(self.sample_rate, self.settings.gate, self.settings.endpoint, self.echo, vad=self.rt.vad)
-        self.listening = Listening(front_end, self.asr, self.rt.audio_worker, self.rt.metrics, self.outbox, self.id)
+        self.listening = Listening(front_end, self.asr, self.rt.audio_worker, self.rt.metrics, self.outbox, self.id,
+                                   self.rt.input_lag)
         self.turn_taking = TurnTaking(self.settings.endpoint, None, front_end, self.outbox, self.rt.metrics,
                                       self._queue_turn, self._prepare_reply)
         self.listening.on_endpoint = self.turn_taking.on_endpoint
@@ -367,8 +368,17 @@ class Session:
     # ---- listen: audio in, utterances out, barge-in ------------------------------------------
 
     async def _listen(self) -> None:
+        held: Inbound | None = None  # taken from the queue behind a run of chunks: the next item
         while True:
-            item = await self.turn_taking.next_input(self.audio_in)  # a stalled client: an InputEnd of its own
+            if held is not None:
+                item, held = held, None
+            else:
+                item = await self.turn_taking.next_input(self.audio_in)  # a stalled client: an InputEnd of its own
+            if isinstance(item, AudioIn):
+                # Every chunk already waiting goes with it, in one trip through the front end, the
+                # VAD and the recognizer: a session that fell behind catches up at once, where one
+                # trip per chunk would keep it behind (docs/serving.md, capacity and admission).
+                item, held = await self._waiting_chunks(item)
             if isinstance(item, ClearInput):
                 async with self._engine_lock:
                     utterance_id = await self.listening.clear()
@@ -390,7 +400,19 @@ class Session:
             if self.state in (State.THINKING, State.SPEAKING) and self.listening.speech_run_ms >= self.choices.barge_in_min_ms:
                 await self.interrupt("barge_in")
 
-    async def _front_end_failed(self, item: Inbound, exc: Exception) -> None:
+    async def _waiting_chunks(self, first: AudioIn) -> tuple[list[AudioIn], Inbound | None]:
+        """`first` and the chunks queued after it, up to the first other input (returned apart).
+        Taken through next_input, which notes each chunk's arrival, and which never waits on a
+        queue that holds something."""
+        chunks: list[AudioIn] = [first]
+        while not self.audio_in.empty():
+            item = await self.turn_taking.next_input(self.audio_in)
+            if not isinstance(item, AudioIn):
+                return chunks, item
+            chunks.append(item)
+        return chunks, None
+
+    async def _front_end_failed(self, item: Inbound | list[AudioIn], exc: Exception) -> None:
         """A chunk the front end failed on, or the VAD batcher had no room for, is lost, and so is
         the utterance it was part of: the client is told, both are counted as dropped input, and the
         next utterance is heard afresh. An overload is the server's capacity, not a broken engine:
@@ -404,7 +426,7 @@ class Session:
             log.error("the front end failed on a chunk in session %s", self.id, exc_info=exc)
             self.rt.metrics.engine_failures.labels("vad", "chunk").inc()
         utterance_id = await self.listening.lose_open(reason)
-        chunk_s = len(item.pcm) / (2 * self.sample_rate) if isinstance(item, AudioIn) else 0.0
+        chunk_s = sum(len(c.pcm) for c in item) / (2 * self.sample_rate) if isinstance(item, list) else 0.0
         self.rt.metrics.input_dropped.labels(reason).inc(chunk_s)
         lost = f"; utterance {utterance_id} is lost" if utterance_id else ""
         where = {"engine": "vad", "stage": "chunk", **({"utterance_id": utterance_id} if utterance_id else {})}

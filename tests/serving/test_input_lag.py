@@ -1,0 +1,117 @@
+"""A session's input keeps to the wall clock while other sessions load the pools: the real server on
+127.0.0.1, real WebSockets and speech. What is checked is the scheduling, not this machine's speed:
+chunks that waited go through the input path in one trip, so a session that fell behind is back
+within a generous bound; the lag is reported per pool in /readyz and voicebot_input_lag_seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+
+import numpy as np
+
+from tests.conftest import TEST_PHRASES, VoiceClient, make_settings, running_server, speech_pcm
+from voicebot.session.listening import FrontEnd
+
+CHUNK_MS = 20
+STALL_S = 1.0  # the audio worker held this long
+# A lag the slowest sane machine stays under once the stall is over (a chunk's trip takes milliseconds).
+CAUGHT_UP_LAG_S = 1.0
+
+
+def test_a_session_behind_a_stalled_pool_catches_up_in_one_trip_while_others_load_it(monkeypatch):
+    trips: list[tuple[int, float]] = []  # (chunks, when) of each front-end call of the probe session
+    prepare = FrontEnd._prepare
+    probe_rate = 8000  # the probe's own sample rate tells its calls from the others'
+
+    def recorded(self, *chunks):
+        if self.input_rate == probe_rate:
+            trips.append((len(chunks), time.monotonic()))
+        return prepare(self, *chunks)
+
+    monkeypatch.setattr(FrontEnd, "_prepare", recorded)
+    with running_server(make_settings()) as server:
+        rt = server.runtime
+        release = threading.Event()
+        speech = speech_pcm(TEST_PHRASES[0])
+        probe_audio = bytes(2 * probe_rate * 4)  # 4 s of silence at 8 kHz: 200 chunks of 20 ms
+
+        async def other(client: VoiceClient) -> None:
+            for _ in range(3):
+                await client.stream(speech, chunk_ms=CHUNK_MS, speed=2)
+
+        async def probe() -> list[float]:
+            async with VoiceClient.connect(server.ws_url, sample_rate=probe_rate) as client:
+                sent_at = []
+                step = 2 * probe_rate * CHUNK_MS // 1000
+                start = time.monotonic()
+                for k, i in enumerate(range(0, len(probe_audio), step)):
+                    if k == 50:  # 1 s in: both audio worker threads held for STALL_S
+                        for _ in range(rt.audio_worker.threads):
+                            rt.audio_worker.submit(release.wait)
+                        threading.Timer(STALL_S, release.set).start()
+                    await asyncio.sleep(max(0.0, start + k * CHUNK_MS / 1000 - time.monotonic()))
+                    await client.ws.send(probe_audio[i : i + step])
+                    sent_at.append(time.monotonic())
+                await asyncio.sleep(0.5)
+                return sent_at
+
+        async def run():
+            async with contextlib.AsyncExitStack() as stack:
+                others = [await stack.enter_async_context(VoiceClient.connect(server.ws_url)) for _ in range(3)]
+                loads = [asyncio.create_task(other(c)) for c in others]
+                sent_at = await probe()
+                await asyncio.gather(*loads)
+            return sent_at
+
+        sent_at = asyncio.run(run())
+        readyz = server.get("/readyz").json()
+        metrics = server.get("/metrics").text
+
+    chunks = len(sent_at)
+    assert sum(n for n, _ in trips) == chunks  # every chunk heard, once
+    # The ~50 chunks sent during the stall went through in one trip (give or take the one in
+    # flight when it began): not 50 trips, each waiting for the last.
+    biggest = max(n for n, _ in trips)
+    assert biggest >= 0.6 * STALL_S * 1000 / CHUNK_MS
+    assert len(trips) <= chunks - biggest + 3
+    # And after it the session kept to the wall clock: its last second's chunks were each through
+    # the front end within a generous bound of being sent.
+    released = trips[[n for n, _ in trips].index(biggest)][1]
+    late = [at for n, at in trips if at > released + 1.0]
+    assert late, "the probe sent for 2 s after the stall"
+    per_chunk = np.cumsum([n for n, _ in trips])
+    for (n, at), heard in zip(trips, per_chunk):
+        if at > released + 1.0:
+            assert at - sent_at[heard - 1] < CAUGHT_UP_LAG_S
+    pools = readyz["input_lag"]
+    assert pools and all(p["chunks"] > 0 and p["p95_s"] is not None for p in pools.values())
+    assert sum(p["deadline_misses"] for p in pools.values()) >= 0.6 * STALL_S * 1000 / CHUNK_MS  # the stall's, counted
+    assert 'voicebot_input_lag_seconds_bucket{le="0.1",pool="pocketsphinx-' in metrics
+
+
+def test_a_burst_of_connects_before_any_cost_is_known_is_let_in_as_configured_and_told_why_not(monkeypatch):
+    with running_server(make_settings(limits={"cold_start_sessions": 1})) as server:
+        admission = server.runtime.admission
+
+        def nothing_learnt() -> None:
+            """As at start-up (running_server's own first session taught the pools), and nothing
+            learnt from here on: the loads stay as measured."""
+            for pool in admission.pools:
+                pool.cost_per_session = pool.cost_bound = None
+                monkeypatch.setattr(pool, "sample", lambda sessions, pool=pool: pool.load())
+
+        async def run():
+            server.on_loop(nothing_learnt)
+            async with VoiceClient.connect(server.ws_url):  # one in: the most per 5 s until a cost is known
+                readyz = server.get("/readyz")
+                async with VoiceClient.connect(server.ws_url, send_start=False) as refused:
+                    busy = await refused.wait_for("error")
+                return readyz, busy
+
+        readyz, busy = asyncio.run(run())
+        assert readyz.status_code == 503 and readyz.json()["full"]
+        assert busy["code"] == "busy" and busy["cause"] == "cold_start" and busy["retry_after_s"] > 0 and busy["overloaded"]
+        assert server.metric("voicebot_sessions_refused_total", 'reason="cold_start"') == 1
