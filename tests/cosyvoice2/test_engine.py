@@ -377,8 +377,11 @@ async def _reply(synth, voice: str, seed: int, text: str, started: asyncio.Event
     return np.concatenate(audio)
 
 
-REPLIES = {  # voice, seed, text: three prompt lengths (50 prompt tokens, the fixture's, none)
-    "a": ("anna", 1, "Hello world, this is a test of the tokenizer."),
+# voice, seed, text: three prompt lengths (50 prompt tokens, the fixture's, none). The seeds give a
+# long reply to a and a short one to d (sentences mode: 83, 32, 47 and 14 tokens), so that b and d
+# join while a still decodes.
+REPLIES = {
+    "a": ("anna", 7, "Hello world, this is a test of the tokenizer."),
     "b": ("tiny_zero_shot_spk", 2, "This is test three of the tokenizer, hello!"),
     "c": ("anna", 3, "One two three, this is a tiny test of the tokenizer. " * 2),
     "d": ("tiny_sft_spk", 4, "Hi there, world."),
