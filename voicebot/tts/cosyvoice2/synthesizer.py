@@ -115,11 +115,20 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.scheduler = Scheduler(f"cosyvoice2-{self.device}", pool, self._render, max_batch=None if batch else 1,
                                    max_render_batch=self.config.render_batch if batch else 1,
                                    sample_rate=SAMPLE_RATE, tokens_per_s=self.hparams["token_frame_rate"])
-        self.scheduler.calibrate()
+        self.scheduler.calibrate(render_probe=functools.partial(self._probe_chunks, library[self.default_voice]))
         self.scheduler.start()
         log.info("cosyvoice2 loaded from %s on %s/%s, %d voices, %d LM slots (%.0f MiB), capacity %s sessions",
                  self.model_dir, self.device, self.dtype, len(library.names()), pool.slots, pool.nbytes() / 2**20,
                  self.scheduler.capacity())
+
+    def _probe_chunks(self, voice: Voice) -> list[ChunkRequest]:
+        """A reply's first chunk in the default voice (token 0 throughout): what calibration times
+        a render with, so admission knows the render cost before the first reply. One stream's,
+        alone: the dearest per second of audio, as a start."""
+        stream = self.token2wav.stream(flow_prompt(voice, self.device, self.dtype),
+                                       generator=torch.Generator(self.device).manual_seed(0))
+        stream.add([0] * stream.tokens_for_next_chunk)
+        return [stream.next_chunk()]
 
     def _render(self, chunks: list[ChunkRequest]) -> list[np.ndarray]:
         return [audio.reshape(-1).float().cpu().numpy() for audio in self.token2wav.render(chunks)]
