@@ -137,6 +137,38 @@ def test_bistream(lm: CosyVoice2LM, cv2_golden: dict, cv2_meta: dict) -> None:
 
 
 @pytest.mark.golden
+@pytest.mark.parametrize("pieces", [(2, 3, 7, 1, 12), (9,), (25,)])
+def test_bistream_fed_in_pieces_takes_the_steps_of_one_token_at_a_time(lm: CosyVoice2LM, cv2_golden: dict,
+                                                                      cv2_meta: dict, pieces: tuple[int, ...]) -> None:
+    """Text pushed in pieces of several tokens (a word, a sentence) decodes every block it
+    completes, as the official loop fed one token at a time does (test_bistream: the golden order):
+    the same tokens from the same steps."""
+    g, cap = cv2_golden, cv2_meta["lm.bistream"]["cap_forcing_eos_after_out_tokens"]
+    text = g["lm.bistream.text"].flatten()
+
+    def capped_greedy(logp: Tensor, history: list[int]) -> int:  # the golden's sampler
+        return lm.eos if len(history) >= cap and logp[lm.eos] != -float("inf") else int(logp.argmax())
+
+    def run(cuts: list[int]) -> tuple[list[int], list]:
+        cache = lm.new_cache(lm.cfg.max_position_embeddings)
+        stream = Bistream(lm, cache.max_seq_len, g["lm.prompt_text"], g["lm.prompt_speech_token"])
+        tokens: list[int] = []
+        with recording(lm) as (_, calls):
+            start = 0
+            for cut in cuts:
+                tokens += run_alone(lm, cache, capped_greedy, stream.push(text[start : start + cut]))
+                start += cut
+            tokens += run_alone(lm, cache, capped_greedy, stream.finish())
+        return tokens, calls
+
+    cuts = [pieces[i % len(pieces)] for i in range(len(text))]
+    while sum(cuts) > len(text):
+        cuts[-1] -= min(cuts[-1], sum(cuts) - len(text))
+        cuts = [c for c in cuts if c]
+    assert run(cuts) == run([1] * len(text))
+
+
+@pytest.mark.golden
 def test_half_precision_tracks_fp32(cv2_dir: Path, cv2_golden: dict) -> None:
     """The CUDA default is float16; the same code runs on CPU (bound: golden_bounds.HALF_LOGITS)."""
     lm16 = load_lm(cv2_dir, dtype=torch.float16)
