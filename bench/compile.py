@@ -30,7 +30,7 @@ from bench.cosyvoice2 import FIXTURES, released_hparams
 from bench.flow import Timing, alternate
 from voicebot.tts.cosyvoice2.estimator import Segment, build_estimator
 from voicebot.tts.cosyvoice2.hparams import load_hparams
-from voicebot.tts.cosyvoice2.lm import KV_BUCKET, CosyVoice2LM, build_lm
+from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, build_lm, keys_to_attend
 from voicebot.tts.cosyvoice2.loader import cpu_weight_layout
 
 CONTEXT = 200
@@ -51,7 +51,7 @@ def lm_decode(lm: CosyVoice2LM, reps: int) -> None:
     print(f"\n1. LM decode step, context {CONTEXT}: eager (the pool's) vs torch.compile", flush=True)
     w = lm.llm_decoder.weight
     lm.prepack()
-    n_keys = -(-(CONTEXT + 1) // KV_BUCKET) * KV_BUCKET  # as Qwen2.forward buckets it, given so no host sync
+    n_keys = keys_to_attend(CONTEXT + 1, lm.cfg.max_position_embeddings)  # as the pool passes it: no host sync
 
     def step(x, pos, cache):
         return lm.logp(lm.qwen(x, pos, cache, None, n_keys)[:, -1])

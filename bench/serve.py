@@ -5,8 +5,10 @@ of the time speaking): the text arrives word by word as from a fast LLM, a liste
 in real time. Per N, printed as measured: first audio after the reply text arrives (p50/p95),
 underruns (a chunk arriving after the listener ran out), real-time factor per stream, aggregate
 seconds of speech per wall second, the batch-size histograms (LM steps, flow/HiFT renders) and
-deadline misses; then the same runs with batching off (every LM row and every chunk alone: today's
-cost) and the ratios. `--lm-targets` first
+deadline misses, sessions cut by the pass's timeout (and on CUDA the pass's peak GPU memory); then
+the same runs with batching off (every LM row and every chunk alone: today's cost) and the ratios.
+A pass runs for `--seconds` of wall time, or, with `--replies K`, until every session has spoken K
+replies (bounded by work: bench/gpu_check.sh sizes its passes so, and the unbatched ones finish). `--lm-targets` first
 prints the issue's LM figures: one decode step at 16 rows vs 1 row, aggregate tokens/s at 16 rows
 vs unbatched.
 
@@ -70,6 +72,7 @@ REPLIES = [
     "We'll take a short break in five minutes. Grab some water and stretch.",
 ]
 WORD_DELAY_S = 0.02  # a fast LLM: 50 words a second
+REPLY_S = 4.5  # about how long a reply of REPLIES sounds (12 words at 160 a minute)
 
 
 @dataclass
@@ -118,20 +121,44 @@ async def speak(context, text: str) -> Reply:
     return listener.reply()
 
 
-async def converse(rng: random.Random, duty: float, until: float, replies: list[Reply], speak_one) -> None:
-    """Replies at `duty`: speak one, stay quiet for a while, until `until`."""
-    await asyncio.sleep(rng.uniform(0, min(2.0, (until - time.monotonic()) / 4)))  # not all on one step
-    while time.monotonic() < until:
+@dataclass(frozen=True)
+class Work:
+    """How much each session of a pass speaks: `replies` replies (a bound by work: the pass takes
+    as long as the device needs), or replies until `seconds` of wall time have passed (then the
+    replies in flight finish). Either way the pass is cut at `timeout_s`, and what was cut counted."""
+
+    seconds: float
+    replies: int | None
+    timeout_s: float
+
+    def more(self, spoken: int, until: float) -> bool:
+        return spoken < self.replies if self.replies is not None else time.monotonic() < until
+
+    def start_spread_s(self, duty: float) -> float:
+        """Sessions start at random within this: not all on one step. By wall time, early in the
+        run; by work, over a reply's length stretched by the duty cycle, so that about `duty` of the
+        sessions speak at once even when each speaks only one reply."""
+        return min(2.0, self.seconds / 4) if self.replies is None else REPLY_S * (1 - duty) / duty
+
+
+async def converse(rng: random.Random, duty: float, work: Work, until: float, replies: list[Reply], speak_one) -> None:
+    """Replies at `duty`: speak one, stay quiet for a while, while `work` asks for more."""
+    await asyncio.sleep(rng.uniform(0, work.start_spread_s(duty)))
+    spoken = 0
+    while work.more(spoken, until):
         reply = await speak_one(rng.choice(REPLIES))
         replies.append(reply)
-        await asyncio.sleep(reply.audio_s * (1 - duty) / duty * rng.uniform(0.5, 1.5))
+        spoken += 1
+        if work.more(spoken, until):
+            await asyncio.sleep(reply.audio_s * (1 - duty) / duty * rng.uniform(0.5, 1.5))
 
 
-async def session(synth: CosyVoice2Synthesizer, index: int, duty: float, until: float, replies: list[Reply]) -> None:
+async def session(synth: CosyVoice2Synthesizer, index: int, duty: float, work: Work, until: float,
+                  replies: list[Reply]) -> None:
     context = synth.open()
     context.generator.manual_seed(index)
     try:
-        await converse(random.Random(index), duty, until, replies, lambda text: speak(context, text))
+        await converse(random.Random(index), duty, work, until, replies, lambda text: speak(context, text))
     finally:
         await context.close()
 
@@ -140,14 +167,16 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-async def run_all(tasks: list, seconds: float) -> None:
-    # Replies in flight at the end finish; a hard bound in case the device is far behind.
-    done, pending = await asyncio.wait([asyncio.ensure_future(t) for t in tasks], timeout=seconds * 4 + 120)
+async def run_all(tasks: list, timeout_s: float) -> int:
+    """Run the sessions to their end, or cut them at timeout_s: the number of sessions cut (each
+    loses the reply it was speaking and any it had still to speak)."""
+    done, pending = await asyncio.wait([asyncio.ensure_future(t) for t in tasks], timeout=timeout_s)
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     for task in done:
         task.result()
+    return len(pending)
 
 
 def summary(replies: list[Reply], wall: float) -> dict:
@@ -170,17 +199,22 @@ def histogram(after: Counter, before: Counter) -> str:
     return " ".join(f"{b}:{c - before.get(b, 0)}" for b, c in sorted(after.items()) if c > before.get(b, 0))
 
 
-def run_sessions(synth: CosyVoice2Synthesizer, n: int, duty: float, seconds: float, label: str) -> dict:
+def run_sessions(synth: CosyVoice2Synthesizer, n: int, duty: float, work: Work, label: str) -> dict:
     scheduler = synth.scheduler
     batches_before, misses_before = Counter(scheduler.batch_sizes), scheduler.deadline_misses
     renders_before = Counter(scheduler.render_sizes)
+    cuda = synth.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(synth.device)
     replies: list[Reply] = []
     began = time.monotonic()
-    until = began + seconds
-    asyncio.run(run_all([session(synth, i, duty, until, replies) for i in range(n)], seconds))
-    row = summary(replies, time.monotonic() - began) | {"misses": scheduler.deadline_misses - misses_before}
+    cut = asyncio.run(run_all([session(synth, i, duty, work, began + work.seconds, replies) for i in range(n)],
+                              work.timeout_s))
+    row = summary(replies, time.monotonic() - began) | {"misses": scheduler.deadline_misses - misses_before,
+                                                        "cut": cut}
+    memory = f"  peak GPU memory {torch.cuda.max_memory_allocated(synth.device) / 2**30:.2f} GiB" if cuda else ""
     print_row(label, n, row, f"batches {histogram(scheduler.batch_sizes, batches_before)}"
-                             f"  renders {histogram(scheduler.render_sizes, renders_before)}")
+                             f"  renders {histogram(scheduler.render_sizes, renders_before)}{memory}")
     return row
 
 
@@ -203,8 +237,8 @@ async def say(ws, text: str) -> tuple[Reply, int]:
             return listener.reply(), event.get("timings", {}).get("underruns", 0)
 
 
-async def client(url: str, index: int, duty: float, until: float, replies: list[Reply], server_underruns: list[int],
-                 busy: list[dict]) -> None:
+async def client(url: str, index: int, duty: float, work: Work, until: float, replies: list[Reply],
+                 server_underruns: list[int], busy: list[dict]) -> None:
     import websockets
 
     async with websockets.connect(url, max_size=None) as ws:
@@ -219,10 +253,10 @@ async def client(url: str, index: int, duty: float, until: float, replies: list[
             server_underruns.append(underruns)
             return reply
 
-        await converse(random.Random(index), duty, until, replies, speak_one)
+        await converse(random.Random(index), duty, work, until, replies, speak_one)
 
 
-def run_server(root: Path, n: int, duty: float, seconds: float, slots: int) -> dict:
+def run_server(root: Path, n: int, duty: float, work: Work, slots: int) -> dict:
     model_dir, voices = make_model_and_voice(root)
     settings = make_settings(server={"max_sessions": max(20, n + 1)}, tts={
         "engine": "cosyvoice2", "voice": "bench", "cosyvoice2": {
@@ -235,11 +269,10 @@ def run_server(root: Path, n: int, duty: float, seconds: float, slots: int) -> d
         scheduler = srv.runtime.synthesizer.scheduler
         batches_before, renders_before = Counter(scheduler.batch_sizes), Counter(scheduler.render_sizes)
         began = time.monotonic()
-        until = began + seconds
-        asyncio.run(run_all([client(srv.ws_url, i, duty, until, replies, server_underruns, busy) for i in range(n)],
-                            seconds))
+        cut = asyncio.run(run_all([client(srv.ws_url, i, duty, work, began + work.seconds, replies, server_underruns,
+                                          busy) for i in range(n)], work.timeout_s))
         row = summary(replies, time.monotonic() - began) | {"server underruns": sum(server_underruns),
-                                                             "busy": len(busy)}
+                                                             "busy": len(busy), "cut": cut}
         print_row("server", n, row, f"batches {histogram(scheduler.batch_sizes, batches_before)}"
                                     f"  renders {histogram(scheduler.render_sizes, renders_before)}")
     return row
@@ -337,6 +370,10 @@ def main() -> None:
     parser.add_argument("--sessions", default="1,2,4,8,16,32", help="session counts to run ('' for none)")
     parser.add_argument("--duty", type=float, default=0.3, help="share of the time each session speaks")
     parser.add_argument("--seconds", type=float, default=20.0, help="wall seconds each N runs (replies then finish)")
+    parser.add_argument("--replies", type=int, default=None,
+                        help="instead of --seconds: replies each session speaks (a pass bounded by work)")
+    parser.add_argument("--pass-timeout", type=float, default=None,
+                        help="seconds after which a pass is cut, its cut sessions counted (default 4 x --seconds + 120)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
@@ -347,6 +384,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(n) for n in args.sessions.split(",") if n]
+    work = Work(args.seconds, args.replies, args.pass_timeout or args.seconds * 4 + 120)
     if not counts and not args.server:  # the LM figures alone: no flow, HiFT or voice to build
         with tempfile.TemporaryDirectory() as tmp:
             device = torch.device(args.device)
@@ -363,8 +401,9 @@ def main() -> None:
             if args.lm_targets:
                 print_lm_targets(synth.lm)
             if counts:
-                print(f"\n{args.duty:.0%} duty, {args.seconds:g} s per N; first audio after the reply text arrives (s)",
-                      flush=True)
+                amount = f"{args.replies} replies per session" if args.replies else f"{args.seconds:g} s per N"
+                print(f"\n{args.duty:.0%} duty, {amount}, a pass cut at {work.timeout_s:g} s; first audio after the "
+                      f"reply text arrives (s)", flush=True)
             results = {}
             for mode in ("batched", "unbatched"):
                 if mode == "unbatched" and args.no_unbatched:
@@ -372,13 +411,15 @@ def main() -> None:
                 synth.scheduler.max_batch = synth.scheduler.pool.slots if mode == "batched" else 1
                 synth.scheduler.max_render_batch = synth.config.render_batch if mode == "batched" else 1
                 for n in counts:
-                    results[mode, n] = run_sessions(synth, n, args.duty, args.seconds, mode)
+                    results[mode, n] = run_sessions(synth, n, args.duty, work, mode)
             if counts and not args.no_unbatched:
                 print("\nbatched / unbatched: speech s per wall s (higher is better), first audio p50 (lower is better)")
                 for n in counts:
                     b, u = results["batched", n], results["unbatched", n]
-                    print(f"  N={n:3d}  throughput {b['speech s/s'] / u['speech s/s']:5.2f}x   "
-                          f"first audio p50 {b['first p50']:.3f} vs {u['first p50']:.3f} s", flush=True)
+                    ratio = b["speech s/s"] / u["speech s/s"] if u["speech s/s"] else float("inf")
+                    cut = f"  (sessions cut: batched {b['cut']}, unbatched {u['cut']})" if b["cut"] or u["cut"] else ""
+                    print(f"  N={n:3d}  throughput {ratio:5.2f}x   "
+                          f"first audio p50 {b['first p50']:.3f} vs {u['first p50']:.3f} s{cut}", flush=True)
             print(f"\nadmission: capacity {synth.scheduler.capacity()} speaking sessions at the measured costs "
                   f"(render s per audio s {synth.scheduler.costs.render_per_audio_s})", flush=True)
         finally:
@@ -387,7 +428,7 @@ def main() -> None:
             print(f"\nend to end: the server (tiny CosyVoice 2, batched) and {args.server} WebSocket clients, "
                   f"first audio after `say` (s)", flush=True)
             (Path(tmp) / "server").mkdir()
-            run_server(Path(tmp) / "server", args.server, args.duty, args.seconds, slots=max([16, *counts]))
+            run_server(Path(tmp) / "server", args.server, args.duty, work, slots=max([16, *counts]))
 
 
 if __name__ == "__main__":

@@ -156,6 +156,73 @@ def test_bistream_reply_is_one_segment_with_the_model_run_directly(synth, fixed_
     assert_close_to_peak(torch.from_numpy(np.concatenate([c.audio for c in chunks])), torch.from_numpy(direct), SPEECH)
 
 
+@pytest.mark.parametrize("size", [1, 3, 7, 100])
+def test_word_feed_gives_out_complete_words_and_each_sentence_s_rest(size):
+    text = "Hello world, this is test 3. How are you?  Fine!"
+    feed, pieces = synthesizer_mod.WordFeed(), []
+    for i in range(0, len(text), size):
+        pieces += feed.push(text[i : i + size])
+    pieces += feed.flush()
+    assert "".join(p for p, _ in pieces) == text  # nothing lost, nothing twice
+    assert [p[-1] for p, end in pieces if end] == [".", "?", "!"]  # each sentence's rest ends it
+    words = [p for p, end in pieces if not end]
+    assert all(text.count(p) and (p.startswith(" ") or p == "Hello") for p in words)  # the space before goes with it
+    if size == 1:
+        assert [p for p, _ in pieces][:3] == ["Hello", " world,", " this"]
+    zh = synthesizer_mod.WordFeed()
+    out = [p for ch in "你好，世界。今天天气很好，" for p in zh.push(ch)] + zh.flush()
+    assert out == [("你好，", False), ("世界。", True), ("今天天气很好，", False), ("", True)]  # a clause at a time
+
+
+@pytest.mark.parametrize("voice", ["tiny_sft_spk", "anna"])
+def test_bistream_speaks_before_the_first_sentence_ends(synth, monkeypatch, voice):
+    """Text goes into the LM a word at a time, so the first speech token comes after the first few
+    words (5 text tokens after the voice's prompt speech is interleaved: official bistream), not
+    after the first sentence; and the tokens equal the model fed one token at a time (the official
+    order, test_lm_golden.py). A deterministic sampler: the session's generator also draws the
+    vocoder's noise, between the LM's draws."""
+    eos = synth.lm.eos
+
+    def sampler(logp, history):  # arg-max over the speech ids; eos where allowed once 60 are out
+        return eos if len(history) >= 60 and logp[eos] > -math.inf else int(logp[:eos].argmax())
+
+    monkeypatch.setattr(synthesizer_mod.RasSampler, "from_hparams", lambda *args: sampler)
+    words = ("This is the first sentence of a reply, and it goes on for quite a while with many more "
+             "words before it ever comes to its end.").split(" ")
+    text = " ".join(words)
+    added: list[int] = []
+    original_add = synthesizer_mod.Token2WavStream.add
+    monkeypatch.setattr(synthesizer_mod.Token2WavStream, "add",
+                        lambda stream, tokens: added.extend(tokens) or original_add(stream, tokens))
+    before_the_end: list[int] = []
+
+    async def deltas():
+        for i, word in enumerate(words):
+            if i == len(words) - 1:
+                before_the_end.append(len(added))  # speech tokens out before the sentence's last word
+            yield (" " if i else "") + word
+            await asyncio.sleep(0)
+
+    async def run():
+        context = synth.open(voice)
+        context.generator.manual_seed(3)
+        chunks = [c async for c in context.stream(deltas())]
+        await context.close()
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert before_the_end[0] > 0 and chunks[-1].text == text
+    frontend = synth.library.frontend.text
+    ids = [t for piece in [words[0], *(" " + frontend.normalize(w) for w in words[1:])] for t in frontend.encode(piece)]
+    assert ids == frontend.encode(frontend.normalize(text))  # word by word, the sentence's tokens
+    v = synth.library[voice]
+    stream = Bistream(synth.lm, synth.config.kv_cache_tokens, v.prompt_text, v.lm_prompt_speech)
+    cache = synth.lm.new_cache(synth.config.kv_cache_tokens)
+    direct = [t for i in ids for t in run_alone(synth.lm, cache, sampler, stream.push([i]))]
+    direct += run_alone(synth.lm, cache, sampler, stream.finish())
+    assert added == direct
+
+
 def test_bistream_starts_a_new_request_when_one_is_full(synth, fixed_length, monkeypatch):
     monkeypatch.setattr(synth.library.frontend.text, "token_min_n", 1)  # every sentence fills a request
 
@@ -377,8 +444,11 @@ async def _reply(synth, voice: str, seed: int, text: str, started: asyncio.Event
     return np.concatenate(audio)
 
 
-REPLIES = {  # voice, seed, text: three prompt lengths (50 prompt tokens, the fixture's, none)
-    "a": ("anna", 1, "Hello world, this is a test of the tokenizer."),
+# voice, seed, text: three prompt lengths (50 prompt tokens, the fixture's, none). The seeds give a
+# long reply to a and a short one to d (sentences mode: 83, 32, 47 and 14 tokens), so that b and d
+# join while a still decodes.
+REPLIES = {
+    "a": ("anna", 7, "Hello world, this is a test of the tokenizer."),
     "b": ("tiny_zero_shot_spk", 2, "This is test three of the tokenizer, hello!"),
     "c": ("anna", 3, "One two three, this is a tiny test of the tokenizer. " * 2),
     "d": ("tiny_sft_spk", 4, "Hi there, world."),

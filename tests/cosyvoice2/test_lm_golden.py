@@ -99,8 +99,10 @@ def test_teacher_forced(lm: CosyVoice2LM, cv2_golden: dict, cv2_meta: dict) -> N
 @pytest.mark.golden
 def test_ras_seeded(lm: CosyVoice2LM, cv2_dir: Path, cv2_golden: dict, cv2_meta: dict) -> None:
     g, meta, ras = cv2_golden, cv2_meta["lm.zero_shot"], cv2_meta["lm.zero_shot.ras"]
+    # replay: the official calls on the official sizes (the serving draw is the same distribution
+    # with another random stream: test_lm_syncs.py).
     sampler = RasSampler.from_hparams(load_hparams(cv2_dir)["llm"]["sampling"],
-                                      torch.Generator().manual_seed(ras["seed"]))
+                                      torch.Generator().manual_seed(ras["seed"]), replay=True)
     assert (sampler.top_p, sampler.top_k, sampler.win_size, sampler.tau_r) == tuple(ras["ras"].values())
     tokens = list(generate(lm, lm.new_cache(lm.cfg.max_position_embeddings), sampler, g["lm.text"], g["lm.prompt_text"],
                            g["lm.prompt_speech_token"], meta["min_token_text_ratio"], meta["max_token_text_ratio"]))
@@ -132,6 +134,38 @@ def test_bistream(lm: CosyVoice2LM, cv2_golden: dict, cv2_meta: dict) -> None:
         assert len(tokens) == meta["n_yielded"]
     assert calls[:steps] == meta["forward_one_step_calls"][:steps]
     _check_logits(logits, expected, steps)
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("pieces", [(2, 3, 7, 1, 12), (9,), (25,)])
+def test_bistream_fed_in_pieces_takes_the_steps_of_one_token_at_a_time(lm: CosyVoice2LM, cv2_golden: dict,
+                                                                      cv2_meta: dict, pieces: tuple[int, ...]) -> None:
+    """Text pushed in pieces of several tokens (a word, a sentence) decodes every block it
+    completes, as the official loop fed one token at a time does (test_bistream: the golden order):
+    the same tokens from the same steps."""
+    g, cap = cv2_golden, cv2_meta["lm.bistream"]["cap_forcing_eos_after_out_tokens"]
+    text = g["lm.bistream.text"].flatten()
+
+    def capped_greedy(logp: Tensor, history: list[int]) -> int:  # the golden's sampler
+        return lm.eos if len(history) >= cap and logp[lm.eos] != -float("inf") else int(logp.argmax())
+
+    def run(cuts: list[int]) -> tuple[list[int], list]:
+        cache = lm.new_cache(lm.cfg.max_position_embeddings)
+        stream = Bistream(lm, cache.max_seq_len, g["lm.prompt_text"], g["lm.prompt_speech_token"])
+        tokens: list[int] = []
+        with recording(lm) as (_, calls):
+            start = 0
+            for cut in cuts:
+                tokens += run_alone(lm, cache, capped_greedy, stream.push(text[start : start + cut]))
+                start += cut
+            tokens += run_alone(lm, cache, capped_greedy, stream.finish())
+        return tokens, calls
+
+    cuts = [pieces[i % len(pieces)] for i in range(len(text))]
+    while sum(cuts) > len(text):
+        cuts[-1] -= min(cuts[-1], sum(cuts) - len(text))
+        cuts = [c for c in cuts if c]
+    assert run(cuts) == run([1] * len(text))
 
 
 @pytest.mark.golden

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.serving.test_lm_pool import REQUESTS, alone, lm, ras  # noqa: F401 (lm is a fixture)
-from voicebot.serving.lm_pool import LMPool
+from voicebot.serving.lm_pool import DECODE_BUCKETS, LMPool, decode_bucket
 from voicebot.serving.scheduler import Overloaded, Render, Scheduler, SchedulerFault, StepCosts
 from voicebot.serving.worker import JobAborted
 from voicebot.tts.cosyvoice2.lm import unistream
@@ -128,13 +128,46 @@ def test_calibration_measures_each_batch_size_and_capacity_follows_the_costs(lm)
         costs.add_decode(batch, seconds)
     assert costs.decode_step(3) == pytest.approx(0.014) and costs.decode_step(16) == pytest.approx(0.040)
     scheduler.costs = costs
-    # 25 steps a second: 8 rows cost 0.6 of the device, within headroom 0.8; then renders cost 0.05 each
+    # 25 steps a second: 8 rows cost 0.6 of the device, within headroom 0.8; but until a render is
+    # measured its cost is unknown, and one session at a time is let in
+    assert scheduler.capacity() == 1
+    costs.add_render(0.0, 10.0)
     assert scheduler.capacity() == 8
-    costs.add_render(0.5, 10.0)
+    costs.render_per_audio_s = None
+    costs.add_render(0.5, 10.0)  # renders cost 0.05 each
     assert costs.load(4, 25, 8) == pytest.approx(25 * 0.016 + 4 * 0.05) and scheduler.capacity() == 6  # 25·0.020 + 6·0.05 = 0.8
     # without batching every session needs its own 25 steps a second: 25 · 0.010 · 2 + 2 · 0.05 = 0.6, 3 sessions 0.9
     scheduler.max_batch = 1
     assert costs.load(2, 25, 1) == pytest.approx(0.6) and scheduler.capacity() == 2
+
+
+@pytest.mark.parametrize("slots", [64, 20])
+def test_calibration_runs_a_step_in_every_graph_bucket(lm, slots):
+    """Every bucket a live step can take is captured at start-up (on CUDA: the graph), none while
+    sessions wait: with 64 slots the 48 bucket too, with 20 slots the 32 bucket (20 rows padded)."""
+    pool = LMPool(lm, slots=slots, max_seq_len=256, graphs=True)
+    decoded = []
+    original = pool.decode
+    pool.decode = lambda rows: decoded.append(len(rows)) or original(rows)
+    Scheduler("test", pool, render).calibrate(steps=1)
+    assert {decode_bucket(n) for n in decoded} == {b for b in DECODE_BUCKETS if b <= decode_bucket(slots)}
+
+
+def test_calibration_measures_a_render_before_the_first_reply(lm):
+    probes = []
+
+    def probe():
+        probes.append([len(probes)])
+        return probes[-1]
+
+    scheduler = Scheduler("test", LMPool(lm, slots=8, max_seq_len=256), lambda chunks: [np.zeros(24000, np.float32)])
+    scheduler.calibrate(steps=1)
+    assert scheduler.costs.render_per_audio_s is None and scheduler.capacity() <= 1  # a cold start admits one
+    scheduler.calibrate(steps=1, render_probe=probe)
+    assert len(probes) == 2  # fresh chunks for the warm-up and the timed call
+    assert scheduler.costs.render_per_audio_s is not None
+    scheduler.costs.decode = {1: 0.001, 8: 0.002}  # measured costs that fit every slot: no cap left
+    assert scheduler.capacity() == 8
 
 
 def test_metrics_are_read_from_the_scheduler(lm):

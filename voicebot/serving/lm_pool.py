@@ -6,7 +6,8 @@ start-up; a request (`LMRow`) holds one slot for its whole utterance and is fed 
 
 - `decode(rows)` runs every row whose next step is one token in one batched forward (each row at its
   own position, in its own slot, masked per row), samples all of them in one call, and advances
-  their programs;
+  their programs. The host waits for the device once per step, for the B sampled tokens: positions
+  and slots go over without a wait (sampling.host_to_device), sampling runs on the device;
 - `prefill(row)` feeds at most `prefill_chunk` positions of a longer step, so a new request's prompt
   never holds the others' decode for more than about one step: the scheduler interleaves chunks
   with decode steps.
@@ -28,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, PromptPrefix, Program, Step, choose, load_prefix
-from voicebot.tts.cosyvoice2.sampling import Sampler
+from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, PromptPrefix, Program, Step, choose, keys_to_attend, load_prefix
+from voicebot.tts.cosyvoice2.sampling import Sampler, host_to_device
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
 
@@ -127,14 +128,16 @@ class LMPool:
         """Feed the next chunk of the row's pending step; the last chunk also chooses its token."""
         step, n = row.step, min(self.prefill_chunk, row.waiting)
         device = step.x.device
-        pos = torch.arange(step.pos + row.fed, step.pos + row.fed + n, device=device)
-        slot = torch.tensor([row.slot], device=device)
+        end = step.pos + row.fed + n
+        pos = torch.arange(end - n, end, device=device)
+        slot = host_to_device([row.slot], device)
+        n_keys = keys_to_attend(end, self.max_seq_len)
         x = step.x[:, row.fed : row.fed + n]
         row.fed += n
         if row.waiting:
-            self.lm.qwen(x, pos, self.cache, slot)  # keys and values only; no token yet
+            self.lm.qwen(x, pos, self.cache, slot, n_keys)  # keys and values only; no token yet
         else:
-            self._advance(row, choose([step], self.lm(x, pos, self.cache, slot), [row.sampler])[0])
+            self._advance(row, choose([step], self.lm(x, pos, self.cache, slot, n_keys), [row.sampler])[0])
 
     @torch.inference_mode()
     def decode(self, rows: list[LMRow]) -> None:
@@ -145,13 +148,16 @@ class LMPool:
             raise ValueError("decode takes rows with one position left to feed; prefill the others")
         device = steps[0].x.device
         x = torch.cat([step.x[:, -1:] for step in steps])  # (B, 1, D)
-        pos = torch.tensor([[step.pos + step.length - 1] for step in steps], device=device)
-        slots = torch.tensor([row.slot for row in rows], device=device)
+        positions = [step.pos + step.length - 1 for step in steps]
+        pos = host_to_device([[p] for p in positions], device)
+        slots = host_to_device([row.slot for row in rows], device)
         if self.graphs:
             logp = self._graph_logp(x, pos, slots)
         else:  # rows in slots 0..B-1 are read as a view of the cache, others gathered
             compact = all(row.slot == i for i, row in enumerate(rows))
-            logp = self.lm(x, pos, self.cache, None if compact else slots)
+            n_keys = keys_to_attend(max(positions) + 1, self.max_seq_len)
+            logp = self.lm(x, pos, self.cache, None if compact else slots, n_keys)
+        # The step's one host sync: the sampled tokens' copy back (choose -> sample_rows).
         for row, token in zip(rows, choose(steps, logp, [row.sampler for row in rows])):
             row.fed += 1
             self._advance(row, token)

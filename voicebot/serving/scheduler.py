@@ -26,8 +26,8 @@ sentence's text: kilobytes); `submit` raises `Overloaded` past it. Releases are 
 so at most `slots` are queued.
 
 The scheduler measures what a step costs (`StepCosts`): the LM decode step per batch size, measured
-at start-up (`calibrate`) and kept current by every step; the render cost per second of audio, from
-every render. `capacity()` is the most speaking sessions those costs keep in real time.
+at start-up (`calibrate`, which also captures every CUDA graph bucket then) and kept current by every
+step; the render cost per second of audio, from a probe render at start-up and every render since. `capacity()` is the most speaking sessions those costs keep in real time.
 
 The thread outlives what is raised in it, as a Worker's calls do (voicebot/serving/worker.py), since
 every session's speech waits on it:
@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from voicebot.serving.lm_pool import LMPool, LMRow, PoolFull
+from voicebot.serving.lm_pool import DECODE_BUCKETS, LMPool, LMRow, PoolFull
 from voicebot.serving.worker import JobAborted
 from voicebot.tts.cosyvoice2.lm import Program, PromptPrefix, Step
 from voicebot.tts.cosyvoice2.sampling import Sampler, greedy
@@ -188,16 +188,21 @@ class Scheduler:
         self._renders: list[Render] = []
         self._thread = threading.Thread(target=self._run, name=f"scheduler-{name}", daemon=True)
 
-    def calibrate(self, steps: int = 3, context: int = 200) -> None:
-        """Before start(): time the decode step at batch sizes 1, 2, 4, ... up to max_batch, with
-        throwaway rows at a typical context length, so admission has costs before the first reply;
-        live steps keep them current."""
+    def calibrate(self, steps: int = 3, context: int = 200,
+                  render_probe: Callable[[], list[Any]] | None = None) -> None:
+        """Before start(): time the decode step at every batch size a step can take a CUDA graph
+        for (DECODE_BUCKETS up to max_batch, and max_batch; powers of two beyond the buckets), with
+        throwaway rows at a typical context length, so admission has costs before the first reply
+        and no graph is captured while sessions wait on a step; live steps keep the costs current.
+        `render_probe()`: fresh chunks `render` takes, made and rendered twice (a warm-up, then
+        timed) for the render cost; without one (or if the probe renders no audio), admission lets
+        one session speak until a render is measured."""
         lm, pool = self.pool.lm, self.pool
         w = lm.llm_decoder.weight
         x = torch.zeros(1, 1, w.shape[1], device=w.device, dtype=w.dtype)
         start = max(0, min(context, pool.max_seq_len - steps - 2))
         top = min(self.max_batch, pool.slots)
-        sizes = sorted({*(2**i for i in range(top.bit_length()) if 2**i <= top), top})
+        sizes = sorted({*(b for b in DECODE_BUCKETS if b < top), *(2**i for i in range(top.bit_length())), top})
         for size in sizes:
             rows = [pool.open(greedy) for _ in range(size)]
             for row in rows:
@@ -211,6 +216,14 @@ class Scheduler:
                     self.costs.add_decode(size, time.perf_counter() - began)
             for row in rows:
                 pool.close(row)
+        if render_probe is not None:
+            self.render_chunks(render_probe())  # warm-up: first calls allocate and pick kernels
+            chunks = render_probe()
+            began = time.perf_counter()
+            audio = self.render_chunks(chunks)
+            if w.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.costs.add_render(time.perf_counter() - began, sum(map(len, audio)) / self.sample_rate)
 
     # --- the sessions' side (event loop)
 
@@ -263,13 +276,14 @@ class Scheduler:
 
     def capacity(self) -> int | None:
         """The most sessions speaking at once that keep the device under `headroom` busy (None
-        before anything is measured)."""
+        before anything is measured). Until a render has been measured its cost is unknown, not
+        zero: then at most one (the LM costs alone would let a burst of every slot in at once)."""
         if self.costs.decode_step(1) is None:
             return None
         n = 0
         while n < self.pool.slots and self.costs.load(n + 1, self.tokens_per_s, self.max_batch) <= self.headroom:
             n += 1
-        return n
+        return n if self.costs.render_per_audio_s is not None else min(n, 1)
 
     def stats(self) -> dict[str, Any]:
         return {"capacity": self.capacity(), "slots": self.pool.slots, "free_slots": self.pool.free,

@@ -3,7 +3,8 @@
 Text arrives incrementally; the LM input interleaves blocks of mix_ratio = (5 text, 15 speech):
 first the prompt speech tokens, then after every 15 generated tokens a forced (or sampled) fill
 token pauses generation until 5 more text tokens have arrived. `push()` takes new text ids and
-returns the program (lm.py) that decodes the speech tokens they unlock; `finish()` the program that
+returns the program (lm.py) that decodes the speech tokens they unlock (every complete block, so the
+steps do not depend on how the text was cut into pushes); `finish()` the program that
 feeds the leftover text and task_id and decodes until eos. Each program must run to its end before
 the next call; `lm.run_alone` runs one at batch 1, the LM pool many in one batch.
 
@@ -64,21 +65,24 @@ class Bistream:
             self.text, self.prompt = self.text[:, n_text:], self.prompt[:, n_speech:]
         if self.prompt.shape[1]:
             return
-        after_fill = bool(self.out) and self.out[-1] == lm.fill_token
-        if after_fill or (not self.out and self.input.shape[1] == 1):
-            if self.text.shape[1] < n_text:
-                return
-            block, self.text = self.text[:, :n_text], self.text[:, n_text:]
-            self.input = block if after_fill else torch.cat([self.input, block], dim=1)
+        # Every block of n_text tokens the text now holds is decoded, as the official loop does
+        # when fed one token at a time: however the text was cut into pushes, the same steps.
         while True:
-            forced = lm.fill_token if len(self.out) == self.next_fill else None
-            token = yield self._step(banned=(lm.eos, lm.eos + 1), forced=forced)
-            self.out.append(token)
-            if token == lm.fill_token:
-                self.next_fill = len(self.out) + n_speech
-                return
-            yield token
-            self.input = lm.speech_embedding.weight[token].reshape(1, 1, -1)
+            after_fill = bool(self.out) and self.out[-1] == lm.fill_token
+            if after_fill or (not self.out and self.input.shape[1] == 1):
+                if self.text.shape[1] < n_text:
+                    return
+                block, self.text = self.text[:, :n_text], self.text[:, n_text:]
+                self.input = block if after_fill else torch.cat([self.input, block], dim=1)
+            while True:  # speech tokens until the fill
+                forced = lm.fill_token if len(self.out) == self.next_fill else None
+                token = yield self._step(banned=(lm.eos, lm.eos + 1), forced=forced)
+                self.out.append(token)
+                if token == lm.fill_token:
+                    self.next_fill = len(self.out) + n_speech
+                    break
+                yield token
+                self.input = lm.speech_embedding.weight[token].reshape(1, 1, -1)
 
     @torch.inference_mode()
     def finish(self) -> Program:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from voicebot.tts.cosyvoice2.sampling import Sampler, sample_rows
+from voicebot.tts.cosyvoice2.sampling import Sampler, host_to_device, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,13 @@ class Qwen2Config:
     def from_json(cls, path: str | Path) -> Qwen2Config:
         """Read CosyVoice-BlankEN/config.json."""
         return cls.from_hf(json.loads(Path(path).read_text()))
+
+
+def keys_to_attend(n_written: int, max_seq_len: int) -> int:
+    """The cache slots SDPA attends over when the longest row has written `n_written`: that prefix
+    rounded up to KV_BUCKET slots, the rest masked. A handful of fixed shapes instead of the whole
+    cache, whose unwritten slots cost as much as the step's weights on CPU at 2048 slots."""
+    return min(max_seq_len, -(-n_written // KV_BUCKET) * KV_BUCKET)
 
 
 def attention_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -288,12 +295,8 @@ class Qwen2(nn.Module):
         if self.attention == "flash_attn":
             mask = None  # flash-attn masks per row itself, from cache_seqlens
         else:
-            if n_keys is None:
-                # Attend over the longest row's written prefix rounded up to KV_BUCKET slots, the
-                # rest masked: a handful of fixed shapes instead of the whole cache, whose unwritten
-                # slots cost as much as the step's weights on CPU at 2048 slots.
-                n_written = int(pos.max()) + 1  # the step's one host sync
-                n_keys = min(cache.max_seq_len, -(-n_written // KV_BUCKET) * KV_BUCKET)
+            if n_keys is None:  # callers that know their positions pass n_keys: no host sync
+                n_keys = keys_to_attend(int(pos.max()) + 1, cache.max_seq_len)
             # (B, 1, group·T, n_keys): each row's query t sees the keys up to its own position, the
             # same for each of the query heads that Attention groups per kv head.
             group = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
@@ -368,10 +371,11 @@ class CosyVoice2LM(nn.Module):
         w = self.llm_embedding.weight
         return w[0].reshape(1, 1, -1), w[1].reshape(1, 1, -1)
 
-    def forward(self, x: Tensor, input_pos: Tensor, cache: KVCache, slots: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, input_pos: Tensor, cache: KVCache, slots: Tensor | None = None,
+                n_keys: int | None = None) -> Tensor:
         """(B, T, D) inputs at positions input_pos (see Qwen2.forward) -> log-probs of each row's
         next speech token (B, V), float32."""
-        h = self.qwen(x, input_pos, cache, slots)
+        h = self.qwen(x, input_pos, cache, slots, n_keys)
         return self.logp(h[:, -1])
 
     def logp(self, hidden: Tensor) -> Tensor:
@@ -445,12 +449,12 @@ def choose(steps: Sequence[Step], logp: Tensor, samplers: Sequence[Sampler]) -> 
     """The tokens a batch's log-probs (B, V) give, one row per step: its `forced` token, else drawn
     by its sampler with its `banned` ids masked (in place), all rows in one `sample_rows` call."""
     drawn = [i for i, step in enumerate(steps) if step.forced is None]
-    for i in drawn:
-        if steps[i].banned:
-            logp[i, list(steps[i].banned)] = -float("inf")
+    banned = [(i, token) for i in drawn for token in steps[i].banned]
+    if banned:  # one indexed write for the whole batch, its indices copied without a host wait
+        logp.index_put_(tuple(host_to_device(list(zip(*banned)), logp.device)), torch.full((), -float("inf"), device=logp.device))
     tokens = [step.forced for step in steps]
     if drawn:
-        rows = logp if len(drawn) == len(steps) else logp[drawn]
+        rows = logp if len(drawn) == len(steps) else logp[host_to_device(drawn, logp.device)]
         for i, token in zip(drawn, sample_rows([samplers[i] for i in drawn], rows, [steps[i].history for i in drawn])):
             tokens[i] = token
     return tokens  # type: ignore[return-value]
@@ -464,8 +468,10 @@ def run_alone(lm: CosyVoice2LM, cache: KVCache, sample: Sampler, program: Progra
         message = next(program)
         while True:
             if isinstance(message, Step):
-                pos = torch.arange(message.pos, message.pos + message.length, device=device)
-                message = program.send(choose([message], lm(message.x, pos, cache), [sample])[0])
+                end = message.pos + message.length
+                pos = torch.arange(message.pos, end, device=device)
+                logp = lm(message.x, pos, cache, n_keys=keys_to_attend(end, cache.max_seq_len))
+                message = program.send(choose([message], logp, [sample])[0])
             else:
                 yield message
                 message = next(program)

@@ -1,8 +1,8 @@
 """CosyVoice 2 as the server's Synthesizer: reply text deltas in, 24 kHz audio chunks out.
 
-Text is cut into sentences as it arrives (SentenceSegmenter) and each sentence is normalised. With
-`text_input: bistream` (the default) the sentences of a reply are pushed one by one into an LM
-request that mixes text and speech tokens (official inference_bistream), a new request every
+Text is cut into sentences as it arrives (SentenceSegmenter) and normalised. With `text_input:
+bistream` (the default) a reply is pushed a word at a time (`WordFeed`) into an LM request that
+mixes text and speech tokens (official inference_bistream), a new request at a sentence end every
 60-odd text tokens; with `text_input: sentences` each sentence, split into utterances if long, is
 one official unistream request, which starts from the voice's cached LM prompt prefix.
 
@@ -43,7 +43,7 @@ from voicebot.serving.scheduler import Scheduler
 from voicebot.serving.worker import Worker
 from voicebot.serving.metrics import register_scheduler_metrics
 from voicebot.tts.base import SAMPLE_RATE, SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
-from voicebot.tts.segmenter import sentences
+from voicebot.tts.segmenter import CLAUSE_MARKS, SentenceSegmenter
 from voicebot.tts.cosyvoice2.bistream import Bistream
 from voicebot.tts.cosyvoice2.frontend import Frontend, language, only_punctuation
 from voicebot.tts.cosyvoice2.lm import PromptPrefix, prompt_prefix, unistream
@@ -115,11 +115,20 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.scheduler = Scheduler(f"cosyvoice2-{self.device}", pool, self._render, max_batch=None if batch else 1,
                                    max_render_batch=self.config.render_batch if batch else 1,
                                    sample_rate=SAMPLE_RATE, tokens_per_s=self.hparams["token_frame_rate"])
-        self.scheduler.calibrate()
+        self.scheduler.calibrate(render_probe=functools.partial(self._probe_chunks, library[self.default_voice]))
         self.scheduler.start()
         log.info("cosyvoice2 loaded from %s on %s/%s, %d voices, %d LM slots (%.0f MiB), capacity %s sessions",
                  self.model_dir, self.device, self.dtype, len(library.names()), pool.slots, pool.nbytes() / 2**20,
                  self.scheduler.capacity())
+
+    def _probe_chunks(self, voice: Voice) -> list[ChunkRequest]:
+        """A reply's first chunk in the default voice (token 0 throughout): what calibration times
+        a render with, so admission knows the render cost before the first reply. One stream's,
+        alone: the dearest per second of audio, as a start."""
+        stream = self.token2wav.stream(flow_prompt(voice, self.device, self.dtype),
+                                       generator=torch.Generator(self.device).manual_seed(0))
+        stream.add([0] * stream.tokens_for_next_chunk)
+        return [stream.next_chunk()]
 
     def _render(self, chunks: list[ChunkRequest]) -> list[np.ndarray]:
         return [audio.reshape(-1).float().cpu().numpy() for audio in self.token2wav.render(chunks)]
@@ -268,6 +277,53 @@ class CosyVoice2Synthesizer(Synthesizer):
         if self.token2wav.mode != "recompute":
             # The flow's prompt state takes seconds on CPU: pay it now, not in the next reply.
             self.token2wav.prompt_state(flow_prompt(voice, self.device, self.dtype))
+
+
+class WordFeed:
+    """Streamed reply text -> the pieces to push into a bistream request, each as soon as its words
+    are complete: `push(delta)` and `flush()` give (piece, ends a sentence) pairs. A word is complete
+    once a space or a clause mark follows it (Chinese, which has no spaces, goes a clause at a time);
+    a sentence (SentenceSegmenter) ends with the rest of its text. A piece starts with the space
+    before its first word, so " world," tokenizes as inside the whole text, and the pieces put
+    together are the text as written.
+
+    Bounds: it holds the unfinished sentence, which the segmenter cuts at max_chars (150)."""
+
+    def __init__(self) -> None:
+        self.segmenter = SentenceSegmenter()
+        self.text = ""  # the unfinished sentence as received, from the end of the last one
+        self.fed = 0  # characters of `text` already given out as pieces
+
+    def push(self, delta: str) -> list[tuple[str, bool]]:
+        self.text += delta
+        pieces = [piece for sentence in self.segmenter.push(delta) for piece in self._sentence(sentence)]
+        # The complete words end before the last space (which goes with the next word) or after
+        # the last clause mark.
+        words_end = max((i + (c in CLAUSE_MARKS) for i, c in enumerate(self.text)
+                         if i >= self.fed and (c.isspace() or c in CLAUSE_MARKS)), default=self.fed)
+        if self.text[self.fed : words_end].strip():
+            pieces.append((self.text[self.fed : words_end], False))
+            self.fed = words_end
+        return pieces
+
+    def flush(self) -> list[tuple[str, bool]]:
+        rest = self.segmenter.flush()
+        return self._sentence(rest) if rest else []
+
+    def _sentence(self, sentence: str) -> list[tuple[str, bool]]:
+        """The rest of a sentence the segmenter completed (its text, stripped, starts at the first
+        character after the previous sentence that is not a space)."""
+        start = len(self.text) - len(self.text.lstrip())
+        end = self.text.index(sentence, start) + len(sentence)
+        rest, self.text, self.fed = self.text[self.fed : end], self.text[end:], 0
+        return [(rest, True)] if rest.strip() else [("", True)]
+
+
+async def _then_end(text: AsyncIterator[str]) -> AsyncIterator[str | None]:
+    """The deltas, then None once they end."""
+    async for delta in text:
+        yield delta
+    yield None
 
 
 def flow_prompt(voice: Voice, device: torch.device, dtype: torch.dtype) -> FlowPrompt:
@@ -422,11 +478,13 @@ class _BistreamState:
         (token_min_n text tokens), or has used half its KV slot."""
         return self.lm.n_text >= self.frontend.token_min_n or 2 * self.lm.pos > self.lm.max_seq_len
 
-    def push_text(self, sentence: str) -> None:
-        # The space the sentence split removed: "Hi." + " How" tokenizes as the whole text would.
-        joiner = " " if self.text and language(sentence) == "en" else ""
-        self.text += joiner + sentence  # as written: what the pacer reports as heard
-        self.engine.scheduler.pool.start(self.row, self.lm.push(self.frontend.encode(joiner + self.frontend.normalize(sentence))))
+    def push_text(self, piece: str) -> None:
+        """A piece of the reply as written (words, with the space before them): its tokens, as the
+        official frontend tokenizes each piece a text generator yields."""
+        # The space before the piece: "Hi." + " How" tokenizes as the whole text would.
+        joiner = " " if self.text and piece[:1].isspace() and language(piece) == "en" else ""
+        self.text += joiner + piece.strip()  # as written: what the pacer reports as heard
+        self.engine.scheduler.pool.start(self.row, self.lm.push(self.frontend.encode(joiner + self.frontend.normalize(piece))))
 
     def end_text(self) -> None:
         self.engine.scheduler.pool.start(self.row, self.lm.finish())
@@ -435,10 +493,12 @@ class _BistreamState:
 class CosyVoice2BistreamContext(CosyVoice2Context):
     """Reply text streamed into the LM as it arrives (official inference_bistream, spec §6.4).
 
-    Complete sentences are pushed into one LM request, which decodes whatever the text so far
-    unlocks; a new request starts at a sentence boundary once the current one is `full`. The
-    chunks of one request form one segment whose text grows with it: where inside it the audio
-    is, sentence by sentence, is not known, so an interruption's heard text is a proportion of it.
+    Text is pushed into one LM request a word at a time (`WordFeed`), as the official bistream
+    takes the text tokens as they come, so the first speech token can follow the first few words
+    instead of the first sentence; the request decodes whatever the text so far unlocks. A new
+    request starts at a sentence boundary once the current one is `full`. The chunks of one request
+    form one segment whose text grows with it: where inside it the audio is, sentence by sentence,
+    is not known, so an interruption's heard text is a proportion of it.
     """
 
     async def stream(self, text: AsyncIterator[str]) -> AsyncIterator[SpeechChunk]:
@@ -448,22 +508,25 @@ class CosyVoice2BistreamContext(CosyVoice2Context):
         job: Utterance | None = None
         state: _BistreamState | None = None
         segment = -1
+        feed = WordFeed()
         try:
-            async for sentence in sentences(text):
-                if only_punctuation(sentence):
-                    continue
-                if state is not None and state.full:
-                    async for chunk in self._end(job, state, segment):
-                        yield chunk
-                    job.close()
-                    job = state = None
-                if job is None:
-                    job = await self.open_utterance(voice, functools.partial(self._bistream, voice))
-                    state = job.bistream
-                    segment += 1
-                await engine.scheduler.call(functools.partial(state.push_text, sentence), self.clock.deadline())
-                async for piece in job.chunks(finish=False):
-                    yield SpeechChunk(piece, state.text, segment)
+            async for delta in _then_end(text):
+                for piece, sentence_ends in feed.push(delta) if delta is not None else feed.flush():
+                    if job is None and only_punctuation(piece):
+                        continue  # nothing to voice yet: no request is started for it
+                    if job is None:
+                        job = await self.open_utterance(voice, functools.partial(self._bistream, voice))
+                        state = job.bistream
+                        segment += 1
+                    if piece.strip():
+                        await engine.scheduler.call(functools.partial(state.push_text, piece), self.clock.deadline())
+                        async for audio in job.chunks(finish=False):
+                            yield SpeechChunk(audio, state.text, segment)
+                    if sentence_ends and state.full:
+                        async for chunk in self._end(job, state, segment):
+                            yield chunk
+                        job.close()
+                        job = state = None
             if job is not None:
                 async for chunk in self._end(job, state, segment):
                     yield chunk
