@@ -271,8 +271,8 @@ class ReplyLevel:
         mine = magnitude[s : s + n + 1].copy()
         # Interval k's window is padded[s + k - REACH + 1 : s + k + REACH + 1].
         hot_before = np.concatenate([[0], np.cumsum(hot)])  # hot_before[i]: hot samples in padded[:i]
-        window_ends, window_starts = hot_before[s + REACH + 1 : s + n + REACH + 2], hot_before[s - REACH + 1 : s + n - REACH + 2]
-        loud = np.flatnonzero(window_ends > window_starts)
+        hot_in_window = hot_before[s + REACH + 1 : s + n + REACH + 2] - hot_before[s - REACH + 1 : s + n - REACH + 2]
+        loud = np.flatnonzero(hot_in_window)
         windows = sliding_window_view(padded, 2 * REACH)[loud + s - REACH + 1]
         mine[loud] = np.abs(PHASES @ windows.T).max(axis=0)
         peaks = np.maximum(mine[:-1], mine[1:])
