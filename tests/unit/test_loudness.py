@@ -10,7 +10,7 @@ import pytest
 import soxr
 
 from tests.audio import espeak_speech
-from voicebot.audio.loudness import MAX_GAIN_DB, MAX_SLEW_DB_PER_S, OutputLevel
+from voicebot.audio.loudness import MAX_GAIN_DB, MAX_SLEW_DB_PER_S, LoudnessMeter, OutputLevel
 from voicebot.audio.rates import SPEAK_RATE
 from voicebot.config import OutputConfig
 
@@ -91,6 +91,28 @@ def test_no_target_leaves_the_level_and_still_limits_the_peaks():
     assert true_peak_dbtp(out) <= -1.0 + 0.1
     quiet = np.abs(audio) < 0.3  # far from the peaks the limiter leaves the audio alone... mostly
     assert np.median(np.abs(out[quiet] - audio[quiet])) < 1e-3
+
+
+def test_peaks_between_samples_are_limited_where_the_samples_are_under_the_ceiling():
+    """A tone at a quarter of the rate, 45 degrees off its samples: every sample is at 0.707 (-3 dBFS,
+    under the -1 dBTP ceiling), the waveform between them peaks at 1.0 (0 dBTP). The limiter
+    interpolates only near samples that could reach the ceiling: these must count as such."""
+    k = np.arange(SPEAK_RATE * 2)
+    tone = np.sin(2 * np.pi * k / 4 + np.pi / 4).astype(np.float32)
+    assert np.abs(tone).max() < 10 ** (-1 / 20) and true_peak_dbtp(tone) > -0.1
+    out = stream(OutputLevel(SPEAK_RATE, OutputConfig(loudness_lufs=None, true_peak_dbtp=-1.0)), tone)
+    assert true_peak_dbtp(out) <= -1.0 + 0.1
+
+
+def test_the_streaming_meter_reads_what_pyloudnorm_reads_on_a_steady_signal():
+    """Hiss over a loud 20 Hz hum: the K-weighting's high shelf lifts the one, its high pass all
+    but removes the other."""
+    t = np.arange(SPEAK_RATE * 6) / SPEAK_RATE
+    noise = np.random.default_rng(0).normal(0, 0.05, len(t)) + 0.3 * np.sin(2 * np.pi * 20 * t)
+    meter = LoudnessMeter(SPEAK_RATE)
+    for i in range(0, len(noise), 7001):  # chunks that do not line up with its 100 ms hops
+        meter.feed(noise[i : i + 7001])
+    assert abs(meter.lufs - integrated(noise)) <= 0.05
 
 
 def test_the_config_defaults_are_a_streamers():

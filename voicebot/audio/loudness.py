@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 import pyloudnorm
+from numpy.lib.stride_tricks import sliding_window_view
 from scipy.ndimage import minimum_filter1d, uniform_filter1d
-from scipy.signal import lfilter, lfilter_zi, resample_poly
+from scipy.signal import firwin, lfilter
 
 from voicebot.config import OutputConfig
 
@@ -42,7 +43,17 @@ LOOKAHEAD_MS = 5.0
 RELEASE_PER_S = 10.0  # the limiter's gain recovers 10 (linear) a second: from -6 dB in 50 ms
 OVERSAMPLE = 4
 FIRST_CHUNK_ROUNDS = 4
-PEAK_CONTEXT = 32  # samples either side the 4x interpolation needs to be exact at a buffer's edge
+
+# The 4x interpolator that measures true peak: scipy's resample_poly(x, 4, 1) filter (a Kaiser
+# windowed sinc, beta 5, 10 input samples either side), as its four phase filters: the point at
+# phase p from x[i] towards x[i + 1] is x[i - REACH + 1 : i + REACH + 1] @ PHASES[p] (phase 0: x[i]
+# itself, times the filter's DC normalisation, 1.0006, as resample_poly gives it).
+REACH = 10
+_INTERPOLATOR = firwin(2 * REACH * OVERSAMPLE + 1, 1 / OVERSAMPLE, window=("kaiser", 5.0)) * OVERSAMPLE
+PHASES = np.stack([_INTERPOLATOR[p::OVERSAMPLE][: 2 * REACH][::-1] for p in range(OVERSAMPLE)])
+# No point from x[i] towards x[i + 1] exceeds GAIN_BOUND times the largest sample in its window:
+# where even that is under the ceiling, the interpolation is skipped (most of a reply's samples).
+GAIN_BOUND = float(np.abs(PHASES).sum(axis=1).max())
 
 
 def db_to_gain(db: float) -> float:
@@ -51,17 +62,22 @@ def db_to_gain(db: float) -> float:
 
 def ramp(start: float, end: float, n: int) -> np.ndarray:
     """n gains from `start` towards `end`, evenly in dB."""
-    return np.full(n, end) if start == end else np.geomspace(start, end, n, endpoint=False)
+    if start == end:
+        return np.full(n, end)
+    return start * np.exp(np.arange(n) * (np.log(end / start) / n))
 
 
 class LoudnessMeter:
     """BS.1770 K-weighted loudness of a stream, as an exponentially weighted, gated level."""
 
     def __init__(self, rate: int) -> None:
-        # pyloudnorm's K-weighting (high shelf, then high pass) for this rate, run with kept state
-        # (read from its Meter: the filters it measures with, not a copy of their parameters).
-        self._filters = [(f.b, f.a) for f in pyloudnorm.Meter(rate)._filters.values()]
-        self._states = [lfilter_zi(b, a) * 0.0 for b, a in self._filters]
+        # pyloudnorm's K-weighting (high shelf, then high pass) for this rate, read from its Meter
+        # (the filters it measures with, not a copy of their parameters), as one 4th-order filter
+        # (one pass over the audio instead of two) run with kept state.
+        stages = [(f.b, f.a) for f in pyloudnorm.Meter(rate)._filters.values()]
+        self._b = np.convolve(stages[0][0], stages[1][0])
+        self._a = np.convolve(stages[0][1], stages[1][1])
+        self._state = np.zeros(len(self._a) - 1)
         self._hop = int(HOP_S * rate)
         self._hop_energy = 0.0  # sum of squares of the hop being filled
         self._hop_filled = 0
@@ -74,9 +90,7 @@ class LoudnessMeter:
         return None if self.power is None else -0.691 + 10.0 * np.log10(self.power)
 
     def feed(self, audio: np.ndarray) -> None:
-        weighted = audio.astype(np.float64)
-        for i, (b, a) in enumerate(self._filters):
-            weighted, self._states[i] = lfilter(b, a, weighted, zi=self._states[i])
+        weighted, self._state = lfilter(self._b, self._a, audio.astype(np.float64), zi=self._state)
         squares = weighted * weighted
         while len(squares):
             take = min(self._hop - self._hop_filled, len(squares))
@@ -113,10 +127,10 @@ class LoudnessMeter:
 
     def power_of(self, audio: np.ndarray) -> float:
         """The K-weighted mean square of `audio` alone (filters from rest, state untouched)."""
-        weighted = audio.astype(np.float64)
-        for b, a in self._filters:
-            weighted = lfilter(b, a, weighted)
-        return float(np.mean(weighted * weighted)) if len(weighted) else 0.0
+        if not len(audio):
+            return 0.0
+        weighted = lfilter(self._b, self._a, audio.astype(np.float64))
+        return float(np.dot(weighted, weighted)) / len(weighted)
 
 
 class OutputLevel:
@@ -157,11 +171,13 @@ class OutputLevel:
         """The share of K-weighted power the limiter leaves (1: none taken); None before any audio."""
         return self._limiter_out / self._limiter_in if self._limiter_in > 0 else None
 
-    def limited(self, before: np.ndarray, after: np.ndarray) -> None:
-        """The limiter turned `before` into `after`: note its loss."""
+    def limited(self, before: np.ndarray, gain: np.ndarray) -> None:
+        """The limiter sent `before` with `gain`: note its loss."""
         decay = np.exp(-len(before) / self.rate / AGC_SECONDS)
-        self._limiter_in = self._limiter_in * decay + self.meter.power_of(before) * len(before)
-        self._limiter_out = self._limiter_out * decay + self.meter.power_of(after) * len(after)
+        power_in = self.meter.power_of(before)
+        power_out = power_in if gain.min() == 1.0 else self.meter.power_of(before * gain)
+        self._limiter_in = self._limiter_in * decay + power_in * len(before)
+        self._limiter_out = self._limiter_out * decay + power_out * len(before)
 
 
 class ReplyLevel:
@@ -173,7 +189,7 @@ class ReplyLevel:
         self._lookahead = max(1, int(level.rate * LOOKAHEAD_MS / 1000))
         self._release = RELEASE_PER_S / level.rate
         self._held = np.zeros(0, np.float64)  # AGC-gained, not yet limited: at most _lookahead samples
-        self._before = np.zeros(PEAK_CONTEXT, np.float64)  # the last samples sent, for the interpolation
+        self._before = np.zeros(REACH, np.float64)  # the last samples sent, for the interpolation
         self._limit = 1.0  # the limiter's gain at the last sample sent
 
     def process(self, chunk: np.ndarray) -> np.ndarray:
@@ -199,28 +215,32 @@ class ReplyLevel:
                 gained = np.concatenate([self._held, audio * ramp(start, end, len(audio))])
                 gain = self._limiter_gain(gained)
         level.gain = end
-        self._send(gained, gain, sent)
+        out = self._send(gained, gain, sent)
         self._held = gained[sent:]
-        return (gained[:sent] * gain[:sent]).astype(np.float32)
+        return out.astype(np.float32)
 
     def flush(self) -> np.ndarray:
         held, self._held = self._held, np.zeros(0, np.float64)
-        gain = self._limiter_gain(held)
-        self._send(held, gain, len(held))
-        return (held * gain).astype(np.float32)
+        return self._send(held, self._limiter_gain(held), len(held)).astype(np.float32)
 
-    def _send(self, x: np.ndarray, gain: np.ndarray, sent: int) -> None:
+    def _send(self, x: np.ndarray, gain: np.ndarray, sent: int) -> np.ndarray:
         """The first `sent` samples of `x` go out with `gain`: the limiter's state moves past them."""
+        out = x[:sent] * gain[:sent]
         if sent:
-            self.level.limited(x[:sent], x[:sent] * gain[:sent])
+            self.level.limited(x[:sent], gain[:sent])
             self._limit = float(gain[sent - 1])
-            self._before = np.concatenate([self._before, x[:sent] * gain[:sent]])[-PEAK_CONTEXT:]
+            self._before = np.concatenate([self._before, out[-REACH:]])[-REACH:]
+        return out
 
     def _limiter_gain(self, x: np.ndarray) -> np.ndarray:
         """The gain that keeps `x` under the ceiling, from where the samples sent left off. Its end
         may be look-ahead (held, limited again next time); what follows `x` is taken as silence
         (true after a flush)."""
-        need = np.minimum(1.0, self.level.ceiling / np.maximum(self._true_peaks(x), 1e-12))
+        need = self._need(x)
+        if need is None:
+            if self._limit == 1.0:  # nothing to limit, nothing to recover from
+                return np.ones(len(x))
+            need = np.ones(len(x))
         attack = need
         if len(need) and need.min() < 1.0:
             # The least need over the look-ahead ahead of each sample, averaged over the look-ahead
@@ -233,10 +253,29 @@ class ReplyLevel:
         released = np.minimum.accumulate(np.concatenate([[self._limit], attack - steps]))[1:] + steps
         return np.minimum(attack, released)
 
-    def _true_peaks(self, x: np.ndarray) -> np.ndarray:
-        """Each sample's true peak: the largest of the 4x-oversampled signal from it to the next."""
-        padded = np.concatenate([self._before, x, np.zeros(PEAK_CONTEXT)])
-        upsampled = np.abs(resample_poly(padded, OVERSAMPLE, 1))
-        start = len(self._before) * OVERSAMPLE
-        mine = upsampled[start : start + (len(x) + 1) * OVERSAMPLE].reshape(-1, OVERSAMPLE).max(axis=1)
-        return np.maximum(mine[:-1], mine[1:])
+    def _need(self, x: np.ndarray) -> np.ndarray | None:
+        """The gain each sample needs for its true peak (the largest of the 4x-oversampled signal
+        from it to the next sample, as BS.1770's annex 2 measures it) to be under the ceiling: 1
+        where it is already; None where every sample is. Interpolated only near samples loud
+        enough (GAIN_BOUND) for a point between them to reach the ceiling."""
+        ceiling = self.level.ceiling
+        padded = np.concatenate([self._before, x, np.zeros(REACH + 1)])
+        magnitude = np.abs(padded)
+        hot = magnitude * GAIN_BOUND > ceiling  # samples a point near which may reach the ceiling
+        if not hot.any():
+            return None
+        s, n = len(self._before), len(x)
+        # mine[k]: the largest point from x[k] towards x[k + 1] (k = n: to the silence after x),
+        # interpolated where a hot sample is in its window; elsewhere none can reach the ceiling
+        # and the sample itself stands for them.
+        mine = magnitude[s : s + n + 1].copy()
+        # Interval k's window is padded[s + k - REACH + 1 : s + k + REACH + 1].
+        hot_before = np.concatenate([[0], np.cumsum(hot)])  # hot_before[i]: hot samples in padded[:i]
+        hot_in_window = hot_before[s + REACH + 1 : s + n + REACH + 2] - hot_before[s - REACH + 1 : s + n - REACH + 2]
+        loud = np.flatnonzero(hot_in_window)
+        windows = sliding_window_view(padded, 2 * REACH)[loud + s - REACH + 1]
+        mine[loud] = np.abs(PHASES @ windows.T).max(axis=0)
+        peaks = np.maximum(mine[:-1], mine[1:])
+        if peaks.max(initial=0.0) <= ceiling:
+            return None
+        return np.minimum(1.0, ceiling / np.maximum(peaks, 1e-12))
