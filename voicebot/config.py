@@ -149,6 +149,14 @@ class EndpointConfig(Section):
     # (22, 67, 61 and 20, 58, 54), deciding at 304 ms p50 on the Piper sets (272 before, 532 the
     # silence rule). Flat speech (espeak) reaches 0.8 less often: its p50 rises to the re-ask.
     smart_threshold: float = Field(0.8, gt=0, lt=1)
+    # ... falling linearly with the silence asked about to this at smart_limit_ms (equal: flat) ...
+    smart_threshold_floor: float = Field(0.8, gt=0, lt=1)
+    # ... after the transcript's last words moved the answer, in log-odds (voicebot/audio/turn_words.py;
+    # 0: ignored): down when the turn stops on a conjunction, a preposition, an article, a filler ...
+    smart_words_hold: float = Field(0.0, ge=0, le=20)
+    # ... up when it ends in a full stop or a question mark (a recognizer that punctuates) or, in
+    # Mandarin, on a question particle.
+    smart_words_go: float = Field(0.0, ge=0, le=20)
     # smart: start the responder and synthesis on the transcript at each pause, into a holding
     # buffer; sent at once if the turn ends with that transcript, discarded (never heard, never in
     # the history) if the user goes on.
@@ -158,6 +166,9 @@ class EndpointConfig(Section):
     def _smart_order(self) -> "EndpointConfig":
         if self.smart_pause_ms >= self.smart_limit_ms:
             raise ValueError(f"smart_pause_ms ({self.smart_pause_ms}) must be below smart_limit_ms ({self.smart_limit_ms})")
+        if self.smart_threshold_floor > self.smart_threshold:
+            raise ValueError(f"smart_threshold_floor ({self.smart_threshold_floor}) must not be above smart_threshold "
+                             f"({self.smart_threshold})")
         if self.smart_early_ms >= self.smart_pause_ms:
             raise ValueError(f"smart_early_ms ({self.smart_early_ms}) must be below smart_pause_ms ({self.smart_pause_ms})")
         return self
