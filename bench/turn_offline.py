@@ -270,8 +270,9 @@ class Point:
 THRESHOLDS = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
 # The action delay (the first question): 160-640 ms, each on the other schedules' silences (no new calls).
 PAUSES_MS = (160, 192, 320, 480, 640)
-LIMITS_MS = (704, 896, 1088, 1280, 1500)
+LIMITS_MS = (704, 896, 1024, 1280, 1500)
 WORDS = {"hold": {"smart_words_hold": 3.0}, "go": {"smart_words_go": 2.0}}
+NO_WORDS = {"smart_words_hold": 0.0, "smart_words_go": 0.0}
 
 
 def families() -> dict[str, list[EndpointConfig]]:
@@ -282,7 +283,7 @@ def families() -> dict[str, list[EndpointConfig]]:
                for ms in sorted({*range(192, 1536, 64), EndpointConfig().endpoint_silence_ms})]
     # Today's shape: one threshold, a re-ask every 320 ms, the timeout.
     flat = [EndpointConfig(smart_pause_ms=pause, smart_reask_ms=320, smart_threshold=t, smart_threshold_floor=t,
-                           smart_limit_ms=limit)
+                           smart_limit_ms=limit, **NO_WORDS)
             for pause, t, limit in itertools.product(PAUSES_MS, THRESHOLDS, LIMITS_MS) if pause < limit]
     # The long tail's: asked again sooner, the threshold falling with the silence to the timeout.
     falling_grid = [dict(smart_pause_ms=pause, smart_reask_ms=reask, smart_threshold=t, smart_threshold_floor=floor,
@@ -291,9 +292,9 @@ def families() -> dict[str, list[EndpointConfig]]:
                                                                            (0.2, 0.4, 0.6), LIMITS_MS)
                     if (floor := round(t - drop, 2)) >= 0.1 and pause < limit]
     out = {"silence": silence, "smart, flat (today's)": flat,
-           "smart, falling": [EndpointConfig(**s) for s in falling_grid]}
-    out["falling + hold words"] = [EndpointConfig(**s, **WORDS["hold"]) for s in falling_grid]
-    out["falling + go words"] = [EndpointConfig(**s, **WORDS["go"]) for s in falling_grid]
+           "smart, falling": [EndpointConfig(**s, **NO_WORDS) for s in falling_grid]}
+    out["falling + hold words"] = [EndpointConfig(**s, **{**NO_WORDS, **WORDS["hold"]}) for s in falling_grid]
+    out["falling + go words"] = [EndpointConfig(**s, **{**NO_WORDS, **WORDS["go"]}) for s in falling_grid]
     out["falling + both"] = [EndpointConfig(**s, **WORDS["hold"], **WORDS["go"]) for s in falling_grid]
     return out
 
