@@ -273,7 +273,8 @@ def test_words_that_hold_withdraw_a_complete_and_words_that_go_make_one():
 
 
 def test_no_words_weight_means_the_words_change_nothing():
-    turn = policy(smart_pause_ms=160, smart_threshold=0.8, smart_threshold_floor=0.8)
+    turn = policy(smart_pause_ms=160, smart_threshold=0.8, smart_threshold_floor=0.8, smart_words_hold=0.0,
+                  smart_words_go=0.0)
     assert turn.on_silence(160) is Action.ASK
     assert turn.on_answer(turn.question, 0.9, 240) is True
     assert turn.on_text("we need eggs and", 250) is True

@@ -61,7 +61,8 @@ def test_re_asks_follow_the_policy_until_the_timeout():
 
 
 def test_a_falling_threshold_ends_the_long_tail_sooner():
-    flat = EndpointConfig(smart_pause_ms=192, smart_reask_ms=160, smart_threshold=0.8, smart_threshold_floor=0.8)
+    flat = EndpointConfig(smart_pause_ms=192, smart_reask_ms=160, smart_threshold=0.8, smart_threshold_floor=0.8,
+                          smart_limit_ms=1500)
     falling = flat.model_copy(update={"smart_threshold_floor": 0.3})
     b = end(lambda ms: 0.5)  # a model that stays unsure at the true end
     assert at(flat, b) == 1500 + 4 + HANGOVER  # the timeout, on the window grid
@@ -88,7 +89,7 @@ def test_hold_words_withdraw_a_complete_and_go_words_make_one():
 def test_a_question_past_the_recorded_answers_is_an_error_not_a_guess():
     b = Boundary("t", 0, "en", True, float("inf"), "hi", {ms: 0.1 for ms in turn_offline.GRID_MS if ms < 800})
     with pytest.raises(KeyError, match="GRID_MS"):
-        decide(EndpointConfig(smart_reask_ms=96), b)
+        decide(EndpointConfig(smart_reask_ms=96, smart_limit_ms=1500), b)
 
 
 def point(cut: float, mean_ms: float) -> Point:
