@@ -5,12 +5,13 @@
                             [--voice espeak|piper|piper-turn] [--asr-check]
 
 Policies: `silence` (endpoint.turn: silence, the 500 ms rule), `smart` (Smart Turn v3.2 asked
-about each pause once 192 ms of it is heard, "complete" at 0.8: the defaults; replies started once
-the turn is decided),
+about each pause, with the defaults' schedule, falling threshold and words: docs/turn-taking.md;
+replies started once the turn is decided),
 `prepared` (smart, and replies prepared during the pause); `smart+early` and `prep+early` the same
 with the early question (`smart_early_ms: 32`: asked at the pause's first silent window, about the
-pause to come); `prep@160/.5` prepared with the defaults before this stop (asked at 160 ms,
-"complete" at the model's own 0.5: sooner, with more cut-ins). Each runs its
+pause to come); `prep@160/.5` and `prep@192/.8` prepared with earlier defaults (a flat threshold,
+re-asked every 320 ms, the 1.5 s limit, no words: asked at 160 ms at the model's own 0.5, sooner
+with more cut-ins; asked at 192 ms at 0.8). Each runs its
 own server (a subprocess on 127.0.0.1) with the given config.
 
 The turns are tests/turn_set.py's, half of them or more with pauses of 300-900 ms inside ("I would
