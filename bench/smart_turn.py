@@ -227,11 +227,13 @@ def replay(voices: list[str]) -> None:
     import turn_offline
 
     default = EndpointConfig()
+    grid = turn_offline.asked_grid([c for family in turn_offline.families().values() for c in family]
+                                   + list(turn_offline.MARKED.values()))
     model = SmartTurn()
     per_voice = {}
     for voice in voices:
         t0 = time.monotonic()
-        per_voice[voice] = turn_offline.boundaries(render_all(turn_set(voice), voice=voice), model, HANGOVER_MS)
+        per_voice[voice] = turn_offline.boundaries(render_all(turn_set(voice), voice=voice), model, HANGOVER_MS, grid)
         print(f"{voice}: {len(per_voice[voice])} boundaries, {sum(len(b.p) for b in per_voice[voice])} answers, "
               f"in {time.monotonic() - t0:.0f} s")
     model.close()
