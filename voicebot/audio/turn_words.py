@@ -35,7 +35,7 @@ is am are was were i we they he she i'm we're they're gonna wanna
 um uh er erm uhm hmm mm
 """.split())
 # Mandarin: conjunctions, prepositions and coverbs, the copula, fillers. Matched at the end of the
-# text (no spaces in Chinese), longer words first. Not 的, 这个, 对, 在 ("是的", "我要这个",
+# text (no spaces in Chinese). Not 的, 这个, 对, 在 ("是的", "我要这个",
 # "对", "他不在" end turns).
 HOLD_ZH = ("因为", "所以", "但是", "可是", "而且", "或者", "然后", "如果", "虽然", "就是", "还有", "以及", "比如",
            "的话", "和", "跟", "与", "或", "但", "把", "被", "给", "从", "往", "向", "是", "嗯", "呃")
