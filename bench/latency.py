@@ -1,16 +1,17 @@
 """End of turn to first reply audio, and false cut-ins, for the turn policies at 1, 4 and 8 clients.
 
     python bench/latency.py [--config configs/default.yaml] [--clients 1 4 8] [--turns 6]
-                            [--policies silence smart prepared smart+early prep+early prep@160/.5]
+                            [--policies silence smart prepared smart+early prep+early prep@160/.5 prep@192/.8]
                             [--voice espeak|piper|piper-turn] [--asr-check]
 
 Policies: `silence` (endpoint.turn: silence, the 500 ms rule), `smart` (Smart Turn v3.2 asked
-about each pause once 192 ms of it is heard, "complete" at 0.8: the defaults; replies started once
-the turn is decided),
+about each pause, with the defaults' schedule, falling threshold and words: docs/turn-taking.md;
+replies started once the turn is decided),
 `prepared` (smart, and replies prepared during the pause); `smart+early` and `prep+early` the same
 with the early question (`smart_early_ms: 32`: asked at the pause's first silent window, about the
-pause to come); `prep@160/.5` prepared with the defaults before this stop (asked at 160 ms,
-"complete" at the model's own 0.5: sooner, with more cut-ins). Each runs its
+pause to come); `prep@160/.5` and `prep@192/.8` prepared with earlier defaults (a flat threshold,
+re-asked every 320 ms, the 1.5 s limit, no words: asked at 160 ms at the model's own 0.5, sooner
+with more cut-ins; asked at 192 ms at 0.8). Each runs its
 own server (a subprocess on 127.0.0.1) with the given config.
 
 The turns are tests/turn_set.py's, half of them or more with pauses of 300-900 ms inside ("I would
@@ -86,6 +87,7 @@ RATE = 16000
 CHUNK_S = 0.04  # the mic page's chunk (static/mic-page.js)
 LEAD_S = 0.4  # silence before each turn
 REPLY_WAIT_S = 6.0  # after the end of a turn, at most this long for a reply
+FLAT_1500 = {"smart_reask_ms": 320, "smart_limit_ms": 1500, "smart_words_hold": 0.0, "smart_words_go": 0.0}
 POLICIES = {
     "silence": {"turn": "silence"},
     "smart": {"turn": "smart", "prepare_replies": False},
@@ -93,8 +95,12 @@ POLICIES = {
     # The same with the early question (off by default: more cut-ins): what it saves.
     "smart+early": {"turn": "smart", "prepare_replies": False, "smart_early_ms": 32},
     "prep+early": {"turn": "smart", "prepare_replies": True, "smart_early_ms": 32},
-    # The defaults before bench/smart_turn.py --replay measured the bigger turn sets: what 0.8 costs.
-    "prep@160/.5": {"turn": "smart", "prepare_replies": True, "smart_pause_ms": 160, "smart_threshold": 0.5},
+    # Earlier defaults, prepared: one flat threshold, a re-ask every 320 ms, the 1.5 s limit, no words
+    # (docs/turn-taking.md): asked at 160 ms at the model's own 0.5; then at 192 ms at 0.8.
+    "prep@160/.5": {"turn": "smart", "prepare_replies": True, "smart_pause_ms": 160, "smart_threshold": 0.5,
+                    "smart_threshold_floor": 0.5, **FLAT_1500},
+    "prep@192/.8": {"turn": "smart", "prepare_replies": True, "smart_pause_ms": 192, "smart_threshold": 0.8,
+                    "smart_threshold_floor": 0.8, **FLAT_1500},
 }
 TARGET_P50_MS, TARGET_P95_MS = 250, 400
 EMPTY_TRANSCRIPT = "empty transcript"

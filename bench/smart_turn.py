@@ -12,19 +12,14 @@ how much its answer moves with the trailing silence it hears.
    moves from its value at the smart pause (160 ms), and how often the 0.5 decision differs. This
    is what decides whether an answer computed at the first silent window may stand for the one at
    the pause (voicebot/audio/turn.py, `TurnPolicy`'s early question).
-3. `--replay`: only bench/turn_offline.py's replay, for each of `--voices` (tests/turn_set.py's
-   espeak set; the piper set, natural prosody, English, more turns, its parts voiced alone
-   (piper) or each paused turn voiced whole and cut at its commas (piper-turn); the piper voices
-   need pip install '.[bench]'), side by side in one run. First how often the model says "complete" at
-   a true end (its first question, at the default pause; any question by the 1.5 s limit) and
-   inside a pause (first question; any before the user goes on), also on the English items both
-   sets share (the voice's effect alone). Then the silence rule and the default smart policy at
-   several answer times: in digital silence the early question's answer is the pause's own, asked
-   sooner, so this is the early question's effect on latency and cut-ins. Then, at 80 and 150 ms
-   answers, the early question (0, 32, 64, 96 ms) x `smart_threshold` (0.5-0.8) x `smart_pause_ms`
-   (160-224) beside the silence rule, on each half of the set: the pick is made on half 0 (no more
-   cut-ins than the silence rule there), half 1 is what it would do. The model's answers are kept
-   on disk (bench/turn_offline.py), so a second run costs seconds.
+3. `--replay`: the model's answers on the turn sets (bench/turn_offline.py's, cached on disk), for
+   each of `--voices` (tests/turn_set.py's espeak set; the piper set, natural prosody, English, more
+   turns, its parts voiced alone (piper) or each paused turn voiced whole and cut at its commas
+   (piper-turn); the piper voices need pip install '.[bench]'): how often the model says "complete"
+   at a true end (its first question, at the default pause; any decision of the default policy
+   before its timeout) and inside a pause (first question; any decision before the user goes on),
+   also on the English items both sets share (the voice's effect alone); and the true ends the
+   default leaves to its timeout. The policies' curves on these answers: bench/turn_offline.py.
 4. `--memory`: only the memory a batch leaves held, with onnxruntime's CPU arena (its default) and
    without it (the server's SmartTurn): RSS above the loaded model after each batch of a sequence
    (1, 2, 4, 8, 2, 1, 8), each variant in a fresh process; then each batch's time, both
@@ -204,72 +199,61 @@ def part_checks(voices: list[str]) -> None:
               f"flat tops {flat}  end pitch {cells}")
 
 
-def complete_rates(name: str, bs: list, model_ms: int) -> None:
-    """How often the model says "complete": at the true end (its first question, at the default pause;
-    and any question before the silence limit), and inside the pauses (first question; any before
-    the user goes on: a cut-in)."""
-    sys.path.insert(0, str(ROOT / "bench"))
+def complete_rates(name: str, bs: list, config: EndpointConfig) -> None:
+    """How often the model says "complete": at the true end (its first question, at the pause; and
+    any decision of the policy's before its timeout), and inside the pauses (first question; any
+    decision before the user goes on: a cut-off)."""
     import turn_offline
 
-    default = EndpointConfig()
-    policy = turn_offline.Policy("default", default.smart_pause_ms, default.smart_reask_ms, default.smart_threshold)
-    limit = default.smart_limit_ms + HANGOVER_MS
     ends = [b for b in bs if b.is_end]
     pauses = [b for b in bs if not b.is_end]
-    first = default.smart_pause_ms
+    first = config.smart_pause_ms
+    limit = config.smart_limit_ms + HANGOVER_MS
+    decided = {id(b): turn_offline.decide(config, b, HANGOVER_MS, 80).at_ms for b in bs}
 
     def share(values) -> str:
-        values = list(values)
-        return f"{100 * np.mean(values):5.1f}%"
+        return f"{100 * np.mean(list(values)):5.1f}%"
 
-    print(f"{name:>34}  {share(b.p[first] >= default.smart_threshold for b in ends)}"
-          f"  {share(policy.decide(b, HANGOVER_MS, model_ms) < limit for b in ends)} (n={len(ends):>3})"
-          f"  {share(b.p[first] >= default.smart_threshold for b in pauses)}"
-          f"  {share(policy.decide(b, HANGOVER_MS, model_ms) is not None for b in pauses)} (n={len(pauses):>3})")
+    print(f"{name:>34}  {share(b.p[first] >= config.smart_threshold for b in ends)}"
+          f"  {share(decided[id(b)] < limit for b in ends)} (n={len(ends):>3})"
+          f"  {share(b.p[first] >= config.smart_threshold for b in pauses if first in b.p)}"
+          f"  {share(decided[id(b)] is not None for b in pauses)} (n={len(pauses):>3})")
 
 
 def replay(voices: list[str]) -> None:
+    """The model's "complete" rates under the default policy; the curves are bench/turn_offline.py's
+    (the same answers, from the same disk cache)."""
     sys.path.insert(0, str(ROOT / "bench"))
     import turn_offline
 
     default = EndpointConfig()
-    chains = turn_offline.asked_chains(default.smart_reask_ms, default.smart_limit_ms)
-    stop_at = max(threshold for _, threshold, _ in turn_offline.EARLY_GRID)
+    grid = turn_offline.asked_grid([c for family in turn_offline.families().values() for c in family]
+                                   + list(turn_offline.MARKED.values()))
     model = SmartTurn()
     per_voice = {}
     for voice in voices:
         t0 = time.monotonic()
-        per_voice[voice] = turn_offline.boundaries(render_all(turn_set(voice), voice=voice), model, HANGOVER_MS, chains, stop_at)
-        asked = sum(len(b.p) for b in per_voice[voice])
-        print(f"{voice}: {len(per_voice[voice])} boundaries, {asked} answers (each pause's chain up to p >= {stop_at}), "
+        per_voice[voice] = turn_offline.boundaries(render_all(turn_set(voice), voice=voice), model, HANGOVER_MS, grid)
+        print(f"{voice}: {len(per_voice[voice])} boundaries, {sum(len(b.p) for b in per_voice[voice])} answers, "
               f"in {time.monotonic() - t0:.0f} s")
     model.close()
-    policies = (turn_offline.Policy("silence 500", None),
-                turn_offline.Policy(f"smart {default.smart_pause_ms}/{default.smart_reask_ms} @{default.smart_threshold}",
-                                    default.smart_pause_ms, default.smart_reask_ms, default.smart_threshold))
-    print(f"\njudged complete (p >= {default.smart_threshold}), default policy, answer 80 ms, hangover {HANGOVER_MS} ms:")
-    print(f"{'':>34}  {'true ends: at ' + str(default.smart_pause_ms) + ' ms':>16}  {'by ' + str(default.smart_limit_ms) + ' ms':>14}"
+    print(f"\njudged complete (p >= {default.smart_threshold}) and decided by the default policy, answer 80 ms, "
+          f"hangover {HANGOVER_MS} ms:")
+    print(f"{'':>34}  {'true ends: at ' + str(default.smart_pause_ms) + ' ms':>16}  {'by the timeout':>14}"
           f"  {'pauses: at ' + str(default.smart_pause_ms) + ' ms':>14}  {'before speech resumes':>22}")
     shared = {b.turn for b in per_voice.get("espeak", []) if b.language == "en"}
     for voice, bs in per_voice.items():
-        complete_rates(voice, bs, 80)
+        complete_rates(voice, bs, default)
         if voice != "espeak" and shared:  # the same English items in both voices: the voice's effect alone
-            complete_rates(f"{voice}, espeak's English items", [b for b in bs if b.turn in shared], 80)
+            complete_rates(f"{voice}, espeak's English items", [b for b in bs if b.turn in shared], default)
     if shared:
-        complete_rates("espeak, its English items", [b for b in per_voice["espeak"] if b.turn in shared], 80)
-    default_policy = turn_offline.Policy("default", default.smart_pause_ms, default.smart_reask_ms, default.smart_threshold)
-    print(f"true ends the default policy leaves to the {default.smart_limit_ms} ms limit (answer 80 ms):")
+        complete_rates("espeak, its English items", [b for b in per_voice["espeak"] if b.turn in shared], default)
+    print(f"true ends the default policy leaves to its {default.smart_limit_ms} ms timeout (answer 80 ms):")
     for voice, bs in per_voice.items():
-        late = [b.turn for b in bs if b.is_end and default_policy.decide(b, HANGOVER_MS, 80) >= default.smart_limit_ms + HANGOVER_MS]
+        late = [b.turn for b in bs if b.is_end
+                and turn_offline.decide(default, b, HANGOVER_MS, 80).at_ms >= default.smart_limit_ms + HANGOVER_MS]
         print(f"{voice:>12}: {sum('paused' in t for t in late)} paused turns', {sum('complete' in t for t in late)} complete turns': "
               f"{' '.join(late)}")
-    for voice, bs in per_voice.items():
-        print(f"\n{voice}: {len(bs)} boundaries; hangover {HANGOVER_MS} ms; answer time: asked to answered")
-        for model_ms in (250, 150, 80, 22):
-            for policy in policies:
-                print(f"answer {model_ms:>3} ms  {policy.name:>20}: {turn_offline.report(policy, bs, HANGOVER_MS, model_ms)}")
-        for model_ms in (80, 150):  # one client's answer time; a loaded server's
-            turn_offline.early_grid(bs, HANGOVER_MS, model_ms, default.smart_reask_ms, f"{voice}: ")
 
 
 BATCHES = (1, 2, 4, 8, 2, 1, 8)

@@ -388,7 +388,8 @@ def test_clear_in_an_open_smart_turn_drops_only_the_uncommitted_utterance():
             done = (await events.wait("response.done"))["response"]
             return events, committed, done, history(server, events)
 
-    settings = make_settings(endpoint={"turn": "smart", "smart_threshold": 0.999, "smart_limit_ms": 2000})
+    settings = make_settings(endpoint={"turn": "smart", "smart_threshold": 0.999, "smart_threshold_floor": 0.999,
+                                       "smart_words_go": 0.0, "smart_limit_ms": 2000})
     with running_server(settings) as server:
         cleared_before = server.metric("voicebot_input_dropped_seconds_total", 'reason="cleared"')
         ends_before = server.metric("voicebot_turn_ends_total", 'by="silence"')

@@ -139,31 +139,39 @@ class EndpointConfig(Section):
     # (voicebot/audio/turn.py) whether the turn is complete once a short pause is heard. A server
     # that cannot load the model says so at start-up and in /readyz and uses "silence".
     turn: Literal["smart", "silence"] = "smart"
-    # smart: the first question after this much VAD silence (pipecat asks after ~200 ms; each
-    # 32 ms window less is 32 ms less latency, at the price of more questions per turn and more
-    # cut-ins: a "complete" lands inside more of the user's short pauses). 192 with the threshold
-    # below: see smart_threshold ...
-    smart_pause_ms: int = Field(192, ge=100, le=2000)
+    # smart (docs/turn-taking.md; the defaults are bench/turn_offline.py's pick on half 0 of the turn
+    # sets: the fastest setting with a p95 within 1.1 s on the natural-voice set and no more cut-offs
+    # than the silence rule on any set). The first question after this much VAD silence (the action
+    # delay; each 32 ms less is 32 ms less latency, at the price of more cut-ins: a "complete" lands
+    # inside more of the user's short pauses) ...
+    smart_pause_ms: int = Field(160, ge=100, le=2000)
     # ... asked early, at this much VAD silence (0: not), on the audio so far with its silent tail
     # repeated to the pause's length; its answer stands for the pause's if the user stays silent
     # until then. Exact in digital silence; in room noise it agrees with the pause's own answer
     # about as often as two noise samples do (bench/smart_turn.py). Sooner, a "complete" also lands
-    # inside more short pauses: at 192 ms and 0.8, asked at 32 ms, cut-ins of espeak 22 -> 24 of 80,
-    # Piper 67 -> 76 and 61 -> 67 of 182 (bench/smart_turn.py --replay, 80 ms answers), which is why
-    # it is off by default: ~80-130 ms sooner for the shows that accept that ...
+    # inside more short pauses (at 192 ms and 0.8, asked at 32 ms, cut-ins of espeak 22 -> 24 of 80,
+    # Piper 67 -> 76 and 61 -> 67 of 182), which is why it is off by default ...
     smart_early_ms: int = Field(0, ge=0, le=2000)
-    # ... then again each time the pause grows by this much while the answer is "incomplete" ...
-    smart_reask_ms: int = Field(320, ge=32, le=5000)
-    # ... and the turn ends anyway after this much silence (a thinking pause, a model that keeps
-    # saying "incomplete").
-    smart_limit_ms: int = Field(1500, ge=100, le=10000)
-    # Probability of "complete" at or above which the turn ends. The model's own 0.5, asked at 160 ms,
-    # cut in on more turns than the silence rule on every turn set (bench/smart_turn.py --replay,
-    # answers in 80 ms: espeak 29 vs 22 of 80, the Piper voice 94 and 84 vs 72 of 182). 0.8 at 192 ms
-    # is the grid's only setting at or under the silence rule on every set at 80 and 150 ms answers
-    # (22, 67, 61 and 20, 58, 54), deciding at 304 ms p50 on the Piper sets (272 before, 532 the
-    # silence rule). Flat speech (espeak) reaches 0.8 less often: its p50 rises to the re-ask.
+    # ... then again each time the pause grows by this much while the answer is "incomplete" (each
+    # question is a model call: ~80 ms of a core) ...
+    smart_reask_ms: int = Field(160, ge=32, le=5000)
+    # ... and the turn ends anyway after this much silence (the timeout: a thinking pause, a model
+    # that keeps saying "incomplete"). 896: the end-of-speech-to-decision p95 within 1.1 s; it cuts
+    # off every pause longer than itself.
+    smart_limit_ms: int = Field(896, ge=100, le=10000)
+    # Probability of "complete" at or above which the turn ends, at the first question ...
     smart_threshold: float = Field(0.8, gt=0, lt=1)
+    # ... falling linearly with the silence asked about to this at smart_limit_ms (equal: flat): the
+    # longer the pause, the less sure the model needs to be (the long tail of true ends it never
+    # calls complete) ...
+    smart_threshold_floor: float = Field(0.6, gt=0, lt=1)
+    # ... after the transcript's last words moved the answer, in log-odds (voicebot/audio/turn_words.py;
+    # 0: ignored): down when the turn stops on a conjunction, a preposition, an article, a filler
+    # (3: 0.95 reads as 0.49) ...
+    smart_words_hold: float = Field(3.0, ge=0, le=20)
+    # ... up when it ends in a full stop or a question mark (a recognizer that punctuates) or, in
+    # Mandarin, on a question particle (2: 0.5 reads as 0.88).
+    smart_words_go: float = Field(2.0, ge=0, le=20)
     # smart: start the responder and synthesis on the transcript at each pause, into a holding
     # buffer; sent at once if the turn ends with that transcript, discarded (never heard, never in
     # the history) if the user goes on.
@@ -173,6 +181,9 @@ class EndpointConfig(Section):
     def _smart_order(self) -> "EndpointConfig":
         if self.smart_pause_ms >= self.smart_limit_ms:
             raise ValueError(f"smart_pause_ms ({self.smart_pause_ms}) must be below smart_limit_ms ({self.smart_limit_ms})")
+        if self.smart_threshold_floor > self.smart_threshold:
+            raise ValueError(f"smart_threshold_floor ({self.smart_threshold_floor}) must not be above smart_threshold "
+                             f"({self.smart_threshold})")
         if self.smart_early_ms >= self.smart_pause_ms:
             raise ValueError(f"smart_early_ms ({self.smart_early_ms}) must be below smart_pause_ms ({self.smart_pause_ms})")
         return self

@@ -27,7 +27,7 @@ def server(sse):
     # smart_threshold 0.999: the model never says "complete" in these tests, so each turn ends at the
     # silence limit, whatever the model makes of espeak's prosody: what is tested is the seam.
     settings = make_settings(
-        endpoint={"smart_threshold": 0.999, "smart_limit_ms": 1200},
+        endpoint={"smart_threshold": 0.999, "smart_threshold_floor": 0.999, "smart_words_go": 0.0, "smart_limit_ms": 1200},
         reply={"engine": "openai", "openai": {"base_url": sse.base_url, "model": "test", "first_token_timeout_s": 5.0}},
     )
     with running_server(settings) as running:

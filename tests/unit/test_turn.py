@@ -11,6 +11,7 @@ import pytest
 
 from tests.turn_set import PAUSED_EN, SAMPLE_RATE, TURNS, render
 from voicebot.audio.turn import WINDOW_SAMPLES, Action, SmartTurn, TurnPolicy, last_window, model_path, with_silence
+from voicebot.audio.turn_words import Cue, cue
 from voicebot.config import ConfigError, EndpointConfig, load_settings
 
 
@@ -247,3 +248,56 @@ def test_a_rendered_turn_knows_its_pauses_and_its_end():
         before = turn.audio[int(start * SAMPLE_RATE) - 1600 : int(start * SAMPLE_RATE)]
         assert np.abs(before).max() > 0.05  # speech right up to the pause
     assert np.abs(turn.audio[-1600:]).max() > 0.05  # and up to the end: end_s is where the user stopped
+
+
+def test_the_threshold_falls_with_the_silence_to_the_floor_at_the_limit():
+    turn = policy(smart_pause_ms=200, smart_limit_ms=1200, smart_threshold=0.9, smart_threshold_floor=0.4)
+    assert [round(turn.threshold(ms), 3) for ms in (100, 200, 700, 1200, 2000)] == [0.9, 0.9, 0.65, 0.4, 0.4]
+    assert turn.on_silence(200) is Action.ASK
+    assert turn.on_answer(turn.question, 0.6, 280) is False  # about 200 ms: needs 0.9
+    assert turn.on_silence(840) is Action.ASK  # the re-ask, about 840 ms: needs 0.58
+    assert turn.on_answer(turn.question, 0.6, 900) is True
+
+
+def test_words_that_hold_withdraw_a_complete_and_words_that_go_make_one():
+    turn = policy(smart_pause_ms=160, smart_threshold=0.8, smart_threshold_floor=0.8, smart_words_hold=3.0,
+                  smart_words_go=2.0)
+    assert turn.on_silence(160) is Action.ASK
+    assert turn.on_answer(turn.question, 0.9, 240) is True  # no transcript yet: the answer alone
+    assert turn.on_text("I would like to", 250) is False  # ... which the words withdraw
+    assert turn.on_text("I would like pizza", 260) is True  # (a transcript with no cue leaves it)
+    assert turn.on_silence(0) is Action.NONE and turn.cue is Cue.NONE  # the user went on
+    assert turn.on_silence(160) is Action.ASK
+    assert turn.on_answer(turn.question, 0.5, 240) is False
+    assert turn.on_text("你今年多大了吗", 250) is True  # a question particle: 0.5 -> 0.88
+
+
+def test_no_words_weight_means_the_words_change_nothing():
+    turn = policy(smart_pause_ms=160, smart_threshold=0.8, smart_threshold_floor=0.8, smart_words_hold=0.0,
+                  smart_words_go=0.0)
+    assert turn.on_silence(160) is Action.ASK
+    assert turn.on_answer(turn.question, 0.9, 240) is True
+    assert turn.on_text("we need eggs and", 250) is True
+
+
+def test_a_transcript_while_a_question_is_out_waits_for_its_answer():
+    turn = policy(smart_pause_ms=160, smart_words_go=2.0)
+    assert turn.on_silence(160) is Action.ASK
+    assert turn.on_text("你好吗", 200) is False
+    assert turn.on_answer(turn.question, 0.7, 240) is True  # 0.7 -> 0.95 with the particle
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("I would like to", Cue.HOLD), ("we need eggs, milk and", Cue.HOLD), ("um", Cue.HOLD), ("the answer is", Cue.HOLD),
+    ("I think so", Cue.NONE), ("thank you", Cue.NONE), ("turn it on", Cue.NONE), ("order a pizza", Cue.NONE),
+    ("I would like to,", Cue.HOLD), ("Is it raining?", Cue.GO), ("Order a pizza.", Cue.GO),
+    ("我最喜欢的游戏是", Cue.HOLD), ("我想要", Cue.NONE), ("你今年多大了吗", Cue.GO), ("我们走吧", Cue.GO),
+    ("还有面包。", Cue.GO), ("我需要鸡蛋，", Cue.HOLD), ("首先 打开灯 然后", Cue.HOLD), ("", Cue.NONE),
+])
+def test_the_words_cue(text, expected):
+    assert cue(text) is expected
+
+
+def test_config_refuses_a_floor_above_the_threshold():
+    with pytest.raises(ConfigError, match="smart_threshold_floor"):
+        load_settings(None, endpoint={"smart_threshold": 0.5, "smart_threshold_floor": 0.6})

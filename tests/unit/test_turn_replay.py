@@ -1,95 +1,108 @@
-"""bench/turn_offline.py's replay decides a turn's end when the product's TurnPolicy does.
+"""bench/turn_offline.py's replay: the product's TurnPolicy driven over recorded answers as the
+session drives it, and the eot-bench axes read off its points.
 
-The replay's tables (bench/smart_turn.py --replay) only mean something if its schedule (the early
-question, a "complete" held until the pause, the re-asks) is TurnPolicy's: here both run on the
-same answers, in VAD silence with no hangover, the policy fed 32 ms windows and each answer
-`model_ms` after its question.
+The replay's curves only mean something if its decisions are the live policy's: the replay
+holds no policy of its own (it calls voicebot/audio/turn.py's TurnPolicy window by window), so
+these tests pin the session's side of it: when answers and the transcript come in, that a
+"complete" waits for the transcript, when the user is heard again.
 """
 
 from __future__ import annotations
 
-import itertools
 import sys
 from pathlib import Path
 
 import pytest
 
-from voicebot.audio.turn import TurnPolicy
 from voicebot.config import EndpointConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import turn_offline  # noqa: E402
+from turn_offline import Boundary, Point, decide  # noqa: E402
 
-WINDOW_MS = turn_offline.WINDOW_MS
-
-
-def product_decides(config: EndpointConfig, p: dict[int, float], model_ms: int) -> float:
-    """VAD silence (ms) at which TurnPolicy ends a turn whose every window stays silent."""
-    policy = TurnPolicy(config, smart=True)
-    out: tuple[float, int, float] | None = None  # (answered at, question, probability)
-    ticks = range(WINDOW_MS, config.smart_limit_ms + 2 * WINDOW_MS, WINDOW_MS)
-    for silence in ticks:
-        if out is not None and out[0] <= silence:
-            answered, question, probability = out
-            out = None
-            if policy.on_answer(question, probability, answered):
-                return answered
-        action = policy.on_silence(silence)
-        if action.name in ("COMPLETE", "END"):
-            return min(silence, config.smart_limit_ms)
-        if action.name == "ASK":
-            out = (silence + model_ms, policy.question, p[turn_offline._on_grid(policy.asked_for_ms)])
-    raise AssertionError("the policy never ended the turn")
+HANGOVER, MODEL, TEXT = 32, 80, 64
 
 
-@pytest.mark.parametrize(("early_ms", "pause_ms", "threshold", "model_ms"),
-                         list(itertools.product((0, 32), (160, 192), (0.5, 0.8), (22, 80, 150))))
-def test_replay_ends_a_turn_when_the_policy_does(early_ms, pause_ms, threshold, model_ms):
-    config = EndpointConfig(smart_early_ms=early_ms, smart_pause_ms=pause_ms, smart_threshold=threshold)
-    answers = {  # the model's answer by the silence asked about: complete at once, later, or never
-        "at once": lambda ms: 0.9,
-        "after 500 ms": lambda ms: 0.9 if ms >= 500 else 0.6,
-        "never": lambda ms: 0.1,
-    }
-    for name, answer in answers.items():
-        p = {ms: answer(ms) for ms in range(WINDOW_MS, 2048, WINDOW_MS)}  # past the limit: every question answered
-        boundary = turn_offline.Boundary("t", 0, "en", True, float("inf"), p)
-        replay = turn_offline.Policy("p", pause_ms, config.smart_reask_ms, threshold, config.smart_limit_ms, early_ms)
-        assert replay.decide(boundary, 0, model_ms) == product_decides(config, p, model_ms), name
+def end(answer, text: str = "hello there") -> Boundary:
+    return Boundary("t", 0, "en", True, float("inf"), text, {ms: answer(ms) for ms in turn_offline.GRID_MS})
 
 
-def test_answers_asked_chain_by_chain_decide_as_all_of_them(tmp_path, monkeypatch):
-    """bench/smart_turn.py --replay asks each pause's chain only up to an answer of `stop_at` (the
-    grid's top threshold): every policy of EARLY_GRID decides each boundary as with every answer."""
-    import tempfile
+def pause(length_ms: float, answer, text: str = "I would like") -> Boundary:
+    return Boundary("t", 0, "en", False, length_ms, text,
+                    {ms: answer(ms) for ms in turn_offline.GRID_MS if ms + HANGOVER < length_ms - turn_offline.WINDOW_MS})
 
-    import numpy as np
 
-    from tests.turn_set import RenderedTurn, TurnItem
+def at(config: EndpointConfig, b: Boundary, **timing) -> float | None:
+    return decide(config, b, **{"hangover_ms": HANGOVER, "model_ms": MODEL, "text_ms": TEXT, **timing}).at_ms
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the answers' disk cache
 
-    class Model:  # an answer that jumps about with the silence heard, the same for the same window
-        path = Path(__file__)
-        calls = 0
+def test_a_complete_first_answer_ends_the_turn_when_it_comes_back():
+    config = EndpointConfig(smart_pause_ms=192, smart_threshold=0.8, smart_threshold_floor=0.8)
+    assert at(config, end(lambda ms: 0.9)) == 192 + MODEL + HANGOVER
 
-        def predict(self, windows):
-            self.calls += len(windows)
-            return np.array([np.random.default_rng(len(w)).random() for w in windows])
 
-    rng = np.random.default_rng(0)
-    speech = rng.standard_normal(16000).astype(np.float32) * 0.1
-    rendered = [RenderedTurn(TurnItem("en-complete-00", "en", ("a.",), ()), speech, 1.0, ()),
-                RenderedTurn(TurnItem("en-paused-00", "en", ("a,", "b."), (700,)),
-                             np.concatenate([speech, np.zeros(11200, np.float32), speech]), 2.7, ((1.0, 1.7),))]
-    chains = turn_offline.asked_chains(320, 1500)
-    stop_at = max(threshold for _, threshold, _ in turn_offline.EARLY_GRID)
-    every, stopped = Model(), Model()
-    full = turn_offline.boundaries(rendered, every, 32, chains)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "again"))
-    part = turn_offline.boundaries(rendered, stopped, 32, chains, stop_at)
-    assert stopped.calls < every.calls
-    for early, threshold, pause in turn_offline.EARLY_GRID:
-        policy = turn_offline.Policy("p", pause, 320, threshold, 1500, early)
-        for model_ms in (22, 80, 150, 250):
-            assert [policy.decide(b, 32, model_ms) for b in part] == [policy.decide(b, 32, model_ms) for b in full]
+def test_a_complete_before_the_transcript_waits_for_it():
+    config = EndpointConfig(smart_pause_ms=192)
+    assert at(config, end(lambda ms: 0.9), text_ms=150) == 192 + 150 + HANGOVER
+
+
+def test_the_silence_rule_ends_on_the_first_window_past_its_wait():
+    assert at(EndpointConfig(turn="silence", endpoint_silence_ms=500), end(lambda ms: 0.0)) == 512 + HANGOVER
+
+
+def test_re_asks_follow_the_policy_until_the_timeout():
+    config = EndpointConfig(smart_pause_ms=192, smart_reask_ms=320, smart_threshold=0.8, smart_threshold_floor=0.8,
+                            smart_limit_ms=1504)
+    # "complete" from 800 ms on: asked at 192, 512, 832 -> decided when 832's answer is back
+    assert at(config, end(lambda ms: 0.9 if ms >= 800 else 0.1)) == 832 + MODEL + HANGOVER
+    b = end(lambda ms: 0.1)
+    assert at(config, b) == 1504 + HANGOVER
+    assert decide(config, b).questions == 4  # 192, 512, 832, 1152; 1472 would answer after the timeout
+
+
+def test_a_falling_threshold_ends_the_long_tail_sooner():
+    flat = EndpointConfig(smart_pause_ms=192, smart_reask_ms=160, smart_threshold=0.8, smart_threshold_floor=0.8,
+                          smart_limit_ms=1500)
+    falling = flat.model_copy(update={"smart_threshold_floor": 0.3})
+    b = end(lambda ms: 0.5)  # a model that stays unsure at the true end
+    assert at(flat, b) == 1500 + 4 + HANGOVER  # the timeout, on the window grid
+    assert at(falling, b) < 1200
+
+
+def test_a_pause_is_cut_off_only_by_an_answer_before_the_user_is_heard_again():
+    config = EndpointConfig(smart_pause_ms=192)
+    assert at(config, pause(600, lambda ms: 0.9)) == 192 + MODEL + HANGOVER
+    assert at(config, pause(300, lambda ms: 0.9)) is None  # answer due at 272 + 32: the user is back at 300
+    assert at(config, pause(600, lambda ms: 0.1)) is None
+
+
+def test_hold_words_withdraw_a_complete_and_go_words_make_one():
+    hold = EndpointConfig(smart_pause_ms=192, smart_words_hold=3.0)
+    assert at(hold, pause(600, lambda ms: 0.9, "I would like to")) is None
+    assert at(hold, pause(600, lambda ms: 0.9, "I would like pizza")) is not None
+    go = EndpointConfig(smart_pause_ms=192, smart_threshold=0.8, smart_threshold_floor=0.8, smart_words_go=2.0)
+    zh = Boundary("t", 0, "zh", True, float("inf"), "你今年多大了吗", {ms: 0.5 for ms in turn_offline.GRID_MS})
+    assert at(go, zh) == 192 + MODEL + HANGOVER  # the transcript came first: the answer is weighed with it
+    assert at(go, zh, text_ms=150) == 192 + 150 + HANGOVER  # "incomplete" alone; the particle makes it "complete"
+
+
+def test_a_question_past_the_recorded_answers_is_an_error_not_a_guess():
+    b = Boundary("t", 0, "en", True, float("inf"), "hi", {ms: 0.1 for ms in turn_offline.GRID_MS if ms < 800})
+    with pytest.raises(KeyError, match="GRID_MS"):
+        decide(EndpointConfig(smart_reask_ms=96, smart_limit_ms=1500), b)
+
+
+def point(cut: float, mean_ms: float) -> Point:
+    return Point(cut, mean_ms, mean_ms, 1.0, 40)
+
+
+def test_the_frontier_and_the_budgets():
+    points = {"a": point(0.30, 250), "b": point(0.20, 400), "c": point(0.25, 450), "d": point(0.05, 700),
+              "e": point(0.10, 590)}
+    assert turn_offline.frontier(points) == ["a", "b", "e", "d"]  # c: b is faster with fewer cut-offs
+    assert turn_offline.at_latency(points, 300) == "a"
+    assert turn_offline.at_latency(points, 600) == "e"
+    assert turn_offline.at_latency(points, 200) is None
+    assert turn_offline.at_cut(points, 0.10) == "e"
+    assert turn_offline.at_cut(points, 0.05) == "d"
+    assert turn_offline.at_cut(points, 0.01) is None

@@ -108,7 +108,7 @@ class HeldModel:
             raise
 
 
-def smart_turn_taking(model: HeldModel, heard: np.ndarray, turns: list) -> tuple[TurnTaking, SimpleNamespace]:
+def smart_turn_taking(model: HeldModel, heard: np.ndarray, turns: list, **fields) -> tuple[TurnTaking, SimpleNamespace]:
     endpointer = SimpleNamespace(in_utterance=True, config=EndpointConfig(endpoint_silence_ms=160))
     front_end = SimpleNamespace(resampler=SimpleNamespace(in_rate=RATE), endpointer=endpointer, silence_ms=0.0,
                                 speech_start_sample=0, audio_since=lambda sample: heard[sample:])
@@ -117,7 +117,7 @@ def smart_turn_taking(model: HeldModel, heard: np.ndarray, turns: list) -> tuple
     async def queue_turn(turn):
         turns.append(turn)
 
-    config = EndpointConfig(smart_pause_ms=160, smart_early_ms=32, prepare_replies=False)
+    config = EndpointConfig(**{"smart_pause_ms": 160, "smart_early_ms": 32, "prepare_replies": False, **fields})
     return TurnTaking(config, model, front_end, Outbox(metrics), metrics, queue_turn, lambda turn: None), front_end
 
 
@@ -168,5 +168,45 @@ def test_speech_after_the_early_question_drops_it_and_asks_afresh():
         await taking.after_chunk(64.0)  # the next pause is asked about afresh, padded from its own silence
         await settle()
         assert len(model.asked) == 2 and len(model.asked[1]) == RATE + RATE * 96 // 1000
+
+    asyncio.run(run())
+
+
+def test_a_complete_said_before_the_transcript_is_withdrawn_when_it_stops_on_a_conjunction():
+    async def run():
+        model, turns = HeldModel(), []
+        taking, front_end = smart_turn_taking(model, np.ones(RATE, np.float32), turns, smart_early_ms=0,
+                                              smart_reask_ms=160, smart_words_hold=3.0)
+        front_end.silence_ms, front_end.endpointer.in_utterance = 160.0, False
+        taking.on_endpoint()  # the pause: asked, the transcript still to come
+        await settle()
+        await model.answers.put(0.9)  # "complete", before the recognizer is done
+        await settle()
+        await taking.on_utterance(utterance("we need eggs and"))
+        assert turns == []  # the words withdrew it: the user has more to say
+        front_end.silence_ms = 320.0
+        await taking.after_chunk(320.0)  # the re-ask
+        await settle()
+        assert len(model.asked) == 2
+        await model.answers.put(0.999)  # sure enough to outweigh the words: 0.999 -> 0.98
+        await settle()
+        assert [t.text for t in turns] == ["we need eggs and"]
+
+    asyncio.run(run())
+
+
+def test_a_question_particle_ends_a_turn_the_model_was_unsure_of_when_the_transcript_comes():
+    async def run():
+        model, turns = HeldModel(), []
+        taking, front_end = smart_turn_taking(model, np.ones(RATE, np.float32), turns, smart_early_ms=0,
+                                              smart_words_go=2.0)
+        front_end.silence_ms, front_end.endpointer.in_utterance = 160.0, False
+        taking.on_endpoint()
+        await settle()
+        await model.answers.put(0.5)  # below the 0.8 threshold alone
+        await settle()
+        assert turns == []
+        await taking.on_utterance(utterance("你今年多大了吗"))
+        assert [t.text for t in turns] == ["你今年多大了吗"]
 
     asyncio.run(run())

@@ -11,7 +11,11 @@ is found through the distribution's file list, and pipecat itself is never impor
 `smart_pause_ms` of VAD silence (early, at `smart_early_ms`, so the call overlaps the pause);
 "complete" at the pause ends the turn; "incomplete" keeps listening and asks again every
 `smart_reask_ms` of further silence (not when the last answer's time says this one would come
-after the limit), until `smart_limit_ms` ends the turn anyway.
+after the limit), until `smart_limit_ms` ends the turn anyway. "Complete" is the answer at or
+above a threshold that falls with the silence asked about, from `smart_threshold` at the pause to
+`smart_threshold_floor` at the limit (the longer the pause, the less the model needs to be sure),
+after the transcript's last words moved it (voicebot/audio/turn_words.py: `smart_words_hold` /
+`smart_words_go`, in log-odds).
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import importlib.metadata
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from voicebot.audio import turn_words
+from voicebot.audio.turn_words import Cue
 from voicebot.config import EndpointConfig
 from voicebot.serving.worker import Worker
 
@@ -171,8 +178,10 @@ class TurnEnd:
 class TurnPolicy:
     """For one stream: when to ask the model, and what its answer means.
 
-    Fed the length of the current silence after each chunk of audio (0 while the user speaks);
-    answers with an `Action`. Synchronous and model-free, so the session decides what to run.
+    Fed the length of the current silence after each chunk of audio (0 while the user speaks),
+    and the turn's transcript when a segment's is in; answers with an `Action`. Synchronous and
+    model-free, so the session decides what to run, and bench/turn_offline.py replays this very
+    class on recorded answers.
 
     The first question of a pause is asked early, at `smart_early_ms`, about the pause to come
     (`asked_for_ms`: the silence its input must be padded to, `with_silence`), so that its answer
@@ -189,6 +198,7 @@ class TurnPolicy:
         # limit ends the turn first) and, under load, lengthen every other session's batch.
         self.answer_ms = 0.0
         self._asked_at_ms = 0.0
+        self.cue = Cue.NONE  # what the transcript so far says (on_text); none until a pause's is in
         self.reset()
 
     def reset(self) -> None:
@@ -196,16 +206,36 @@ class TurnPolicy:
         self.asking = False  # a question is out; no second one until its answer
         self.next_ask_ms = float(self.config.smart_early_ms or self.config.smart_pause_ms)
         self.asked_for_ms = 0.0  # the silence the question out (or last asked) is about
-        self.probability: float | None = None
+        self.probability: float | None = None  # the model's last answer, as it said it
+        self._answered_for_ms = 0.0  # the silence that answer is about
         self.held = False  # an early "complete", waiting for the pause
+        self.cue = Cue.NONE
 
     @property
     def limit_ms(self) -> float:
         return float(self.config.smart_limit_ms if self.smart else self.config.endpoint_silence_ms)
 
+    def threshold(self, silence_ms: float) -> float:
+        """The probability of "complete" that ends the turn, for an answer about `silence_ms` of pause:
+        `smart_threshold` at the pause, falling linearly to `smart_threshold_floor` at the limit."""
+        c = self.config
+        grown = min(1.0, max(0.0, (silence_ms - c.smart_pause_ms) / (c.smart_limit_ms - c.smart_pause_ms)))
+        return c.smart_threshold + (c.smart_threshold_floor - c.smart_threshold) * grown
+
+    def weighed(self, probability: float) -> float:
+        """The model's probability with the words' cue added in log-odds."""
+        shift = {Cue.HOLD: -self.config.smart_words_hold, Cue.GO: self.config.smart_words_go}.get(self.cue, 0.0)
+        if shift == 0:
+            return probability
+        p = min(max(probability, 1e-6), 1 - 1e-6)
+        return 1 / (1 + math.exp(-(math.log(p / (1 - p)) + shift)))
+
+    def _complete(self) -> bool:
+        return self.probability is not None and self.weighed(self.probability) >= self.threshold(self._answered_for_ms)
+
     def on_silence(self, silence_ms: float) -> Action:
         if silence_ms == 0:
-            if self.asking or self.probability is not None:
+            if self.asking or self.probability is not None or self.cue is not Cue.NONE:
                 self.reset()
             return Action.NONE
         if silence_ms >= self.limit_ms:
@@ -231,17 +261,28 @@ class TurnPolicy:
             return False
         self.asking = False
         self.answer_ms = silence_ms - self._asked_at_ms
-        self.probability = probability
+        self.probability, self._answered_for_ms = probability, self.asked_for_ms
         # An answer stands for the pause it was asked about: the next question is a re-ask after it.
         self.next_ask_ms = max(self.next_ask_ms, self.asked_for_ms + self.config.smart_reask_ms)
-        if probability >= self.config.smart_threshold:
-            if silence_ms < self.config.smart_pause_ms:
-                self.held = True
-                return False
-            return True
         while self.next_ask_ms <= silence_ms:
             self.next_ask_ms += self.config.smart_reask_ms
-        return False
+        return self._decides(silence_ms)
+
+    def on_text(self, text: str, silence_ms: float) -> bool:
+        """The turn's transcript so far (a segment's is in), heard at `silence_ms`: True ends the
+        turn, the last answer weighed with what its last words say now (a "complete" said before
+        the transcript came may no longer be; an "incomplete" may be)."""
+        self.cue = turn_words.cue(text)
+        return not self.asking and self._decides(silence_ms)
+
+    def _decides(self, silence_ms: float) -> bool:
+        self.held = False
+        if not self._complete():
+            return False
+        if silence_ms < self.config.smart_pause_ms:
+            self.held = True
+            return False
+        return True
 
     def end(self, by: str, silence_ms: float) -> TurnEnd:
         decision = TurnEnd(by, self.probability, silence_ms)

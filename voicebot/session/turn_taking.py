@@ -8,7 +8,10 @@ With `endpoint.turn: smart` the endpointer ends a segment after `smart_pause_ms`
 a turn is the segments the user says until the policy (voicebot/audio/turn.py) decides it is over:
 Smart Turn says "complete", or the silence reaches `smart_limit_ms`. The recognizer finishes each
 segment at its pause (the FunASR offline pass and dialect fallback included), so their cost
-overlaps the wait. With `turn: silence` every segment is a turn, as the silence rule always did.
+overlaps the wait. Its transcript is the policy's other evidence: each segment's, as it comes
+(`on_utterance`), goes to `TurnPolicy.on_text`, and a "complete" the model said before it is
+only acted on once it is in and the words still agree (a turn stopping on "and" waits). With
+`turn: silence` every segment is a turn, as the silence rule always did.
 
 A reply prepared at a pause (`prepare_replies`) runs the responder and synthesis into the reply's
 own buffer, with its events held: if the turn ends on the same transcript it plays at once; if the
@@ -125,13 +128,22 @@ class TurnTaking:
             self.policy.reset()
             self._complete_early = False
             return
+        # The words weigh in on the model's last answer: a "complete" said before the transcript
+        # came may be withdrawn ("... and"), an "incomplete" may become one ("...吗").
+        complete = self.smart is not None and self.open and self.policy.on_text(
+            joined([s.text for s in self._segments]), self._front_end.silence_ms)
         if self._complete_early and self.open:
             self._complete_early = False
-            await self._end("smart")
+            if complete:
+                await self._end("smart")
+            elif self.config.prepare_replies:
+                await self._prepare_reply()
         elif input_end:
             await self.end_now()
         elif self.smart is None and self.open:
             await self._end("silence")
+        elif complete:
+            await self._end("smart")
         elif self.config.prepare_replies and utterance.text.strip():
             await self._prepare_reply()
 
