@@ -118,6 +118,11 @@ class ParaformerStream:
     def state_bytes(self) -> int:
         return self.samples.nbytes + self.state.nbytes() + (self.frontend.splice.nbytes if self.frontend.splice is not None else 0)
 
+    @property
+    def nbytes(self) -> int:
+        """state_bytes, under the name voicebot.asr.funasr_model.state_bytes reads."""
+        return self.state_bytes()
+
 
 class StreamingParaformer:
     """A loaded model plus the streaming geometry every stream of it shares."""
