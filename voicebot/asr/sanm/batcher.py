@@ -60,10 +60,11 @@ class _Request:
 
 
 class ParaformerBatcher:
-    name = "asr"
     threads = 1
 
-    def __init__(self, engine: StreamingParaformer, max_batch: int = 32, max_pending: int = 1024) -> None:
+    def __init__(self, engine: StreamingParaformer, max_batch: int = 32, max_pending: int = 1024,
+                 name: str = "asr") -> None:
+        self.name = name  # as admission control and /readyz show it
         self.engine = engine
         self.max_batch = max_batch
         self.max_pending = max_pending
@@ -89,7 +90,7 @@ class ParaformerBatcher:
         return len(self._in_flight)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="asr-batcher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-batcher", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:

@@ -51,7 +51,7 @@ class BatchedStreamingModel:
         torch.set_num_threads(self.threads)
         loaded = load_paraformer(self.path, device=self.device, dtype=getattr(torch, self.dtype))
         self.engine = StreamingParaformer(loaded, self.chunk)
-        self.batcher = ParaformerBatcher(self.engine, max_batch=self.max_batch)
+        self.batcher = ParaformerBatcher(self.engine, max_batch=self.max_batch, name=self.name)
         self.batcher.start()
         log.info("loaded %s (our batched ParaformerStreaming, %s %s) from %s", self.name, self.device, self.dtype, self.path)
 
