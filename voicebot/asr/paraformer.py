@@ -1,4 +1,5 @@
-"""Streaming Chinese recognition with FunASR's Paraformer (`asr.engine: paraformer`).
+"""Streaming Chinese recognition with FunASR's Paraformer (`asr.engine: paraformer`, and
+`paraformer-batched`: the same sessions with the streaming models on voicebot/asr/sanm, batched).
 
 Each session's stream owns a funasr cache dict; the model and its single worker thread are
 shared. Partials are emitted after every decode step (600 ms of audio with chunk [0, 10, 5]).
