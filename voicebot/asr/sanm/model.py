@@ -240,19 +240,17 @@ class CifPredictor(nn.Module):
         alphas = torch.sigmoid(self.cif_output(h))
         return torch.relu(alphas * self.smooth_factor - self.noise_threshold).squeeze(-1)
 
-    def fire(self, enc: Tensor, alphas: Tensor, carry_alpha: Tensor, carry_hidden: Tensor
-             ) -> tuple[list[list[Tensor]], Tensor, Tensor]:
+    def fire(self, enc: Tensor, alphas: Tensor) -> tuple[list[list[Tensor]], Tensor, Tensor]:
         """Integrate-and-fire over [carried frame, this chunk's frames, tail frame].
 
-        enc (B, T+2, d) and alphas (B, T+2) with the carried frame first and the tail last (the
-        caller builds them); carry_* is unused here but documents the layout. Returns each row's
-        fired embeddings (list of (d,)), and the new carry: (B,) integrator and (B, d) hidden,
-        funasr's `cif_alphas` / `cif_hidden` (the leftover frames divided by the leftover weight).
+        enc (B, T+2, d) and alphas (B, T+2), the carried frame first and the tail last (the caller
+        builds them). Returns each row's fired embeddings (list of (d,)), and the new carry: (B,)
+        integrator and (B, d) hidden, funasr's `cif_alphas` / `cif_hidden` (the leftover frames
+        divided by the leftover weight).
 
-        The loop runs over time with all rows at once, in float32, in funasr's order of operations,
-        so each row's values are bitwise funasr's.
+        The loop runs over time with all rows at once, in funasr's order of operations, so each
+        row's values are bitwise funasr's.
         """
-        del carry_alpha, carry_hidden
         b, t, d = enc.shape
         integrate = torch.zeros(b, dtype=enc.dtype, device=enc.device)
         frames = torch.zeros(b, d, dtype=enc.dtype, device=enc.device)
@@ -395,7 +393,7 @@ class ChunkOutput:
 class Paraformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        left, right = args.decoder_fsmn_padding
+        right = args.decoder_fsmn_padding[1]
         if right:
             raise ValueError(
                 f"decoder kernel_size {args.decoder_kernel} with sanm_shfit {args.decoder_sanm_shift} is not causal "
@@ -496,7 +494,7 @@ class Paraformer(nn.Module):
         carry_hidden = torch.stack([s.cif_hidden for s in states])
         cif_in = torch.cat((carry_hidden[:, None], enc, enc.new_zeros(b, 1, d)), dim=1)  # (B, T+2, d)
         cif_alphas = torch.cat((carry_alpha[:, None], alphas, tail[:, None]), dim=1)  # (B, T+2)
-        fired, new_alpha, new_hidden = self.predictor.fire(cif_in, cif_alphas, carry_alpha, carry_hidden)
+        fired, new_alpha, new_hidden = self.predictor.fire(cif_in, cif_alphas)
         for row, state in enumerate(states):
             state.cif_alpha, state.cif_hidden = new_alpha[row], new_hidden[row]
 
@@ -575,9 +573,3 @@ def _stack_kv(caches: list[Tensor | None], layers: int, heads: int, dk: int, lik
             past[row, :, :, :, longest - cache.shape[3]:] = cache
             past_valid[row, longest - cache.shape[3]:] = True
     return past, past_valid
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
