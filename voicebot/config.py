@@ -276,10 +276,17 @@ class ParaformerConfig(Section):
     device: str = "cpu"
     # torch intra-op threads; process-wide, so every FunASR model shares the setting.
     threads: int = Field(1, ge=1)
+    # paraformer-batched only: the most sessions' chunks in one model call (the rest wait one
+    # step), and the weights' dtype (float16 on a GPU; float32 on CPU).
+    max_batch: int = Field(32, ge=1, le=256)
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
 
 
 class AsrConfig(Section):
-    engine: Literal["pocketsphinx", "paraformer"] = "pocketsphinx"
+    # paraformer: funasr's streaming Paraformer, one session's chunk per call (the reference);
+    # paraformer-batched: our implementation of the same model (voicebot/asr/sanm), every
+    # session's chunk in one call per step; same models, same results (tests/asr/test_sanm_golden.py).
+    engine: Literal["pocketsphinx", "paraformer", "paraformer-batched"] = "pocketsphinx"
     pocketsphinx: PocketsphinxConfig = PocketsphinxConfig()
     paraformer: ParaformerConfig = ParaformerConfig()
 

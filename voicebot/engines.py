@@ -24,6 +24,10 @@ def build_recognizer(settings: Settings) -> Recognizer:
         from voicebot.asr.paraformer import ParaformerRecognizer
 
         return ParaformerRecognizer(settings.asr.paraformer, settings.endpoint)
+    if engine == "paraformer-batched":
+        from voicebot.asr.paraformer import BatchedParaformerRecognizer
+
+        return BatchedParaformerRecognizer(settings.asr.paraformer, settings.endpoint)
     raise ValueError(f"asr.engine: unknown engine {engine!r}")
 
 

@@ -70,7 +70,7 @@ def resolve(model: ModelRef) -> Path:
 def required_models(settings: Settings) -> list[ModelRef]:
     """Every model the config's engines load at start-up."""
     refs: list[ModelRef] = []
-    if settings.asr.engine == "paraformer":
+    if settings.asr.engine in ("paraformer", "paraformer-batched"):
         conf = settings.asr.paraformer
         named = {
             "asr.paraformer.model": conf.model,

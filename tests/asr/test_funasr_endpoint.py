@@ -218,6 +218,16 @@ def test_wss_with_a_self_signed_certificate(tiny_models, audio_file, transcript,
     assert result["text"] == transcript and result["is_final"]
 
 
+def test_the_batched_engine_serves_the_same_transcript(tiny_models, audio_file, transcript):
+    # asr.engine paraformer-batched: our implementation of the same model, sessions batched
+    settings = make_settings(asr={"engine": "paraformer-batched", "paraformer": {"model": str(tiny_models["streaming"])}},
+                             tts={"voice": "zh"}, server={"token": TOKEN})
+    with serve(settings) as port:
+        messages = stream(f"ws://127.0.0.1:{port}/funasr", audio_file("wav"), "2pass")
+    well_formed(messages)
+    assert "".join(m["text"] for m in finals(messages)) == transcript
+
+
 def test_a_client_that_ends_twice_and_closes_leaves_no_traceback(server_url, caplog):
     # Every way a socket ends is handled by the one receive loop (voicebot/transport.py); a client
     # that sends its end twice and closes at once must not show up as an error in the server log.

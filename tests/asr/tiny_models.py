@@ -19,7 +19,7 @@ import numpy as np
 import yaml
 
 Kind = Literal["paraformer-streaming", "paraformer", "fsmn-vad"]
-Size = Literal["tiny", "large"]
+Size = Literal["micro", "tiny", "large"]
 # How sure the decoder is, set through its output layer: "low" flattens the posteriors towards
 # uniform, "high" puts a large bias on one token so its posterior approaches 1.
 Confidence = Literal["random", "low", "high"]
@@ -29,6 +29,9 @@ _SPECIALS = ["<blank>", "<s>", "</s>"]
 _CJK_START = 0x4E00
 
 _DIMS = {
+    # The golden fixtures' model (tests/data/paraformer): committed, so as small as keeps every
+    # code path (three encoder layers: the first and two more; two decoder layers).
+    "micro": {"d": 32, "heads": 2, "ffn": 64, "enc_blocks": 3, "dec_blocks": 2, "vocab_chars": 100},
     "tiny": {"d": 64, "heads": 2, "ffn": 128, "enc_blocks": 2, "dec_blocks": 2, "vocab_chars": 300},
     "large": {"d": 512, "heads": 4, "ffn": 2048, "enc_blocks": 50, "dec_blocks": 16, "vocab_chars": 8400},
 }

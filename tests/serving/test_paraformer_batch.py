@@ -1,6 +1,7 @@
-"""Why the sessions' streaming Paraformer chunks are not batched (voicebot/asr/funasr_model.py):
-funasr's CIF predictor carries a batch's state over as batch 1. If a funasr release fixes that,
-this fails, and batching the chunks is worth another look."""
+"""Why the funasr engine (`asr.engine: paraformer`, voicebot/asr/funasr_model.py) cannot batch the
+sessions' streaming Paraformer chunks: funasr's CIF predictor carries a batch's state over as batch
+1. Batching is done by our own implementation instead (`paraformer-batched`, voicebot/asr/sanm). If a
+funasr release fixes this, this fails, and the funasr engine could batch too."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Streaming Chinese recognition with FunASR's Paraformer (`asr.engine: paraformer`).
+"""Streaming Chinese recognition with FunASR's Paraformer (`asr.engine: paraformer`, and
+`paraformer-batched`: the same sessions with the streaming models on voicebot/asr/sanm, batched).
 
 Each session's stream owns a funasr cache dict; the model and its single worker thread are
 shared. Partials are emitted after every decode step (600 ms of audio with chunk [0, 10, 5]).
@@ -12,11 +13,14 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import yaml
 
 from voicebot.asr.base import SAMPLE_RATE, Hypothesis, Recognizer, RecognizerStream
 from voicebot.asr.fsmn_vad import FsmnVad
 from voicebot.asr.funasr_model import Decoded, FunasrModel, state_bytes
 from voicebot.asr.router import Router, to_hypothesis
+from voicebot.asr.sanm.engine import BatchedStreamingModel
+from voicebot.asr.sanm.model import ChunkConfig
 from voicebot.config import EndpointConfig, ParaformerConfig
 from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.models import ModelRef, resolve
@@ -95,6 +99,31 @@ class ParaformerRecognizer(Recognizer):
         for model in (self.streaming, self.router.offline, self.router.dialect, self.vad):
             if model is not None:
                 model.close()
+
+
+class BatchedParaformerRecognizer(ParaformerRecognizer):
+    """`asr.engine: paraformer-batched`: the same sessions, second pass and fallback, but every
+    streaming-class model (the primary, and a streaming dialect model) is our own implementation
+    (voicebot/asr/sanm) with one ParaformerBatcher each: all sessions' chunks in one model call per
+    step. Offline-class models (the second pass, an offline dialect model) still run in funasr."""
+
+    name = "paraformer-batched"
+
+    def _model(self, key: str, ref: str) -> FunasrModel | BatchedStreamingModel:
+        path = resolve(ModelRef(key, ref, self.config.model_cache))
+        model_class = (yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}).get("model")
+        if model_class != "ParaformerStreaming":
+            return super()._model(key, ref)
+        conf = self.config
+        chunk = ChunkConfig(tuple(conf.chunk_size), conf.encoder_look_back, conf.decoder_look_back)
+        model = BatchedStreamingModel(key, path, chunk, conf.device, conf.dtype, conf.threads, conf.max_batch)
+        model.load()
+        return model
+
+    def workers(self) -> list:
+        """The batchers, for admission control: each reports its thread's busy seconds like a Worker."""
+        models = (self.streaming, self.router.dialect)
+        return [m.worker for m in models if isinstance(m, BatchedStreamingModel)]
 
 
 class StreamingPass:
