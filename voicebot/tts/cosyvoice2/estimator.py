@@ -29,36 +29,56 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def chunk_mask(size: int, chunk_size: int, device: torch.device, start: int = 0) -> Tensor | None:
-    """Block-causal attention mask, (size − start, size) bool, True where a query may attend.
+def chunk_mask(size: int, chunk_size: int, device: torch.device, start: int = 0, left_chunks: int = -1,
+               key_start: int = 0) -> Tensor | None:
+    """Block-causal attention mask, (size − start, size − key_start) bool, True where a query may attend.
 
-    Position i sees every key j < (i // chunk_size + 1) * chunk_size: its own chunk and all
-    earlier ones. Rows are the queries start … size−1 (a cached call computes only those).
+    Position i sees every key j < (i // chunk_size + 1) * chunk_size: its own chunk and the earlier
+    ones, all of them (left_chunks < 0) or the `left_chunks` before its own (the official
+    `num_decoding_left_chunks`). Rows are the queries start … size−1 (a cached call computes only
+    those), columns the keys key_start … size−1 (a windowed cache holds no earlier ones).
     chunk_size 0 means full attention, returned as None (no mask at all).
     """
     if chunk_size <= 0:
         return None
     pos = torch.arange(size, device=device)
-    limit = (pos[start:] // chunk_size + 1) * chunk_size  # (size - start,)
-    return pos[None, :] < limit[:, None]
+    chunk = pos[start:] // chunk_size  # (size - start,)
+    allowed = pos[None, key_start:] < ((chunk + 1) * chunk_size)[:, None]
+    if left_chunks >= 0:
+        allowed &= pos[None, key_start:] >= ((chunk - left_chunks) * chunk_size)[:, None]
+    return allowed
+
+
+def window_start(start: int, chunk_size: int, left_chunks: int) -> int:
+    """The first frame a query at frame `start` or later may attend to (0 without a window)."""
+    return 0 if left_chunks < 0 or chunk_size <= 0 else max(0, (start // chunk_size - left_chunks) * chunk_size)
 
 
 class EstimatorCache:
     """Left context of one Euler step's estimator across chunked calls (batch = the CFG pair).
 
     Slot i of `keys`/`values` belongs to the attention layer whose `cache_slot` is i and holds its
-    keys/values for this cache's frames; `conv[i]` holds causal conv i's last kernel−1 input frames,
-    (B, kernel−1, C) time-major.
+    keys/values for this cache's own frames, from frame `own_start` on; `conv[i]` holds causal
+    conv i's last kernel−1 input frames, (B, kernel−1, C) time-major.
     A request's cache is a `fork` of its voice's prompt state: the prompt's frames come first, read
     from the shared state and never written (about 1.2 GB per voice at released size, fp32); an
     attention layer copies its keys/values into one transient tensor for its SDPA call only.
+
+    `left_chunks` is the attention window (the official `num_decoding_left_chunks`): a query sees
+    its own chunk of `chunk_size` frames and, if ≥ 0, only that many chunks before it, else all of
+    them. With a window the cache holds only the frames a later query may still see, at most
+    left_chunks·chunk_size per layer: a stream's memory no longer grows with its reply.
     """
 
-    def __init__(self, n_attn: int, n_conv: int, base: EstimatorCache | None = None) -> None:
+    def __init__(self, n_attn: int, n_conv: int, base: EstimatorCache | None = None, left_chunks: int = -1,
+                 chunk_size: int = 0) -> None:
         if base is not None and base.base is not None:
             raise ValueError("fork a prompt state, not a fork")
         self.base = base
+        self.left_chunks = base.left_chunks if base else left_chunks
+        self.chunk_size = base.chunk_size if base else chunk_size
         self.n_frames = base.n_frames if base else 0
+        self.own_start = self.n_frames  # the frame the own keys/values begin at
         self.keys: list[Tensor | None] = [None] * n_attn  # (B, H, own frames, d)
         self.values: list[Tensor | None] = [None] * n_attn
         # Replaced, never written in place, so a fork can start from the base's tensors.
@@ -68,19 +88,41 @@ class EstimatorCache:
         """A request's cache that continues this one (a voice's prompt state) without copying it."""
         return EstimatorCache(len(self.keys), len(self.conv), base=self)
 
+    def key_start(self, frame: int | None = None) -> int:
+        """The first frame that queries from `frame` (default: the next new frame) on may see."""
+        return window_start(self.n_frames if frame is None else frame, self.chunk_size, self.left_chunks)
+
     def extend_kv(self, slot: int, k: Tensor, v: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Append (B, H, T_new, d) keys/values after the cached frames; returns every frame's
-        keys/values as blocks in frame order: the base's, then this cache's own."""
-        start = self.n_frames - (self.base.n_frames if self.base else 0)
-        end = start + k.shape[2]
-        self.keys[slot] = buf_k = _ensure_capacity(self.keys[slot], k, end)
-        self.values[slot] = buf_v = _ensure_capacity(self.values[slot], v, end)
-        buf_k[:, :, start:end] = k
-        buf_v[:, :, start:end] = v
-        own = (buf_k[:, :, :end], buf_v[:, :, :end])
-        if self.base is None or self.base.keys[slot] is None:
-            return [own]
-        return [(self.base.keys[slot], self.base.values[slot]), own]
+        """Append (B, H, T_new, d) keys/values after the cached frames; returns the keys/values of
+        frames key_start() … end as blocks in frame order: the base's, then this cache's own."""
+        end = self.n_frames + k.shape[2]
+        first = self.key_start()
+        blocks = []
+        if self.base is not None and self.base.keys[slot] is not None and first < self.base.n_frames:
+            skip = first - self.base.own_start  # a windowed prompt state holds only its last frames
+            blocks.append((self.base.keys[slot][:, :, skip:], self.base.values[slot][:, :, skip:]))
+        if self.left_chunks < 0:  # everything stays: grow the buffers in place
+            start = self.n_frames - self.own_start
+            self.keys[slot] = buf_k = _ensure_capacity(self.keys[slot], k, start + k.shape[2])
+            self.values[slot] = buf_v = _ensure_capacity(self.values[slot], v, start + k.shape[2])
+            buf_k[:, :, start : start + k.shape[2]] = k
+            buf_v[:, :, start : start + k.shape[2]] = v
+            own_k, own_v = buf_k[:, :, : start + k.shape[2]], buf_v[:, :, : start + k.shape[2]]
+        else:
+            own_k, own_v = (new if held is None else torch.cat([held, new], dim=2)
+                            for held, new in ((self.keys[slot], k), (self.values[slot], v)))
+            # keep only what the next call's queries may see, as a copy that holds nothing else
+            keep = self.key_start(end) - self.own_start
+            self.keys[slot], self.values[slot] = (t[:, :, keep:].clone() if keep > 0 else t for t in (own_k, own_v))
+        skip = max(0, first - self.own_start)
+        blocks.append((own_k[:, :, skip:], own_v[:, :, skip:]))
+        return blocks
+
+    def advance(self, n_new: int) -> None:
+        """The call that extended every layer by n_new frames is over."""
+        self.n_frames += n_new
+        if self.left_chunks >= 0:
+            self.own_start = max(self.own_start, self.key_start())
 
     def tensors(self) -> list[Tensor]:
         """This cache's own tensors (a fork's base is counted with the voice)."""
@@ -129,15 +171,28 @@ class Segment:
     """One request's rows in a packed estimator call: its `n_new` frames, each as a conditioned and
     an unconditioned row (2·n_new rows). `cache`: its EstimatorCache of this Euler step, whose
     frames these follow and which grows by them (None: the frames start at 0, nothing is kept).
-    `streaming`: block-causal attention in chunks of the estimator's static_chunk_size, else full."""
+    `streaming`: block-causal attention in chunks of the estimator's static_chunk_size, else full;
+    `left_chunks`: the chunks before its own that a query sees (< 0: all), the cache's if it has one."""
 
     n_new: int
     cache: EstimatorCache | None = None
     streaming: bool = True
+    left_chunks: int = -1
+
+    def __post_init__(self) -> None:
+        if self.cache is not None:
+            if not self.streaming:
+                raise ValueError("a cached estimator call needs chunk-causal (streaming) attention")
+            self.left_chunks = self.cache.left_chunks
 
     @property
     def start(self) -> int:
         return 0 if self.cache is None else self.cache.n_frames
+
+    @property
+    def key_start(self) -> int:
+        """The first frame whose keys the segment's queries read (its cache holds none before)."""
+        return 0 if self.cache is None else self.cache.key_start()
 
 
 class PackedCall:
@@ -148,8 +203,8 @@ class PackedCall:
         self.rows: list[slice] = []
         n_rows = 0
         for seg in segments:
-            if seg.cache is not None and not seg.streaming:
-                raise ValueError("a cached estimator call needs chunk-causal (streaming) attention")
+            if seg.cache is not None and seg.cache.chunk_size != chunk_size:
+                raise ValueError(f"the cache is in chunks of {seg.cache.chunk_size} frames, the estimator's {chunk_size}")
             self.rows.append(slice(n_rows, n_rows + 2 * seg.n_new))
             n_rows += 2 * seg.n_new
         self.n_rows = n_rows
@@ -158,11 +213,14 @@ class PackedCall:
 
 
 def _attention_bias(seg: Segment, chunk_size: int, like: Tensor) -> Tensor | None:
-    """(n_new, start + n_new) additive bias of the segment's queries, or None where every query
-    sees every key (full attention, or new frames within one chunk): SDPA's fastest path."""
-    allowed = chunk_mask(seg.start + seg.n_new, chunk_size if seg.streaming else 0, like.device, seg.start)
-    if allowed is None or bool(allowed.all()):
-        return None
+    """(n_new, end − key_start) additive bias of the segment's queries, or None where every query
+    sees every key (full attention, or new frames within one chunk): SDPA's fastest path. Decided
+    from the frame numbers, so that no value is read back from the device."""
+    chunk_size = chunk_size if seg.streaming else 0
+    end = seg.start + seg.n_new
+    if chunk_size <= 0 or seg.start // chunk_size == (end - 1) // chunk_size:
+        return None  # one chunk of queries: its window starts at key_start, its keys end at `end`
+    allowed = chunk_mask(end, chunk_size, like.device, seg.start, seg.left_chunks, seg.key_start)
     return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, -torch.inf)
 
 
@@ -382,9 +440,10 @@ class CausalConditionalDecoder(nn.Module):
             for slot, module in enumerate(m for m in self.modules() if isinstance(m, kind)):
                 module.cache_slot = slot
 
-    def new_cache(self) -> EstimatorCache:
+    def new_cache(self, left_chunks: int = -1) -> EstimatorCache:
+        """An empty cache; `left_chunks` ≥ 0 bounds it to that attention window (EstimatorCache)."""
         n_attn, n_conv = (sum(isinstance(m, kind) for m in self.modules()) for kind in (Attention, CausalConv1d))
-        return EstimatorCache(n_attn, n_conv)
+        return EstimatorCache(n_attn, n_conv, left_chunks=left_chunks, chunk_size=self.static_chunk_size)
 
     def forward(self, x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, t: Tensor, segments: list[Segment]) -> Tensor:
         """x, mu, spks, cond: (R, 80) packed rows (module docstring); t: () the flow time of all of
@@ -412,7 +471,7 @@ class CausalConditionalDecoder(nn.Module):
         x = self.final_block(x, call)
         for seg in segments:
             if seg.cache is not None:
-                seg.cache.n_frames += seg.n_new
+                seg.cache.advance(seg.n_new)
         return pointwise(self.final_proj, x)
 
 
