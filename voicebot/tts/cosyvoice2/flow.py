@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -205,8 +206,9 @@ def rand_noise(channels: int = 80) -> Tensor:
 class FlowCache:
     """A stream's flow state: one EstimatorCache per Euler step, all covering the same frames.
 
-    It only ever holds complete 50-frame chunks of a non-final call (their values are final); a
-    per-voice prompt state is one of these, and each request's state a `fork` of it.
+    It only ever holds complete 50-frame chunks of a non-final call (their values are final),
+    all of them or, with a window (`left_chunks` ≥ 0), the last left_chunks of them; a per-voice
+    prompt state is one of these, and each request's state a `fork` of it.
     """
 
     def __init__(self, steps: list[EstimatorCache]) -> None:
@@ -274,10 +276,15 @@ class CausalConditionalCFM(nn.Module):
         mu = packed([r.mu for r in requests])
         spks = packed([r.spks.expand(r.mu.shape[0], -1) for r in requests])
         cond = packed([r.cond for r in requests])
-        first = torch.tensor([0, *frames[:-1]]).cumsum(0).tolist()  # each request's first row in x
-        rows_of = torch.cat([torch.arange(f, f + n).repeat(2) for f, n in zip(first, frames)]).to(x.device)
-        conditioned = torch.cat([torch.arange(2 * f, 2 * f + n) for f, n in zip(first, frames)]).to(x.device)
-        unconditioned = conditioned + torch.tensor(frames).repeat_interleave(torch.tensor(frames)).to(x.device)
+        # each packed row's frame in x, and the conditioned and unconditioned rows of each frame:
+        # made on the host from the frame counts, one copy to the device
+        rows_of, conditioned, unconditioned = [], [], []
+        for first, n in zip(accumulate([0, *frames[:-1]]), frames):
+            rows_of += [*range(first, first + n)] * 2
+            conditioned += range(2 * first, 2 * first + n)
+            unconditioned += range(2 * first + n, 2 * first + 2 * n)
+        rows_of, conditioned, unconditioned = torch.tensor(
+            rows_of + conditioned + unconditioned).to(x.device).split([len(rows_of), x.shape[0], x.shape[0]])
         t_span = 1 - torch.cos(torch.linspace(0, 1, n_timesteps + 1, device=x.device, dtype=x.dtype) * 0.5 * torch.pi)
         # t accumulates dt exactly as the official solver does, not read back from t_span
         t, dt = t_span[0], t_span[1] - t_span[0]

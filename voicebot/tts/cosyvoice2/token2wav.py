@@ -38,8 +38,9 @@ Rendering many streams together (the device scheduler's API). A stream either re
     audio = t2w.render(requests)                 # one (1, n) float32 chunk per request, in order
 
 `render` runs every request's encoder on its own (≈3 % of the flow), then one Euler schedule for
-all of them: each of the 10 steps is one estimator call over every request's CFG pair, packed with
-no padding (estimator.py), each attending to its own prompt state and cached frames; then one
+all of them: each of the 10 steps is one estimator call over every request's CFG pair, packed
+row by row, attention padded and masked per request (estimator.py), each attending to its own
+prompt state and cached frames (within its window, flow_left_chunks); then one
 HiFT decode over all their mel windows (hift.py `decode_batch`). Requests may differ in voice,
 prompt length, chunk index, hop and mode. `push`/`finish` are `render([stream.next_chunk()])`.
 A request's audio equals its stream's render alone to fp32 reduction order (test_flow_batch.py).
