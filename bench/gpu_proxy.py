@@ -4,8 +4,8 @@ render, the bytes a stream holds as its reply grows, and what delays the first s
 No GPU is needed to count what a GPU would be asked to do. A TorchDispatchMode sees every aten call
 the Python code makes; on a GPU each non-view call is (at least) one kernel launch of several
 microseconds, and each call that needs a value on the host is a sync that drains the GPU's queue:
-`_local_scalar_dense` (`.item()`, `int(t)`, `bool(t)`), `is_nonzero`, `nonzero` and what calls it
-(boolean-mask indexing, `masked_select`), `repeat_interleave` without an output size, `unique`, and,
+`_local_scalar_dense` (`.item()`, `int(t)`, `bool(t)`), `is_nonzero`, `nonzero`, boolean-mask indexing
+(read or written), `masked_select`, `repeat_interleave` without an output size, `unique`, and,
 on a non-CPU device, copies to the CPU. `.tolist()` reads memory without dispatching, so it is
 counted by wrapping it while a count runs (on CPU this also counts lists made of CPU-only tensors,
 which on a GPU would cost nothing: an upper bound).
@@ -89,6 +89,9 @@ def counter_mode():
                 self.calls += 1
             if name in SYNC_OPS:
                 self.syncs += 1
+            elif name in ("index", "index_put", "index_put_", "_index_put_impl_") and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+                self.syncs += 1  # a boolean mask: its kernel counts the True entries on the host first
             elif name == "repeat_interleave" and kwargs.get("output_size") is None and isinstance(
                     args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor):
                 self.syncs += 1
