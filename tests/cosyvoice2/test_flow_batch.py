@@ -102,6 +102,16 @@ def _together(t2w: Token2Wav, sessions: list[Session], render_every: int = 4
 def test_sessions_rendered_together_equal_each_alone(t2w: Token2Wav, prompt: FlowPrompt, mode: str) -> None:
     """Different voices and prompt lengths (the fixture's 12 tokens, 37, 61), different chunk
     indices in one batch, sessions joining late, one dropped mid-reply, one with source noise."""
+    _sessions_together_and_alone(t2w, prompt, mode)
+
+
+def test_windowed_sessions_rendered_together_equal_each_alone(t2w: Token2Wav, prompt: FlowPrompt) -> None:
+    """As above with a 1-chunk flow window: each segment's keys start at its own window, so the
+    padded attention batch mixes segments of different key ranges and the caches drop frames."""
+    _sessions_together_and_alone(Token2Wav(t2w.flow, t2w.hift, flow_left_chunks=1), prompt, "fast")
+
+
+def _sessions_together_and_alone(t2w: Token2Wav, prompt: FlowPrompt, mode: str) -> None:
     sessions = [
         Session(prompt, _tokens(t2w, 150, 1), mode, join=0, per_tick=9),
         Session(_random_prompt(t2w, 37, 2), _tokens(t2w, 120, 2), mode, join=0, per_tick=8, seed=5),
@@ -118,7 +128,8 @@ def test_sessions_rendered_together_equal_each_alone(t2w: Token2Wav, prompt: Flo
 
 
 def test_flow_requests_rendered_together_equal_each_alone(t2w: Token2Wav, prompt: FlowPrompt) -> None:
-    """Flow.render mixing cached chunk-causal, uncached chunk-causal and full-attention requests."""
+    """Flow.render mixing cached chunk-causal, uncached chunk-causal and full-attention requests,
+    unbounded and windowed."""
     flow = t2w.flow
     other = _random_prompt(t2w, 50, 9)
     tokens = torch.tensor([_tokens(t2w, 90, 8)], dtype=torch.int32)
@@ -130,7 +141,10 @@ def test_flow_requests_rendered_together_equal_each_alone(t2w: Token2Wav, prompt
         return [FlowRequest(tokens[:, :78], other.token, other.feat, other.embedding, True, False, state),
                 FlowRequest(tokens[:, :41], *args, streaming=True, finalize=False),
                 FlowRequest(tokens, *args, streaming=False, finalize=True),
-                FlowRequest(tokens[:, :77], *args, streaming=True, finalize=True, cache=t2w.prompt_state(prompt).fork())]
+                FlowRequest(tokens[:, :77], *args, streaming=True, finalize=True,
+                            cache=t2w.prompt_state(prompt).fork()),
+                FlowRequest(tokens[:, :66], *args, streaming=True, finalize=False, left_chunks=0),
+                FlowRequest(tokens[:, :41], *args, True, False, flow.prompt_cache(*args, left_chunks=1).fork(), 1)]
 
     alone = [flow.render([r])[0] for r in requests()]
     together = flow.render(requests())

@@ -14,8 +14,10 @@ consecutive rows of one (R, C) tensor (its T frames conditioned, then the same T
 the CFG pair), segments one after the other. Everything but the convolutions and attention works
 row by row, so the linear layers, norms and activations of all requests run as one GEMM or one
 element-wise pass each. A convolution is one GEMM too, over each row's kernel window gathered
-from its own segment's frames and cached left context; attention runs per segment, over that
-segment's own keys. Batch 1 is the same code with one segment. There is no padding, so no mask.
+with one index from its own segment's frames and cached left context; attention is one SDPA call
+over all segments padded to the longest, masked per segment (`PackedCall`). So the number of
+kernel launches of a call does not grow with the number of requests, and no value is read back
+to the host. Batch 1 is the same code with one segment, with nothing padded.
 """
 
 from __future__ import annotations
@@ -29,37 +31,61 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def chunk_mask(size: int, chunk_size: int, device: torch.device, start: int = 0) -> Tensor | None:
-    """Block-causal attention mask, (size − start, size) bool, True where a query may attend.
+def chunk_mask(size: int, chunk_size: int, device: torch.device, start: int = 0, left_chunks: int = -1,
+               key_start: int = 0) -> Tensor | None:
+    """Block-causal attention mask, (size − start, size − key_start) bool, True where a query may attend.
 
-    Position i sees every key j < (i // chunk_size + 1) * chunk_size: its own chunk and all
-    earlier ones. Rows are the queries start … size−1 (a cached call computes only those).
+    Position i sees every key j < (i // chunk_size + 1) * chunk_size: its own chunk and the earlier
+    ones, all of them (left_chunks < 0) or the `left_chunks` before its own (the official
+    `num_decoding_left_chunks`). Rows are the queries start … size−1 (a cached call computes only
+    those), columns the keys key_start … size−1 (a windowed cache holds no earlier ones).
     chunk_size 0 means full attention, returned as None (no mask at all).
     """
     if chunk_size <= 0:
         return None
     pos = torch.arange(size, device=device)
-    limit = (pos[start:] // chunk_size + 1) * chunk_size  # (size - start,)
-    return pos[None, :] < limit[:, None]
+    chunk = pos[start:] // chunk_size  # (size - start,)
+    allowed = pos[None, key_start:] < ((chunk + 1) * chunk_size)[:, None]
+    if left_chunks >= 0:
+        allowed &= pos[None, key_start:] >= ((chunk - left_chunks) * chunk_size)[:, None]
+    return allowed
+
+
+def window_start(start: int, chunk_size: int, left_chunks: int) -> int:
+    """The first frame a query at frame `start` or later may attend to (0 without a window)."""
+    return 0 if left_chunks < 0 or chunk_size <= 0 else max(0, (start // chunk_size - left_chunks) * chunk_size)
 
 
 class EstimatorCache:
     """Left context of one Euler step's estimator across chunked calls (batch = the CFG pair).
 
     Slot i of `keys`/`values` belongs to the attention layer whose `cache_slot` is i and holds its
-    keys/values for this cache's frames; `conv[i]` holds causal conv i's last kernel−1 input frames,
-    (B, kernel−1, C) time-major.
+    keys/values for this cache's own frames, from frame `own_start` on; `conv[i]` holds causal
+    conv i's last kernel−1 input frames, (B, kernel−1, C) time-major.
     A request's cache is a `fork` of its voice's prompt state: the prompt's frames come first, read
     from the shared state and never written (about 1.2 GB per voice at released size, fp32); an
     attention layer copies its keys/values into one transient tensor for its SDPA call only.
+
+    `left_chunks` is the attention window (the official `num_decoding_left_chunks`): a query sees
+    its own chunk of `chunk_size` frames and, if ≥ 0, only that many chunks before it, else all of
+    them. With a window the cache holds only the frames a later query may still see, at most
+    left_chunks·chunk_size per layer: a stream's memory no longer grows with its reply.
     """
 
-    def __init__(self, n_attn: int, n_conv: int, base: EstimatorCache | None = None) -> None:
+    def __init__(self, n_attn: int, n_conv: int, base: EstimatorCache | None = None, left_chunks: int = -1,
+                 chunk_size: int = 0) -> None:
         if base is not None and base.base is not None:
             raise ValueError("fork a prompt state, not a fork")
         self.base = base
+        self.left_chunks = base.left_chunks if base else left_chunks
+        self.chunk_size = base.chunk_size if base else chunk_size
         self.n_frames = base.n_frames if base else 0
-        self.keys: list[Tensor | None] = [None] * n_attn  # (B, H, own frames, d)
+        self.own_start = self.n_frames  # the frame the own keys/values begin at
+        # (B, H, own frames, d): frames own_start … n_frames, views of a tensor gathered by the call
+        # that computed its last frames, shared with that call's other cached segments and padded
+        # to the longest of them: freed once all of them have rendered again (at most one render
+        # later in a scheduler's loop), and with a window never more than the window per segment
+        self.keys: list[Tensor | None] = [None] * n_attn
         self.values: list[Tensor | None] = [None] * n_attn
         # Replaced, never written in place, so a fork can start from the base's tensors.
         self.conv: list[Tensor | None] = list(base.conv) if base else [None] * n_conv  # (B, kernel-1, C)
@@ -68,19 +94,15 @@ class EstimatorCache:
         """A request's cache that continues this one (a voice's prompt state) without copying it."""
         return EstimatorCache(len(self.keys), len(self.conv), base=self)
 
-    def extend_kv(self, slot: int, k: Tensor, v: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Append (B, H, T_new, d) keys/values after the cached frames; returns every frame's
-        keys/values as blocks in frame order: the base's, then this cache's own."""
-        start = self.n_frames - (self.base.n_frames if self.base else 0)
-        end = start + k.shape[2]
-        self.keys[slot] = buf_k = _ensure_capacity(self.keys[slot], k, end)
-        self.values[slot] = buf_v = _ensure_capacity(self.values[slot], v, end)
-        buf_k[:, :, start:end] = k
-        buf_v[:, :, start:end] = v
-        own = (buf_k[:, :, :end], buf_v[:, :, :end])
-        if self.base is None or self.base.keys[slot] is None:
-            return [own]
-        return [(self.base.keys[slot], self.base.values[slot]), own]
+    def key_start(self, frame: int | None = None) -> int:
+        """The first frame that queries from `frame` (default: the next new frame) on may see."""
+        return window_start(self.n_frames if frame is None else frame, self.chunk_size, self.left_chunks)
+
+    def advance(self, n_new: int) -> None:
+        """The call that computed n_new more frames is over (its layers have replaced `keys`,
+        `values` and `conv` with what they keep: frames PackedCall.kept_from … on)."""
+        self.own_start = PackedCall.kept_from(self, self.n_frames + n_new)
+        self.n_frames += n_new
 
     def tensors(self) -> list[Tensor]:
         """This cache's own tensors (a fork's base is counted with the voice)."""
@@ -88,40 +110,9 @@ class EstimatorCache:
         return [t for t in (*self.keys, *self.values, *self.conv) if t is not None and id(t) not in shared]
 
 
-def _ensure_capacity(buf: Tensor | None, new: Tensor, length: int) -> Tensor:
-    """`buf` if it holds `length` frames along dim 2, else a copy exactly that long.
-
-    Each call appends one streaming chunk (a hop: 50, 100, then 200 frames), so growing to fit it
-    costs one copy per chunk, a small fraction of the chunk's own estimator work, and holds no
-    frames that are never written. Doubling held up to twice what a request used: at released
-    size a frame is 4.6 MB over the 10 Euler steps.
-    """
-    if buf is not None and buf.shape[2] >= length:
-        return buf
-    grown = new.new_empty(*new.shape[:2], length, new.shape[3])
-    if buf is not None:
-        grown[:, :, : buf.shape[2]] = buf
-    return grown
-
-
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     """softmax(q kᵀ / √d + bias) v for (B, H, T, d) inputs; bias is additive or a bool mask."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-
-
-def attend_blocks(q: Tensor, blocks: list[tuple[Tensor, Tensor]], bias: Tensor | None) -> Tensor:
-    """`attend` over keys/values given as consecutive blocks along the frame axis (the voice's
-    shared prompt frames, then the request's own); `bias` is additive, (T, all frames).
-
-    The blocks are concatenated for one SDPA call: a transient copy of one layer's keys/values,
-    freed at once, never written to the shared state. Attending block by block (scores per block,
-    one softmax, one product per block) avoided that copy but took 1.4-2.4x as long as copy + SDPA
-    at the streaming chunks' sizes (bench/flow.py, cached chunk).
-    """
-    if len(blocks) == 1:
-        return attend(q, *blocks[0], bias)
-    keys, values = (torch.cat(parts, dim=2) for parts in zip(*blocks))
-    return attend(q, keys, values, bias)
 
 
 @dataclass
@@ -129,41 +120,175 @@ class Segment:
     """One request's rows in a packed estimator call: its `n_new` frames, each as a conditioned and
     an unconditioned row (2·n_new rows). `cache`: its EstimatorCache of this Euler step, whose
     frames these follow and which grows by them (None: the frames start at 0, nothing is kept).
-    `streaming`: block-causal attention in chunks of the estimator's static_chunk_size, else full."""
+    `streaming`: block-causal attention in chunks of the estimator's static_chunk_size, else full;
+    `left_chunks`: the chunks before its own that a query sees (< 0: all), the cache's if it has one."""
 
     n_new: int
     cache: EstimatorCache | None = None
     streaming: bool = True
+    left_chunks: int = -1
+
+    def __post_init__(self) -> None:
+        if self.cache is not None:
+            if not self.streaming:
+                raise ValueError("a cached estimator call needs chunk-causal (streaming) attention")
+            self.left_chunks = self.cache.left_chunks
 
     @property
     def start(self) -> int:
         return 0 if self.cache is None else self.cache.n_frames
 
+    @property
+    def key_start(self) -> int:
+        """The first frame whose keys the segment's queries read (its cache holds none before)."""
+        return 0 if self.cache is None else self.cache.key_start()
+
 
 class PackedCall:
-    """What the layers of one packed call share: each segment's rows and its attention bias."""
+    """What the layers of one packed call share: each segment's rows, and the index plans with which
+    every attention layer and causal conv serves all segments in one set of launches.
 
-    def __init__(self, segments: list[Segment], chunk_size: int, like: Tensor) -> None:
+    Attention runs as one SDPA call over the segments padded to the longest one's queries and keys:
+    a segment's keys (its voice's prompt frames, its own cached frames, its new frames: one
+    concatenation for all segments) are gathered into (segments, CFG pair, heads, keys, d) with
+    one index, and an additive bias masks each segment's chunks, window and padding. A cached
+    segment's frames for the next call are gathered with one more index (a fresh tensor, shared by
+    the call's segments, each holding a view). A causal conv gathers every row's kernel window
+    from [new rows | cached contexts | a zero row] with one index as well. The indices are built
+    here, on the host, from frame counts alone, and reach the device in one copy: no value is read
+    back from the device. With one segment and nothing to pad, the gathers are skipped.
+    """
+
+    def __init__(self, segments: list[Segment], chunk_size: int, like: Tensor,
+                 left_pads: tuple[int, ...] = (2,)) -> None:
+        """left_pads: those of the causal convs that will run (a plan each)."""
         self.segments = segments
         self.rows: list[slice] = []
         n_rows = 0
         for seg in segments:
-            if seg.cache is not None and not seg.streaming:
-                raise ValueError("a cached estimator call needs chunk-causal (streaming) attention")
+            if seg.cache is not None and seg.cache.chunk_size != chunk_size:
+                raise ValueError(f"the cache is in chunks of {seg.cache.chunk_size} frames, "
+                                 f"the estimator's {chunk_size}")
             self.rows.append(slice(n_rows, n_rows + 2 * seg.n_new))
             n_rows += 2 * seg.n_new
         self.n_rows = n_rows
-        # additive, made once for every layer of the call: a bool mask is applied anew at each one
-        self.biases = [_attention_bias(seg, chunk_size, like) for seg in segments]
+        self.chunk_size = chunk_size
+        self.cached = [i for i, seg in enumerate(segments) if seg.cache is not None]
+        # a segment's keys: frames key_start … end; what its cache keeps of them: own_from … end
+        self.key_start = [seg.key_start for seg in segments]
+        self.ends = [seg.start + seg.n_new for seg in segments]
+        self.own_from = {i: self.kept_from(segments[i].cache, self.ends[i]) for i in self.cached}
+        self.q_max = max(seg.n_new for seg in segments)
+        self.k_max = max(e - k for e, k in zip(self.ends, self.key_start))
+        self.o_max = max((self.ends[i] - self.own_from[i] for i in self.cached), default=0)
+        self.padded = len(segments) > 1  # one segment fills its batch exactly
+        self._plans: dict[str, Tensor | None] = {}
+        self._ints: list[int] = []
+        self._offsets: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._attention_plan()
+        self.contexts = [i for i in self.cached if segments[i].start > 0]  # segments with conv context
+        for left_pad in left_pads:
+            self._conv_plan(left_pad)
+        index = torch.tensor(self._ints, dtype=torch.long)
+        if like.device.type == "cuda":  # pinned, so the copy does not wait for the device
+            index = index.pin_memory()
+        index = index.to(like.device, non_blocking=True)
+        self._plans = {name: index[at : at + math.prod(shape)].view(shape)
+                       for name, (at, shape) in self._offsets.items()}
+        self.bias = self._attention_bias(like)
 
+    @staticmethod
+    def kept_from(cache: EstimatorCache, end: int) -> int:
+        """The first frame the cache keeps after a call ending at `end` (EstimatorCache.advance)."""
+        if cache.left_chunks < 0:
+            return cache.own_start
+        return max(cache.own_start, cache.key_start(end))
 
-def _attention_bias(seg: Segment, chunk_size: int, like: Tensor) -> Tensor | None:
-    """(n_new, start + n_new) additive bias of the segment's queries, or None where every query
-    sees every key (full attention, or new frames within one chunk): SDPA's fastest path."""
-    allowed = chunk_mask(seg.start + seg.n_new, chunk_size if seg.streaming else 0, like.device, seg.start)
-    if allowed is None or bool(allowed.all()):
-        return None
-    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, -torch.inf)
+    def _add(self, name: str, values: list[int], shape: tuple[int, ...]) -> None:
+        self._offsets[name] = (len(self._ints), shape)
+        self._ints.extend(values)
+
+    def plan(self, name: str) -> Tensor:
+        return self._plans[name]
+
+    def _attention_plan(self) -> None:
+        segs, n_seg = self.segments, len(self.segments)
+        if self.padded:
+            q_index, out_index = [], []
+            for i, (seg, rows) in enumerate(zip(segs, self.rows)):
+                for half in range(2):
+                    q_index += [rows.start + half * seg.n_new + min(t, seg.n_new - 1) for t in range(self.q_max)]
+                    out_index += [(2 * i + half) * self.q_max + t for t in range(seg.n_new)]
+            self._add("q", q_index, (n_seg * 2 * self.q_max,))
+            self._add("out", out_index, (self.n_rows,))
+        # the concatenated key blocks: per segment [base part | own cached part | new], in frame order
+        self.blocks: list[tuple[int, int, int]] = []  # per segment: (base from, own from, new) frames
+        key_index, own_index, offset = [], [], 0
+        for i, seg in enumerate(segs):
+            first, end = self.key_start[i], self.ends[i]
+            cache = seg.cache
+            base_frames = own_held = 0
+            if cache is not None and cache.base is not None and first < cache.base.n_frames:
+                base_frames = cache.base.n_frames - first
+            if cache is not None and seg.start > cache.own_start:
+                own_held = seg.start - max(first, cache.own_start)
+            self.blocks.append((base_frames, own_held, seg.n_new))
+            n_keys = end - first
+            key_index += [offset + min(j, n_keys - 1) for j in range(self.k_max)]
+            if i in self.own_from:
+                kept = end - self.own_from[i]
+                own_index += [offset + n_keys - kept + min(j, kept - 1) if kept else offset for j in range(self.o_max)]
+            offset += n_keys
+        if self.padded:
+            self._add("keys", key_index, (n_seg * self.k_max,))
+        if self.cached and self.o_max:
+            self._add("own", own_index, (len(self.cached) * self.o_max,))
+
+    def _conv_plan(self, left_pad: int) -> None:
+        """Rows of [x (R) | each context segment's (2·left_pad) | one zero row] for every row's
+        window (R, left_pad + 1) and for every cached segment's next context."""
+        ctx_at = {i: self.n_rows + 2 * left_pad * c for c, i in enumerate(self.contexts)}
+        zero = self.n_rows + 2 * left_pad * len(self.contexts)
+
+        def row(i: int, half: int, p: int) -> int:  # padded position p of segment i's half
+            if p >= left_pad:
+                return self.rows[i].start + half * self.segments[i].n_new + p - left_pad
+            return ctx_at[i] + half * left_pad + p if i in ctx_at else zero
+
+        windows, tails = [], []
+        for i, seg in enumerate(self.segments):
+            for half in range(2):
+                for t in range(seg.n_new):
+                    windows += [row(i, half, t + j) for j in range(left_pad + 1)]
+        for i in self.cached:
+            for half in range(2):
+                tails += [row(i, half, self.segments[i].n_new + j) for j in range(left_pad)]
+        self._add(f"conv{left_pad}", windows, (self.n_rows * (left_pad + 1),))
+        self._add(f"tail{left_pad}", tails, (len(tails),))
+
+    def _attention_bias(self, like: Tensor) -> Tensor | None:
+        """(segments·2, 1, queries, keys) additive bias (the CFG pair's rows share theirs): each
+        query sees the keys of its own chunk
+        and of the chunks its window allows, none of another segment's padding. None where every
+        query sees every key (one segment, its queries within one chunk, or full attention)."""
+        segs = self.segments
+        chunks = [self.chunk_size if seg.streaming and self.chunk_size > 0 else 0 for seg in segs]
+        if not self.padded and (chunks[0] == 0 or segs[0].start // chunks[0] == (self.ends[0] - 1) // chunks[0]):
+            return None
+        big = max(self.ends) + 1  # a chunk this long is full attention
+        params = torch.tensor([[seg.start, seg.n_new, k, e - k, c or big, seg.left_chunks]
+                               for seg, k, e, c in zip(segs, self.key_start, self.ends, chunks)], dtype=torch.long)
+        start, n_new, first, n_keys, chunk, left = params.to(like.device).unbind(1)
+        t = torch.arange(self.q_max, device=like.device)
+        j = torch.arange(self.k_max, device=like.device)
+        q_pos = (start[:, None] + torch.minimum(t[None], n_new[:, None] - 1))  # (S, Q); padding repeats the last
+        k_pos = (first[:, None] + j[None])[:, None, :]  # (S, 1, K)
+        q_chunk = (q_pos // chunk[:, None])[:, :, None]  # (S, Q, 1)
+        c = chunk[:, None, None]
+        allowed = (k_pos < (q_chunk + 1) * c) & (j[None, None] < n_keys[:, None, None])
+        allowed &= (left[:, None, None] < 0) | (k_pos >= (q_chunk - left[:, None, None]) * c)
+        bias = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, -torch.inf)
+        return bias[:, None].expand(-1, 2, -1, -1).reshape(len(segs) * 2, 1, self.q_max, self.k_max)
 
 
 def pointwise(conv: nn.Conv1d, x: Tensor) -> Tensor:
@@ -189,21 +314,27 @@ class CausalConv1d(nn.Conv1d):
         self.cache_slot = -1  # set by the decoder that owns it
 
     def forward(self, x: Tensor, call: PackedCall) -> Tensor:  # (R, C) -> (R, C')
-        """As one GEMM: each row's window of kernel frames (C·kernel values, in the weight's
-        (C, kernel) order) is gathered first. A segment's cached context, the previous call's last
-        input frames, stands in for the zero padding (zeros on its first call)."""
-        k = self.kernel_size[0]
-        windows = x.new_empty(call.n_rows, x.shape[1], k)
-        for seg, rows in zip(call.segments, call.rows):
-            frames = x[rows].view(2, seg.n_new, -1)
-            context = None if seg.cache is None else seg.cache.conv[self.cache_slot]
-            if context is None:
-                context = frames.new_zeros(2, self.left_pad, frames.shape[2])
-            padded = torch.cat([context, frames], dim=1)  # (2, left_pad + n_new, C)
-            if seg.cache is not None:
-                seg.cache.conv[self.cache_slot] = padded[:, -self.left_pad :].clone()  # not a view of the chunk
-            windows[rows].view(2, seg.n_new, -1, k).copy_(padded.unfold(1, k, 1))
-        return F.linear(windows.view(call.n_rows, -1), self.weight.view(self.out_channels, -1), self.bias)
+        """As one GEMM over each row's window of kernel frames, gathered with one index for all
+        segments (PackedCall). A segment's cached context, the previous call's last input frames,
+        stands in for the zero padding (zeros on its first call); it is replaced by this call's."""
+        lp = self.left_pad
+        contexts = [call.segments[i].cache.conv[self.cache_slot].reshape(2 * lp, -1) for i in call.contexts]
+        src = torch.cat([x, *contexts, x.new_zeros(1, x.shape[1])])
+        if call.cached:
+            tails = src.index_select(0, call.plan(f"tail{lp}")).view(len(call.cached), 2, lp, -1)
+            for tail, i in zip(tails, call.cached):
+                call.segments[i].cache.conv[self.cache_slot] = tail
+        windows = src.index_select(0, call.plan(f"conv{lp}")).view(call.n_rows, -1)
+        return F.linear(windows, self.window_weight(), self.bias)
+
+    def window_weight(self) -> Tensor:
+        """The weight as (C', kernel·C), in the gathered windows' (kernel, C) order; rebuilt when
+        the parameter is replaced or written (as Attention.qkv_weight)."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if getattr(self, "_window", None) is None or self._window[1] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                self._window = self.weight.permute(0, 2, 1).reshape(self.out_channels, -1).contiguous(), key
+        return self._window[0]
 
 
 class CausalBlock1D(nn.Module):
@@ -267,19 +398,53 @@ class Attention(nn.Module):
 
     def heads_out(self, x: Tensor, call: PackedCall) -> Tensor:
         """(R, C) -> (R, inner): the heads' outputs before to_out (TransformerBlock adds that
-        projection to its residual); a cached segment's rows attend to its cached frames too."""
+        projection to its residual), every segment in one SDPA call (PackedCall); a cached
+        segment's queries attend to its cached frames too, and its cache keeps this call's."""
+        heads, d, inner = self.heads, self.head_dim, self.heads * self.head_dim
         qkv = F.linear(x, self.qkv_weight())  # (R, 3·inner)
-        outs = []
-        for seg, rows, bias in zip(call.segments, call.rows, call.biases):
-            shape = (2, seg.n_new, 3, self.heads, self.head_dim)
-            q, k, v = qkv[rows].view(shape).permute(2, 0, 3, 1, 4)  # each (2, H, n_new, d)
-            if seg.cache is None:
-                o = attend(q, k, v, bias)
-            else:
-                o = attend_blocks(q, seg.cache.extend_kv(self.cache_slot, k, v), bias)
-            # a view, no copy, where SDPA wrote (2, n_new, H, d) (its CPU flash kernel does)
-            outs.append(o.transpose(1, 2).reshape(2 * seg.n_new, -1))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        k_blocks, v_blocks = [], []  # (2, H, frames, d) each, every segment's in frame order
+        for seg, rows, (n_base, n_own, _) in zip(call.segments, call.rows, call.blocks):
+            if n_base:
+                base = seg.cache.base
+                k_blocks.append(base.keys[self.cache_slot][:, :, -n_base:])
+                v_blocks.append(base.values[self.cache_slot][:, :, -n_base:])
+            if n_own:
+                k_blocks.append(seg.cache.keys[self.cache_slot][:, :, -n_own:])
+                v_blocks.append(seg.cache.values[self.cache_slot][:, :, -n_own:])
+            new = qkv[rows].view(2, seg.n_new, 3, heads, d)
+            k_blocks.append(new[:, :, 1].transpose(1, 2))
+            v_blocks.append(new[:, :, 2].transpose(1, 2))
+        keys, values = (torch.cat(b, dim=2) if len(b) > 1 else b[0] for b in (k_blocks, v_blocks))
+        n_seg = len(call.segments)
+        # 4-D (segments·2, H, frames, d), which SDPA's fused CPU kernel takes (5-D falls back to
+        # its math path, 3x slower at these sizes)
+        if call.padded:
+            q = qkv[:, :inner].index_select(0, call.plan("q")).view(n_seg * 2, call.q_max, heads, d).transpose(1, 2)
+            k, v = (t.index_select(2, call.plan("keys")).view(2, heads, n_seg, call.k_max, d).permute(2, 0, 1, 3, 4)
+                    .reshape(n_seg * 2, heads, call.k_max, d) for t in (keys, values))
+        else:
+            q = qkv.view(2, call.q_max, 3, heads, d)[:, :, 0].transpose(1, 2)
+            k, v = keys, values
+        out = attend(q, k, v, call.bias).transpose(1, 2).reshape(n_seg * 2 * call.q_max, inner)
+        if call.padded:
+            out = out.index_select(0, call.plan("out"))
+        if call.cached:
+            self._keep(call, keys, values)
+        return out
+
+    def _keep(self, call: PackedCall, keys: Tensor, values: Tensor) -> None:
+        """Each cached segment's keys/values from PackedCall.kept_from on, as views of one gathered
+        tensor per call (not of `keys`, which holds prompt frames and, uncached, the whole qkv)."""
+        n_cached, o_max = len(call.cached), call.o_max
+        if o_max:
+            kept_k, kept_v = (t.index_select(2, call.plan("own")).view(*t.shape[:2], n_cached, o_max, t.shape[3])
+                              for t in (keys, values))
+        else:  # a window of 0 chunks keeps no frame
+            kept_k = kept_v = keys.new_empty(*keys.shape[:2], n_cached, 0, keys.shape[3])
+        for c, i in enumerate(call.cached):
+            cache, n_kept = call.segments[i].cache, call.ends[i] - call.own_from[i]
+            cache.keys[self.cache_slot] = kept_k[:, :, c, :n_kept]
+            cache.values[self.cache_slot] = kept_v[:, :, c, :n_kept]
 
 
 class GELUProjection(nn.Module):
@@ -381,15 +546,17 @@ class CausalConditionalDecoder(nn.Module):
         for kind in (Attention, CausalConv1d):
             for slot, module in enumerate(m for m in self.modules() if isinstance(m, kind)):
                 module.cache_slot = slot
+        self.conv_left_pads = tuple({m.left_pad for m in self.modules() if isinstance(m, CausalConv1d)})
 
-    def new_cache(self) -> EstimatorCache:
+    def new_cache(self, left_chunks: int = -1) -> EstimatorCache:
+        """An empty cache; `left_chunks` ≥ 0 bounds it to that attention window (EstimatorCache)."""
         n_attn, n_conv = (sum(isinstance(m, kind) for m in self.modules()) for kind in (Attention, CausalConv1d))
-        return EstimatorCache(n_attn, n_conv)
+        return EstimatorCache(n_attn, n_conv, left_chunks=left_chunks, chunk_size=self.static_chunk_size)
 
     def forward(self, x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, t: Tensor, segments: list[Segment]) -> Tensor:
         """x, mu, spks, cond: (R, 80) packed rows (module docstring); t: () the flow time of all of
         them. Returns the velocity (R, 80); each segment's cache grows by its frames."""
-        call = PackedCall(segments, self.static_chunk_size, x)
+        call = PackedCall(segments, self.static_chunk_size, x, self.conv_left_pads)
         if call.n_rows != x.shape[0]:
             raise ValueError(f"segments cover {call.n_rows} rows, the input has {x.shape[0]}")
         temb = self.time_mlp(sinusoidal_time_embedding(t.reshape(1), self.in_channels))  # (1, 4·ch)
@@ -412,7 +579,7 @@ class CausalConditionalDecoder(nn.Module):
         x = self.final_block(x, call)
         for seg in segments:
             if seg.cache is not None:
-                seg.cache.n_frames += seg.n_new
+                seg.cache.advance(seg.n_new)
         return pointwise(self.final_proj, x)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -205,8 +206,9 @@ def rand_noise(channels: int = 80) -> Tensor:
 class FlowCache:
     """A stream's flow state: one EstimatorCache per Euler step, all covering the same frames.
 
-    It only ever holds complete 50-frame chunks of a non-final call (their values are final); a
-    per-voice prompt state is one of these, and each request's state a `fork` of it.
+    It only ever holds complete 50-frame chunks of a non-final call (their values are final),
+    all of them or, with a window (`left_chunks` ≥ 0), the last left_chunks of them; a per-voice
+    prompt state is one of these, and each request's state a `fork` of it.
     """
 
     def __init__(self, steps: list[EstimatorCache]) -> None:
@@ -215,6 +217,10 @@ class FlowCache:
     @property
     def n_frames(self) -> int:
         return self.steps[0].n_frames
+
+    @property
+    def left_chunks(self) -> int:
+        return self.steps[0].left_chunks
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for step in self.steps for t in step.tensors())
@@ -234,6 +240,7 @@ class CFMInput:
     cond: Tensor
     streaming: bool
     cache: FlowCache | None = None
+    left_chunks: int = -1  # the estimator's attention window in chunks (< 0: all); a cache's own if cached
 
 
 class CausalConditionalCFM(nn.Module):
@@ -269,15 +276,20 @@ class CausalConditionalCFM(nn.Module):
         mu = packed([r.mu for r in requests])
         spks = packed([r.spks.expand(r.mu.shape[0], -1) for r in requests])
         cond = packed([r.cond for r in requests])
-        first = torch.tensor([0, *frames[:-1]]).cumsum(0).tolist()  # each request's first row in x
-        rows_of = torch.cat([torch.arange(f, f + n).repeat(2) for f, n in zip(first, frames)]).to(x.device)
-        conditioned = torch.cat([torch.arange(2 * f, 2 * f + n) for f, n in zip(first, frames)]).to(x.device)
-        unconditioned = conditioned + torch.tensor(frames).repeat_interleave(torch.tensor(frames)).to(x.device)
+        # each packed row's frame in x, and the conditioned and unconditioned rows of each frame:
+        # made on the host from the frame counts, one copy to the device
+        rows_of, conditioned, unconditioned = [], [], []
+        for first, n in zip(accumulate([0, *frames[:-1]]), frames):
+            rows_of += [*range(first, first + n)] * 2
+            conditioned += range(2 * first, 2 * first + n)
+            unconditioned += range(2 * first + n, 2 * first + 2 * n)
+        rows_of, conditioned, unconditioned = torch.tensor(
+            rows_of + conditioned + unconditioned).to(x.device).split([len(rows_of), x.shape[0], x.shape[0]])
         t_span = 1 - torch.cos(torch.linspace(0, 1, n_timesteps + 1, device=x.device, dtype=x.dtype) * 0.5 * torch.pi)
         # t accumulates dt exactly as the official solver does, not read back from t_span
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, n_timesteps + 1):
-            segments = [Segment(n, None if r.cache is None else r.cache.steps[step - 1], r.streaming)
+            segments = [Segment(n, None if r.cache is None else r.cache.steps[step - 1], r.streaming, r.left_chunks)
                         for r, n in zip(requests, frames)]
             v = self.estimator(x[rows_of], mu, spks, cond, t, segments)
             x = x + dt * ((1.0 + self.cfg_rate) * v[conditioned] - self.cfg_rate * v[unconditioned])
@@ -298,6 +310,7 @@ class FlowRequest:
     streaming: bool
     finalize: bool
     cache: FlowCache | None = None
+    left_chunks: int = -1
 
 
 class Flow(nn.Module):
@@ -328,22 +341,26 @@ class Flow(nn.Module):
         x, context = x[:, :split], x[:, split:]
         return self.encoder_proj(self.encoder(x, context, streaming))
 
-    def new_cache(self) -> FlowCache:
-        return FlowCache([self.decoder.estimator.new_cache() for _ in range(self.n_timesteps)])
+    def new_cache(self, left_chunks: int = -1) -> FlowCache:
+        """An empty flow state; `left_chunks` ≥ 0 bounds the estimator's attention (and so what the
+        state holds) to that many chunks before a query's own (estimator.EstimatorCache)."""
+        return FlowCache([self.decoder.estimator.new_cache(left_chunks) for _ in range(self.n_timesteps)])
 
     @torch.inference_mode()
     def inference(
         self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
-        streaming: bool, finalize: bool, cache: FlowCache | None = None,
+        streaming: bool, finalize: bool, cache: FlowCache | None = None, left_chunks: int = -1,
     ) -> Tensor:
         """token (1, N), prompt_token (1, P), prompt_feat (1, 2P, 80), embedding (1, 192).
 
         Returns the mel of the target tokens only, (1, 80, 2N) — or 2(N−lookahead) when not final —
         in fp32 whatever the module's dtype. With a cache (streaming only) it returns just the
         target frames after the cached ones, and a non-final call, which must end on a chunk
-        boundary, adds its frames to the cache.
+        boundary, adds its frames to the cache. `left_chunks` ≥ 0: streaming attention sees only
+        that many chunks before a query's own (a cache's own window, which must agree).
         """
-        return self.render([FlowRequest(token, prompt_token, prompt_feat, embedding, streaming, finalize, cache)])[0]
+        request = FlowRequest(token, prompt_token, prompt_feat, embedding, streaming, finalize, cache, left_chunks)
+        return self.render([request])[0]
 
     @torch.inference_mode()
     def render(self, requests: list[FlowRequest]) -> list[Tensor]:
@@ -353,13 +370,17 @@ class Flow(nn.Module):
         for r in requests:
             start = 0 if r.cache is None else r.cache.n_frames
             tokens = torch.cat([r.prompt_token, r.token], dim=1)
-            inputs.append(self._conditions(tokens, r.prompt_feat, r.embedding, r.streaming, r.finalize, r.cache))
+            if r.cache is not None and r.cache.left_chunks != r.left_chunks:
+                raise ValueError(f"a cache of window {r.cache.left_chunks} in a request of window {r.left_chunks}")
+            inputs.append(self._conditions(tokens, r.prompt_feat, r.embedding, r.streaming, r.finalize, r.cache,
+                                           r.left_chunks))
             skip.append(max(0, r.prompt_feat.shape[1] - start))  # the prompt's own frames are not returned
         mels = self.decoder.solve(inputs, self.n_timesteps)
         return [mel[:, :, n:] for mel, n in zip(mels, skip)]
 
     @torch.inference_mode()
-    def prompt_cache(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> FlowCache:
+    def prompt_cache(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
+                     left_chunks: int = -1) -> FlowCache:
         """A voice's reusable flow state: its prompt's complete chunks that no target token reaches.
 
         Prompt frames in the chunk that target tokens complete, or whose lookahead reaches a target
@@ -367,15 +388,16 @@ class Flow(nn.Module):
         """
         chunk = self.encoder.chunk_size
         n_tokens = (prompt_token.shape[1] - self.pre_lookahead_len) // chunk * chunk
-        cache = self.new_cache()
+        cache = self.new_cache(left_chunks)
         if n_tokens > 0:
             tokens = prompt_token[:, : n_tokens + self.pre_lookahead_len]
-            self.decoder.solve([self._conditions(tokens, prompt_feat, embedding, True, False, cache)], self.n_timesteps)
+            inputs = self._conditions(tokens, prompt_feat, embedding, True, False, cache, left_chunks)
+            self.decoder.solve([inputs], self.n_timesteps)
         return cache
 
     def _conditions(
         self, tokens: Tensor, prompt_feat: Tensor, embedding: Tensor, streaming: bool, finalize: bool,
-        cache: FlowCache | None,
+        cache: FlowCache | None, left_chunks: int = -1,
     ) -> CFMInput:
         """The CFM's input for prompt+target `tokens` (1, N), from the cache's end (or frame 0) on."""
         dtype = self.encoder_proj.weight.dtype
@@ -391,7 +413,7 @@ class Flow(nn.Module):
         cond = torch.zeros_like(mu)
         n_prompt = min(prompt_feat.shape[1], mu.shape[0])
         cond[:n_prompt] = prompt_feat[0, :n_prompt]
-        return CFMInput(mu[start:], spks, cond[start:], streaming, cache)
+        return CFMInput(mu[start:], spks, cond[start:], streaming, cache, left_chunks)
 
 
 def build_flow(hp: dict[str, Any]) -> Flow:

@@ -38,8 +38,9 @@ Rendering many streams together (the device scheduler's API). A stream either re
     audio = t2w.render(requests)                 # one (1, n) float32 chunk per request, in order
 
 `render` runs every request's encoder on its own (≈3 % of the flow), then one Euler schedule for
-all of them: each of the 10 steps is one estimator call over every request's CFG pair, packed with
-no padding (estimator.py), each attending to its own prompt state and cached frames; then one
+all of them: each of the 10 steps is one estimator call over every request's CFG pair, packed
+row by row, attention padded and masked per request (estimator.py), each attending to its own
+prompt state and cached frames (within its window, flow_left_chunks); then one
 HiFT decode over all their mel windows (hift.py `decode_batch`). Requests may differ in voice,
 prompt length, chunk index, hop and mode. `push`/`finish` are `render([stream.next_chunk()])`.
 A request's audio equals its stream's render alone to fp32 reduction order (test_flow_batch.py).
@@ -98,13 +99,22 @@ MODES: tuple[Mode, ...] = ("recompute", "exact", "fast")
 
 class Token2Wav:
     """Flow + HiFT, shared by all requests; holds no per-request state, only per-voice prompt
-    states (the flow's prompt frames), the most recently used `max_prompt_states` of them."""
+    states (the flow's prompt frames), the most recently used `max_prompt_states` of them.
+
+    `flow_left_chunks` (the official `num_decoding_left_chunks`): the streaming flow's attention
+    sees that many 50-frame chunks before a frame's own (−1: all, as the official code always
+    does). A stream's flow state then holds at most that window, whatever the reply's length;
+    the mel differs from the unbounded one (tests/cosyvoice2/test_flow_window.py measures by how much).
+    """
 
     def __init__(self, flow: Flow, hift: HiFT, schedule: StreamSchedule = StreamSchedule(),
-                 mode: Mode = "exact", max_prompt_states: int = 4) -> None:
+                 mode: Mode = "exact", max_prompt_states: int = 4, flow_left_chunks: int = -1) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
+        if flow_left_chunks < -1:
+            raise ValueError(f"flow_left_chunks {flow_left_chunks}: -1 (all) or a number of chunks")
         self.flow, self.hift, self.schedule, self.mode = flow, hift, schedule, mode
+        self.flow_left_chunks = flow_left_chunks
         self.max_prompt_states = max_prompt_states
         self._prompt_states: OrderedDict[str, FlowCache] = OrderedDict()
 
@@ -113,7 +123,7 @@ class Token2Wav:
         key = prompt.key()
         state = self._prompt_states.get(key)
         if state is None:
-            state = self.flow.prompt_cache(prompt.token, prompt.feat, prompt.embedding)
+            state = self.flow.prompt_cache(prompt.token, prompt.feat, prompt.embedding, self.flow_left_chunks)
             self._prompt_states[key] = state
             while len(self._prompt_states) > self.max_prompt_states:
                 self._prompt_states.popitem(last=False)
@@ -301,10 +311,11 @@ class Token2WavStream:
     def _flow_request(self, request: ChunkRequest) -> FlowRequest:
         p = self.prompt
         token = torch.tensor(self.tokens[: request.n_tokens], dtype=torch.int32, device=p.token.device)[None]
+        window = self.t2w.flow_left_chunks
         if self._cached(request):  # chunk-causal, new frames only
-            return FlowRequest(token, p.token, p.feat, p.embedding, True, request.finalize, self.flow_cache)
+            return FlowRequest(token, p.token, p.feat, p.embedding, True, request.finalize, self.flow_cache, window)
         # non-final chunks use chunk-causal attention; the final one full attention (official behaviour)
-        return FlowRequest(token, p.token, p.feat, p.embedding, not request.finalize, request.finalize)
+        return FlowRequest(token, p.token, p.feat, p.embedding, not request.finalize, request.finalize, None, window)
 
     def _cached(self, request: ChunkRequest) -> bool:
         return self.flow_cache is not None and not (request.finalize and self.mode == "exact")

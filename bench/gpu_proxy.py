@@ -1,0 +1,335 @@
+"""GPU proxies counted on CPU: kernel launches (aten calls) and host syncs per LM decode step and per
+render, the bytes a stream holds as its reply grows, and what delays the first speech token (issue 24).
+
+No GPU is needed to count what a GPU would be asked to do. A TorchDispatchMode sees every aten call
+the Python code makes; on a GPU each non-view call is (at least) one kernel launch of several
+microseconds, and each call that needs a value on the host is a sync that drains the GPU's queue:
+`_local_scalar_dense` (`.item()`, `int(t)`, `bool(t)`), `is_nonzero`, `nonzero`, boolean-mask indexing
+(read or written), `masked_select`, `repeat_interleave` without an output size, `unique`, and,
+on a non-CPU device, copies to the CPU. `.tolist()` reads memory without dispatching, so it is
+counted by wrapping it while a count runs (on CPU this also counts lists made of CPU-only tensors,
+which on a GPU would cost nothing: an upper bound).
+
+The models are built at the released depths (24 Qwen2 layers, 6 + 4 encoder layers, 1 + 12 + 1
+estimator stages of 4 transformer blocks, HiFT's stages and ResBlocks) with narrow widths: the
+counts follow the structure, not the width, and a CPU counts them in seconds. Bytes held per
+stream are counted in mel frames held at this width and converted to the released width's bytes
+(keys and values of every estimator attention layer, CFG pair, 10 Euler steps), fp16.
+
+    python -m bench.gpu_proxy                          # this checkout
+    python -m bench.gpu_proxy --ref /tmp/ref77         # beside an export of another revision:
+        git -C /work/main archive 77c2663 | tar -x -C /tmp/ref77   (made first)
+    python -m bench.gpu_proxy --device cuda            # the same counts on a GPU (bench/gpu_check.sh)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _import_path(code: str | None) -> None:
+    """Put the checkout whose code is counted first on sys.path (this one, or --code's)."""
+    path = str(Path(code).resolve()) if code else str(ROOT)
+    if path in sys.path:
+        sys.path.remove(path)
+    sys.path.insert(0, path)
+
+
+SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+            "unique_consecutive", "unique_dim"}
+SPEECH_SECONDS = (5, 10, 30)
+TOKENS_PER_SECOND = 25
+N_PROMPT = 150  # voice prompt speech tokens (6 s), as bench/flow.py
+STREAMS = (1, 8)
+LM_ROWS = (1, 16, 64)
+# a streamed reply as a responder writes it, one word at a time
+REPLY = ("Sure, I can help with that. The first thing to check is whether the stream is live, "
+         "and then we can look at the settings together.")
+
+
+def counter_mode():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        """Counts non-view aten calls and host syncs while active (see the module docstring)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = self.syncs = 0
+            self._tolist = None
+
+        def __enter__(self):
+            self._tolist = torch.Tensor.tolist
+            original = self._tolist
+
+            def tolist(t):
+                self.syncs += 1
+                return original(t)
+
+            torch.Tensor.tolist = tolist
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            torch.Tensor.tolist = self._tolist
+            return super().__exit__(*exc)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.overloadpacket.__name__
+            if not func.is_view:
+                self.calls += 1
+            if name in SYNC_OPS:
+                self.syncs += 1
+            elif name in ("index", "index_put", "index_put_", "_index_put_impl_") and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+                self.syncs += 1  # a boolean mask: its kernel counts the True entries on the host first
+            elif name == "repeat_interleave" and kwargs.get("output_size") is None and isinstance(
+                    args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor):
+                self.syncs += 1
+            elif name in ("_to_copy", "copy_", "to"):
+                src = args[1] if name == "copy_" else args[0]
+                dst_cpu = (args[0].device.type == "cpu") if name == "copy_" else (
+                    kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu")
+                if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst_cpu:
+                    self.syncs += 1
+            return func(*args, **kwargs)
+
+    return Counter()
+
+
+def hparams(fixtures: Path, tmp: Path) -> dict:
+    """The fixture yaml at the released depths, narrow widths (module docstring)."""
+    from voicebot.tts.cosyvoice2.hparams import load_hparams
+
+    manifest = json.loads((fixtures / "manifest_full.json").read_text())
+    qwen = dict(manifest["qwen2_config"], hidden_size=112, intermediate_size=256, vocab_size=512)  # 14 heads of 8
+    (tmp / "config.json").write_text(json.dumps(qwen))
+    h = load_hparams(fixtures, {"llm_input_size": 112, "llm_output_size": 112, "qwen_pretrain_path": str(tmp)})
+    h["llm"]["speech_token_size"] = 6561
+    h["flow"].update(input_size=64, vocab_size=6561)
+    h["flow"]["encoder"].update(output_size=64, input_size=64, attention_heads=8, linear_units=128, num_blocks=6)
+    h["flow"]["decoder"]["estimator"].update(channels=[64], attention_head_dim=8, n_blocks=4, num_mid_blocks=12,
+                                             num_heads=8)
+    h["hift"]["base_channels"] = 64
+    h["hift"]["f0_predictor"]["cond_channels"] = 64
+    return h
+
+
+RELEASED_ESTIMATOR = {"heads": 8, "head_dim": 64, "n_blocks": 4, "num_mid_blocks": 12, "steps": 10}
+
+
+def released_bytes_per_frame(elem: int = 2) -> int:
+    """Keys and values of one mel frame in every estimator attention layer, CFG pair, all Euler steps."""
+    r = RELEASED_ESTIMATOR
+    n_attn = (2 + r["num_mid_blocks"]) * r["n_blocks"]
+    return n_attn * 2 * 2 * r["heads"] * r["head_dim"] * r["steps"] * elem
+
+
+def measure(args) -> dict:
+    _import_path(args.code)
+    import torch
+
+    from voicebot.tts.cosyvoice2.flow import build_flow
+    from voicebot.tts.cosyvoice2.hift import build_hift
+    from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        hp = hparams(args.fixtures, Path(tmp))
+        torch.manual_seed(0)
+        flow, hift = build_flow(hp["flow"]).eval().to(device), build_hift(hp["hift"]).eval().to(device)
+        if "lm" in args.only:
+            out.update(measure_lm(hp, device))
+        if "first" in args.only:
+            out.update(measure_first_token(hp, device))
+    window = {} if args.flow_left_chunks is None else {"flow_left_chunks": args.flow_left_chunks}
+    try:
+        t2w = Token2Wav(flow, hift, **window)
+    except TypeError:
+        if window:
+            raise SystemExit(f"{args.code or ROOT}: Token2Wav takes no flow_left_chunks")
+        t2w = Token2Wav(flow, hift)
+    g = torch.Generator().manual_seed(0)
+    vocab = flow.input_embedding.num_embeddings
+
+    def voice(seed: int) -> FlowPrompt:
+        g.manual_seed(seed)
+        return FlowPrompt(torch.randint(0, vocab, (1, N_PROMPT), generator=g, dtype=torch.int32).to(device),
+                          torch.randn(1, 2 * N_PROMPT, 80, generator=g).to(device),
+                          torch.randn(1, 192, generator=g).to(device))
+
+    def tokens(n: int, seed: int) -> list[int]:
+        g.manual_seed(1000 + seed)
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    if "render" in args.only:
+        voices = [voice(0), voice(1)]
+        for v in voices:
+            t2w.prompt_state(v)
+        for n in STREAMS:
+            streams = [t2w.stream(voices[i % 2], generator=torch.Generator(device).manual_seed(i)) for i in range(n)]
+            for i, s in enumerate(streams):
+                s.add(tokens(400, i))
+            for chunk in ("first", "second"):
+                requests = [s.next_chunk() for s in streams]
+                with counter_mode() as c:
+                    t2w.render(requests)
+                out[f"render {chunk} chunk, {n} stream{'s' * (n > 1)}"] = (c.calls, c.syncs)
+    if "window" in args.only:
+        out.update(measure_window(args.fixtures))
+    if "memory" in args.only:
+        attn = flow.decoder.estimator.down_blocks[0][1][0].attn1
+        n_attn = sum(isinstance(m, type(attn)) for m in flow.decoder.estimator.modules())
+        per_frame = n_attn * 2 * 2 * attn.heads * attn.head_dim  # keys and values of the CFG pair, one step
+        stream = t2w.stream(voice(0), generator=torch.Generator(device).manual_seed(0))
+        stream.add(tokens(max(SPEECH_SECONDS) * TOKENS_PER_SECOND + 10, 0))
+        for seconds in SPEECH_SECONDS:
+            while (r := stream.next_chunk()) is not None and r.n_tokens <= seconds * TOKENS_PER_SECOND:
+                t2w.render([r])
+            steps = stream.flow_cache.steps if stream.flow_cache else []
+            held = sum(t.numel() for step in steps for t in (*step.keys, *step.values) if t is not None)
+            frames = held / per_frame / max(len(steps), 1)
+            out[f"flow frames held per stream after {seconds} s"] = (round(frames), None)
+            out[f"MB held per stream after {seconds} s (released, fp16)"] = (
+                round(frames * released_bytes_per_frame() / 1e6, 1), None)
+    return out
+
+
+WINDOWS = (0, 1, 2, 4)
+
+
+def measure_window(fixtures: Path) -> dict:
+    """How far a left-context window moves the chunk-causal mel (the cached stream's, whose
+    non-final chunks every mode uses) from the unbounded one, on the golden fixture's weights and
+    utterance (12 prompt + 120 tokens) and on a 600-token random one: max |difference| and that as
+    a fraction of the unbounded mel's peak. Needs the code's flow_left_chunks (this checkout's)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from voicebot.tts.cosyvoice2.flow import build_flow
+    from voicebot.tts.cosyvoice2.hparams import load_hparams
+    from voicebot.tts.cosyvoice2.loader import load_checkpoint
+
+    flow = build_flow(load_hparams(fixtures)["flow"]).eval()
+    load_checkpoint(flow, fixtures / "flow.pt")
+    g = load_file(fixtures / "golden.safetensors")
+    prompt = (g["flow.prompt_token"], g["flow.prompt_feat"], g["flow.embedding"])
+    gen = torch.Generator().manual_seed(0)
+    long = torch.randint(0, flow.input_embedding.num_embeddings, (1, 600), generator=gen, dtype=torch.int32)
+    out = {}
+    for name, tokens in (("golden", g["flow.token"]), ("600 tokens", long)):
+        ref = flow.inference(tokens, *prompt, streaming=True, finalize=True)
+        peak = ref.abs().max()
+        for left in WINDOWS:
+            diff = (flow.inference(tokens, *prompt, True, True, left_chunks=left) - ref).abs().max()
+            out[f"mel vs unbounded, window {left}, {name}: max abs / of peak"] = (
+                f"{diff:.3g} / {diff / peak:.2%}", None)
+    return out
+
+
+def measure_lm(hp: dict, device) -> dict:
+    import torch
+
+    from voicebot.serving.lm_pool import LMPool
+    from voicebot.tts.cosyvoice2.lm import build_lm, unistream
+    from voicebot.tts.cosyvoice2.sampling import RasSampler
+
+    lm = build_lm(hp).eval().to(device)
+    out = {}
+    for n in LM_ROWS:
+        pool = LMPool(lm, n, 256, prepack=False)
+        rows = []
+        for i in range(n):
+            row = pool.open(RasSampler(generator=torch.Generator(device).manual_seed(i)))
+            pool.start(row, unistream(lm, 256, list(range(10 + i, 40 + i)), [1, 2, 3], [4, 5, 6]))
+            while row.waiting > 1:
+                pool.prefill(row)
+            rows.append(row)
+        pool.decode(rows)  # one step after the prefill, so every row waits on one position
+        with counter_mode() as c:
+            pool.decode(rows)
+        out[f"LM decode step, {n} row{'s' * (n > 1)}"] = (c.calls, c.syncs)
+    return out
+
+
+def measure_first_token(hp: dict, device) -> dict:
+    """What stands between the first reply word and the first speech token: the reply words the
+    synthesizer's sentence segmentation holds before it pushes text, and the text tokens the
+    bistream LM needs before it may emit speech (its prompt speech is interleaved 15 to 5 text)."""
+    import torch
+
+    from voicebot.tts.cosyvoice2.bistream import Bistream
+    from voicebot.tts.cosyvoice2.lm import build_lm, run_alone
+    from voicebot.tts.cosyvoice2.sampling import RasSampler
+    from voicebot.tts.segmenter import SentenceSegmenter
+
+    words = REPLY.split(" ")
+    segmenter = SentenceSegmenter()
+    held = next((i + 1 for i, w in enumerate(words) if segmenter.push(w + " ")), len(words))
+    lm = build_lm(hp).eval().to(device)
+    cache = lm.new_cache(1024)
+    g = torch.Generator(device).manual_seed(0)
+    bistream = Bistream(lm, 1024, list(range(20)), list(range(N_PROMPT)))
+    sampler = RasSampler(generator=g)
+    n_text = 0
+    while n_text < 200:
+        n_text += 1
+        if any(True for _ in run_alone(lm, cache, sampler, bistream.push([100 + n_text]))):
+            break
+    return {"reply words held before the LM gets text": (held, None),
+            f"text tokens pushed before the first speech token ({N_PROMPT}-token prompt)": (n_text, None)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fixtures", type=Path, default=ROOT / "tests" / "data" / "cosyvoice2")
+    parser.add_argument("--only", default="lm,render,memory,first,window",
+                        help="comma-separated sections: lm,render,memory,first,window")
+    parser.add_argument("--flow-left-chunks", type=int, default=None,
+                        help="the flow cache's left-context window in chunks (-1 all; default: the code's default)")
+    parser.add_argument("--ref", help="an export of another revision, counted beside this one")
+    parser.add_argument("--code", help=argparse.SUPPRESS)  # the checkout whose voicebot is counted
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.only = set(args.only.split(","))
+    if args.json:
+        print(json.dumps(measure(args)))
+        return
+    columns = {}
+    if args.ref:
+        cmd = [sys.executable, __file__, "--json", "--code", args.ref, "--device", args.device,
+               "--threads", str(args.threads), "--fixtures", str(args.fixtures),
+               "--only", ",".join(args.only - {"window"})]  # the window is this checkout's
+        env = dict(os.environ, PYTHONPATH=str(Path(args.ref).resolve()))
+        ref = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+        columns[f"ref {Path(args.ref).name}"] = json.loads(ref.strip().splitlines()[-1])
+    columns["this"] = measure(args)
+    names = list(dict.fromkeys(k for col in columns.values() for k in col))
+    width = max(map(len, names)) + 2
+    print(f"GPU proxies on {args.device}, released depths, narrow widths"
+          f"{'' if args.flow_left_chunks is None else f', flow_left_chunks {args.flow_left_chunks}'}")
+    print(f"{'':{width}}" + "".join(f"{c:>22}" for c in columns))
+    for name in names:
+        cells = []
+        for col in columns.values():
+            calls, syncs = col.get(name, (None, None))
+            cells.append("—" if calls is None else str(calls) if isinstance(calls, str) else f"{calls:,}"
+                         if syncs is None else f"{calls:,} / {syncs} syncs")
+        print(f"{name:{width}}" + "".join(f"{c:>22}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
