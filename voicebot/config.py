@@ -334,6 +334,12 @@ class Cosyvoice2Config(Section):
     # arrives (official inference_bistream, one LM context across sentences); "sentences" runs one
     # official unistream request per sentence (it starts from the voice's cached LM prompt prefix).
     text_input: Literal["bistream", "sentences"] = "bistream"
+    # Flow cache window (voicebot/tts/cosyvoice2/estimator.py EstimatorCache), in 50-frame chunks: -1 keeps
+    # every frame of a reply (the official default; about 115 MB per second of speech, fp16, released size),
+    # n >= 0 bounds a stream to its own chunk and the n before it (the official num_decoding_left_chunks;
+    # n = 2: 229 MB whatever the reply's length). It changes the mel: measure it on your weights first
+    # (python -m bench.gpu_proxy --only window).
+    flow_left_chunks: int = Field(-1, ge=-1)
     # Voices whose flow prompt state stays cached (released model, fp32: about 230 MB per second of prompt).
     flow_prompt_states: int = Field(4, ge=1)
     # torch intra-op threads (process-wide, like asr.paraformer.threads); 0 leaves torch's default.

@@ -415,6 +415,35 @@ def test_int8_lm_engine_streams(tmp_path, cv2_dir, monkeypatch):
     assert sum(map(len, chunks)) == N_TOKENS * SAMPLES_PER_TOKEN and np.isfinite(np.concatenate(chunks)).all()
 
 
+def test_a_flow_window_in_the_config_bounds_what_the_renderer_keeps(tmp_path, cv2_dir, monkeypatch):
+    """tts.cosyvoice2.flow_left_chunks reaches Token2Wav: a reply streams whole, each flow cache it
+    leaves holds at most its own chunk and the window's (tests/cosyvoice2/test_flow_window.py: what
+    the window keeps)."""
+    eos = None
+
+    def sample(logp, history):  # as the fixed_length fixture, for this engine's LM
+        return int(logp[:eos].argmax()) if len(history) < N_TOKENS else eos
+
+    monkeypatch.setattr(synthesizer_mod.RasSampler, "from_hparams", lambda *args: sample)
+    engine = make_synth(tmp_path, cv2_dir, flow_left_chunks=1)
+    eos = engine.lm.eos
+
+    async def run():
+        context = engine.open("anna")
+        chunks = [c.audio async for c in context.stream(_deltas("Hello world."))]
+        await context.close()
+        return chunks
+
+    try:
+        chunks = asyncio.run(run())
+    finally:
+        engine.close()
+    assert engine.token2wav.flow_left_chunks == 1
+    assert sum(map(len, chunks)) == N_TOKENS * SAMPLES_PER_TOKEN and np.isfinite(np.concatenate(chunks)).all()
+    with pytest.raises(ValidationError):
+        Cosyvoice2Config(flow_left_chunks=-2)
+
+
 @pytest.mark.parametrize("device, dtype", [("cuda", "auto"), ("auto", "auto"), ("cpu", "float16")])
 def test_int8_lm_is_refused_off_cpu_float32(device, dtype):
     with pytest.raises(ValidationError, match="lm_int8 needs device: cpu"):

@@ -104,7 +104,8 @@ class CosyVoice2Synthesizer(Synthesizer):
         if self.config.lm_int8:  # after the strict checkpoint load: the wrappers change the module tree
             quantize_lm(self.lm)
         self.token2wav = Token2Wav(modules.flow, modules.hift, mode=self.config.stream_mode,
-                                   max_prompt_states=self.config.flow_prompt_states)
+                                   max_prompt_states=self.config.flow_prompt_states,
+                                   flow_left_chunks=self.config.flow_left_chunks)
         if self.default_voice not in library:
             raise ValueError(f"tts.voice {self.default_voice!r} is not a CosyVoice 2 voice; have {library.names()}")
         self.library = library
