@@ -180,3 +180,18 @@ def test_the_server_pool_is_the_process_and_its_children_over_the_cores():
     spin(0.05)
     children[0] = 1.0  # a decoding child answered for a second of CPU
     assert 1.05 <= server.busy_s - before < 1.2 and server.threads >= 1
+
+
+def test_what_a_pool_does_with_nobody_connected_is_no_session_s_cost():
+    clock, worker = Clock(), BusyWorker(threads=2)
+    adm = Admission([worker], max_load=0.85, clock=clock)
+    run_for(adm, worker, clock, WINDOW_S, load=0.9, sessions=0)  # the server's start-up: not its idle load
+    assert adm.pools[0].idle_load == 0.0  # over IDLE_LOAD_MAX: something that ends, not its idle load
+    run_for(adm, worker, clock, 2 * WINDOW_S, load=0.08, sessions=0)  # its own timers and samplers
+    assert adm.pools[0].idle_load == pytest.approx(0.08)
+    # Four sessions keep it 48 % busy for a minute: 0.1 each over the idle 0.08 (0.12 as an average).
+    run_for(adm, worker, clock, 60, load=0.48, sessions=4)
+    assert adm.pools[0].cost_per_session == pytest.approx(0.1, abs=0.005)
+    assert adm.refuse(6) is None  # 0.08 + 7 x 0.1 = 0.78
+    assert adm.refuse(7).reason == "pool_load"  # 0.08 + 8 x 0.1 = 0.88 > 0.85 (8 x 0.1 = 0.8 would fit)
+    assert adm.report()["asr"]["idle_load"] == pytest.approx(0.08)

@@ -18,7 +18,10 @@ voicebot_sessions_refused_total{reason}) when
   restarting after a crash, its client sending a backlog at once); it is counted all the same.
 - `pool_load`: a pool is above `limits.max_worker_load` now, or its learnt cost per connected session
   (its load over the sessions connected, an average over time, so a session's pauses count) says one
-  more would pass that limit; this catches a burst of connections that have not started speaking;
+  more would pass that limit; this catches a burst of connections that have not started speaking.
+  What a pool does with no session connected (the server's own timers and samplers: its idle load,
+  the least seen over a whole window without sessions) is no session's cost: it is taken off the
+  load before dividing, and counted once in the sum;
 - the sessions admitted in the last window, whose load the window does not hold yet, plus this one,
   at a pool's cost per session, would pass the limit (`pool_load`); before a pool's cost is known
   (learnt, or bounded by a window too idle to learn from), `cold_start`: at most
@@ -52,6 +55,10 @@ COST_EWMA = 0.025
 # Below this load a pool's cost per session is too small to measure; it is not learnt from, only
 # bounded (at most this load over the sessions connected).
 MIN_LOAD_TO_LEARN = 0.05
+# A window with nobody connected is taken as the pool's idle load only under this: above it the pool
+# is busy with something that ends (models loading, a decoding child starting), and taking that off
+# every session's cost would over-admit.
+IDLE_LOAD_MAX = 0.1
 # input_lag refuses when more than this share of the window's chunks were late: its p95 past the deadline.
 LATE_SHARE = 0.05
 # Late input refuses only when this many sessions had late chunks in the window (see the module doc).
@@ -120,20 +127,28 @@ class PoolLoad:
         self.cost_per_session: float | None = None  # learnt load of one connected session
         self.cost_bound: float | None = None  # at most this, while too idle to learn
         self._sessions_since: float | None = None  # when the sessions connected last went from none to some
+        self._idle_since: float | None = None  # when the sessions connected last went from some to none
+        self.idle_load: float = 0.0  # the least load of a whole window with no session (0 until one is seen)
+        self._idle_seen = False
 
     def sample(self, sessions: int) -> float:
         now = self._clock()
         self._samples.append((now, self.worker.busy_s))
         if not sessions:
             self._sessions_since = None
-        elif self._sessions_since is None:
-            self._sessions_since = now
+            self._idle_since = now if self._idle_since is None else self._idle_since
+        else:
+            self._idle_since = None
+            self._sessions_since = now if self._sessions_since is None else self._sessions_since
         load = self.load()
+        if not sessions and self._idle_since <= now - WINDOW_S and load <= IDLE_LOAD_MAX:
+            self.idle_load = load if not self._idle_seen else min(self.idle_load, load)
+            self._idle_seen = True
         # Learnt only from a whole window with sessions in it: a session's start-up, or a window
         # that was mostly empty, says nothing of what one costs.
         if sessions and self._sessions_since <= now - WINDOW_S:
             if load >= MIN_LOAD_TO_LEARN:
-                cost = load / sessions
+                cost = max(load - self.idle_load, 0.0) / sessions
                 self.cost_per_session = cost if self.cost_per_session is None else (
                     self.cost_per_session + COST_EWMA * (cost - self.cost_per_session))
             else:
@@ -245,7 +260,8 @@ class Admission:
         for p in self.pools:
             load, cost, name = p.load(), p.cost(), p.worker.name
             # The window must turn over before the load can have fallen: retry after it.
-            if load > self.max_load or (p.cost_per_session is not None and (sessions + 1) * cost > self.max_load):
+            if load > self.max_load or (p.cost_per_session is not None
+                                        and p.idle_load + (sessions + 1) * cost > self.max_load):
                 return Refusal("pool_load", name, WINDOW_S, f"one more session would overload {name}")
             if cost is None and unmeasured >= self.cold_start_sessions:
                 return Refusal("cold_start", name, WINDOW_S, f"{unmeasured} sessions let in during the last {WINDOW_S:g} s "
@@ -256,7 +272,7 @@ class Admission:
         return None
 
     def report(self) -> dict[str, dict]:
-        return {p.worker.name: {"load": round(p.load(), 3), "threads": p.worker.threads,
+        return {p.worker.name: {"load": round(p.load(), 3), "threads": p.worker.threads, "idle_load": round(p.idle_load, 4),
                                 "cost_per_session": None if p.cost_per_session is None else round(p.cost_per_session, 4)}
                 for p in self.pools}
 
