@@ -22,7 +22,9 @@ def fixed_length(monkeypatch):
     def sampler(*_args):
         def sample(logp, history):
             eos = logp.shape[-1] - 3
-            return int(logp[:eos].argmax()) if len(history) < TOKENS else eos
+            # eos only where the program allows it (bistream bans it while text is still coming in)
+            stop = len(history) >= TOKENS and logp[eos] > -float("inf")
+            return eos if stop else int(logp[:eos].argmax())
 
         return sample
 
