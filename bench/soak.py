@@ -440,11 +440,17 @@ def rss_blocks(rows: list[dict], block_min: float, warmup_min: float) -> list[di
     return blocks
 
 
+# voicebot_input_dropped_seconds_total reasons that are an error sent to the client (protocol.check_audio).
+REFUSED_AS_MALFORMED = ("frame_too_large", "odd_pcm_bytes")
+
+
 def report(probe: ServerProbe, m: dict[str, float], tally: Tally, start: float) -> dict:
     """One row: the server process, its metrics `m`, and what the clients saw since the last row."""
     lag = probe.lag_ms(m)
+    # Input refused as malformed (the fuzzing client's frames) was answered with that error: told, not lost.
     server_lost = m.get("voicebot_frames_dropped_total{reason=overload}", 0) + sum(
-        v for k, v in m.items() if k.startswith("voicebot_input_dropped_seconds_total"))
+        v for k, v in m.items() if k.startswith("voicebot_input_dropped_seconds_total") and not any(
+            f"reason={code}" in k for code in REFUSED_AS_MALFORMED))
     row = {"min": round((time.monotonic() - start) / 60, 2), **probe.proc(), "tasks": m.get("voicebot_asyncio_tasks", 0),
            **lag, "replies": tally.replies, "interrupted": tally.interrupted,
            "first_audio_p50": pct(tally.first_audio_ms, 50), "first_audio_p95": pct(tally.first_audio_ms, 95),
