@@ -126,6 +126,7 @@ async def scripted_load(ws_url: str) -> None:
         async with VoiceClient.connect(ws_url) as client:
             await client.stream(speech_pcm("what time does the show start tomorrow"))
             await client.wait_for("audio.end")
+            await client.wait_for("state.reset", timeout=30)  # the session stays for one (every 2 s, between turns)
 
     async def refused_listener():
         async with websockets.connect(f"{ws_url}?role=listener&channel=no!such!channel") as ws:
