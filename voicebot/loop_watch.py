@@ -110,9 +110,12 @@ class LoopWatch:
             cause, detail = "callback", "in a callback on the loop: " + " < ".join(self._loop_stack)
         else:
             cause = "gil"
+            # The watchdog and the loop wait for the same GIL: when the loop gets it first, the
+            # thread that kept it has only just let go, so its stack is read from here instead.
+            seen = (f"busy threads as the watchdog last woke late: {self._threads_on_wake}" if self._threads_on_wake
+                    else f"busy threads as the loop got the GIL back: {self._busy_threads()}")
             detail = (f"the loop's thread was waiting for the GIL (the watchdog woke up to {1000 * self._watchdog_late_s:.0f} ms late): "
-                      f"a C call that keeps it, or no CPU; busy threads as the watchdog last woke late: "
-                      f"{self._threads_on_wake or '(it never woke that late)'}")
+                      f"a C call that keeps it, or no CPU; {seen}")
         self.metrics.loop_stalls.labels(cause).inc()
         now = time.monotonic()
         if now - self._last_log >= LOG_EVERY_S or lag > self._worst_s:  # the worst so far always logged
