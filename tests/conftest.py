@@ -69,7 +69,12 @@ def bound_port(server) -> int:
 def make_settings(**overrides: Any) -> Settings:
     """The default config with a phrase grammar (deterministic transcripts) and port 0: the server
     binds a port of the kernel's choosing, and running_server writes it back into the settings."""
-    base = {"server": {"port": 0}, "asr": {"pocketsphinx": {"phrases": TEST_PHRASES}}}
+    # Test servers run inside pytest's process, so the whole-process CPU that admission reads as the
+    # `server` pool is the tests' too (their clients, the module's other servers): a pool full or a
+    # burst of connects says nothing of the server there. Admission's rules are tested on their own
+    # (tests/unit/test_capacity.py, tests/serving/test_input_lag.py sets its cold start).
+    base = {"server": {"port": 0}, "asr": {"pocketsphinx": {"phrases": TEST_PHRASES}},
+            "limits": {"max_worker_load": 1.0, "cold_start_sessions": 64}}
     for key, value in overrides.items():
         base.setdefault(key, {}).update(value) if isinstance(value, dict) else base.__setitem__(key, value)
     return load_settings(None, **base)
