@@ -145,13 +145,28 @@ class ChannelHub:
         return channel is not None and channel.speaker is not None and channel.owner not in (None, resumed_from)
 
     def leave(self, session_id: str) -> None:
+        name = self._vacate(session_id)
+        if name is not None:
+            self._tell_free(name)
+
+    def _vacate(self, session_id: str) -> str | None:
+        """Empty the seat of a speaker that left; the channel's name, None if it spoke on none."""
         name = self._speaking.pop(session_id, None)
-        if name is None:
-            return
-        channel = self._channels[name]
-        channel.speaker = channel.owner = channel.tell = None
-        self._notify(name, protocol.event("channel.speaker", channel=name, speaking=False))
-        self._forget_if_empty(name)
+        if name is not None:
+            channel = self._channels[name]
+            channel.speaker = channel.owner = channel.tell = None
+        return name
+
+    def _tell_free(self, name: str) -> bool:
+        """Tell the channel's listeners it has no speaker, and forget it if no one listens; False (and
+        nothing told) when a speaker took the seat meanwhile."""
+        channel = self._channels.get(name)
+        if channel is not None and channel.speaker is not None:
+            return False
+        if channel is not None:
+            self._notify(name, protocol.event("channel.speaker", channel=name, speaking=False))
+            self._forget_if_empty(name)
+        return True
 
     def _unseat(self, name: str, reason: str) -> None:
         """The channel's speaker, still connected, has lost it to another session (`reason`, a key of

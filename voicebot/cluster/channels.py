@@ -172,14 +172,18 @@ class ClusterChannelHub(ChannelHub):
         self._announce(name, speaking=True)
 
     def leave(self, session_id: str) -> None:
-        name = self._speaking.get(session_id)
-        super().leave(session_id)
+        name = self._vacate(session_id)
         if name is None:
             return
         if (mine := self._owned.pop(name, None)) is not None:
-            # Announced once released: a listener told the channel is free finds it so.
-            self._release_later(name, mine, then=lambda: self._announce(name, speaking=False))
+            # Told once released, here and on the other servers: a listener told the channel is free
+            # finds it so (told sooner, a client it told could connect and be refused channel_taken).
+            self._release_later(name, mine, then=lambda: self._free(name))
         else:
+            self._free(name)
+
+    def _free(self, name: str) -> None:
+        if self._tell_free(name):
             self._announce(name, speaking=False)
 
     def mirror(self, session_id: str, item: Wire) -> None:
@@ -198,9 +202,11 @@ class ClusterChannelHub(ChannelHub):
 
     def _release_later(self, name: str, mine: str, then: Callable[[], None] = lambda: None) -> None:
         async def release() -> None:
-            with contextlib.suppress(RedisLost):  # then the key expires by itself
-                await self.link.call("release", lambda r: self._release(keys=[self._owner_key(name)], args=[mine], client=r))
-            then()
+            try:
+                with contextlib.suppress(RedisLost):  # then the key expires by itself
+                    await self.link.call("release", lambda r: self._release(keys=[self._owner_key(name)], args=[mine], client=r))
+            finally:
+                then()
 
         task = asyncio.create_task(release())
         self._releases.add(task)
