@@ -214,6 +214,41 @@ def test_a_channel_has_one_owner_across_servers_and_only_its_resume_takes_it_ove
     assert taken_b == 1 and granted_a == 2
 
 
+def test_a_listener_told_its_channel_is_free_can_have_it_taken_at_once(redis_server):
+    """The speaker's own server tells its listeners the channel is free only once the owner key is
+    released in Redis: told sooner, an overlay's operator who connected a new host on another server
+    at that moment was refused channel_taken (test_channel_owner failed so in CI)."""
+    async def run():
+        a, _ = await started(redis_server.url)
+        b, _ = await started(redis_server.url)
+        try:
+            listener = Listener(send_text=None, send_bytes=None)  # read straight from its queue
+            assert b.channels.add_listener("show", listener)
+            await b.channels.claim("show", "host", owner="host-token")
+            call = b.link.call
+
+            async def slow_release(op, command):
+                if op == "release":
+                    await asyncio.sleep(0.5)  # a Redis round trip the loop waits on
+                return await call(op, command)
+
+            b.link.call = slow_release
+            b.channels.leave("host")
+            for _ in range(10):
+                event = json.loads(await asyncio.wait_for(listener.queue.get(), 5))
+                if event == {"type": "channel.speaker", "channel": "show", "speaking": False}:
+                    break
+            else:
+                raise AssertionError("the listener was never told the channel is free")
+            await a.channels.claim("show", "next", owner="next-token")  # raised ChannelRefused before
+            return a.channels._speaking.copy()
+        finally:
+            await a.close()
+            await b.close()
+
+    assert asyncio.run(run()) == {"next": "show"}
+
+
 def test_a_crashed_servers_channel_is_free_after_the_owner_ttl(redis_server):
     async def run():
         a, _ = await started(redis_server.url, owner_ttl_s=2.0)
