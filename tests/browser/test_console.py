@@ -1,0 +1,188 @@
+"""The operator console in headless Chromium, against a real server with a token and a session that speaks.
+
+The session is the test's own client (espeak speech through the real recognizer, the echo responder
+repeating it); the console sees its turn as it happens, and each control acts on it through the
+session's typed door. A page without the token, or with a wrong one, sees nothing and commands nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+
+import httpx
+import pytest
+import websockets
+
+from tests.browser.conftest import FIRST
+from tests.browser.support import speech
+from tests.audio import to_pcm16
+from tests.conftest import VoiceClient, make_settings, running_server
+
+pytestmark = pytest.mark.browser
+
+TOKEN = "console-show-token"
+CHANNEL = "stage"
+LINE = "good evening and welcome to the show"
+# Said and then dropped: long enough to be still playing when the test clicks (about 9 s of speech).
+LONG_LINE = " ".join(["this is a very long announcement that goes on and on"] * 5)
+
+
+@pytest.fixture(scope="module")
+def live_server():
+    """This module's server (the conftest's browser fixture starts Chromium after it): with a token,
+    set after running_server's warm-up, which connects without one; the app reads it on every request."""
+    with running_server(make_settings()) as server:
+        server.settings.server.token = TOKEN
+        yield server
+
+
+def open_console(page, live_server, token: str | None = TOKEN) -> None:
+    page.goto(f"{live_server.http_url}/static/console.html" + (f"?token={token}" if token else ""))
+
+
+async def speaking_session(url: str, clients: queue.Queue, stop: threading.Event) -> None:
+    """A session on CHANNEL that says FIRST, then stays until the server closes it (the console's
+    End) or `stop` is set."""
+    async with VoiceClient.connect(f"{url}?token={TOKEN}", channel=CHANNEL) as client:
+        clients.put(client)
+        await client.stream(to_pcm16(speech(0.3, FIRST, 1.2)))
+        while client.ws.close_code is None and not stop.is_set():
+            await asyncio.sleep(0.05)
+
+
+async def listen(url: str, frames: list, events: list, stop: threading.Event) -> None:
+    """A listener on CHANNEL (the overlay's place): what reaches the air, until `stop` is set."""
+    async with websockets.connect(f"{url}?role=listener&channel={CHANNEL}&token={TOKEN}") as ws:
+        while not stop.is_set():
+            try:
+                message = await asyncio.wait_for(ws.recv(), 0.1)
+            except TimeoutError:
+                continue
+            (frames if isinstance(message, bytes) else events).append(message if isinstance(message, bytes) else json.loads(message))
+
+
+def event(client: VoiceClient, kind: str, timeout_s: float = 30, **fields) -> dict:
+    """The first event of this type (and fields) the client got, waiting for it (it reads on its own loop)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for e in list(client.events):
+            if e["type"] == kind and all(e.get(k) == v for k, v in fields.items()):
+                return e
+        time.sleep(0.05)
+    raise AssertionError(f"no {kind} {fields} in {timeout_s} s; got {[e['type'] for e in client.events]}")
+
+
+def wait_for(page, condition: str, timeout_ms: int = 20_000) -> None:
+    page.wait_for_function(f"(() => {{ const c = window.voicebotConsole; return {condition}; }})()", timeout=timeout_ms)
+
+
+def card(page, session_id: str):
+    return page.locator(f"article[data-session='{session_id}']")
+
+
+def test_the_console_follows_a_session_and_each_control_acts_on_it(page, live_server, run_async, tmp_path):
+    open_console(page, live_server)
+    wait_for(page, "c.connected")
+    clients: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    session_done = run_async(speaking_session(live_server.ws_url, clients, stop))
+    client: VoiceClient = clients.get(timeout=20)
+    sid = client.events[0]["session_id"]
+    turns = f"(c.sessions[{sid!r}]?.turns ?? [])"
+
+    # The user's turn, the reply and its latency, as they happen; the channel it speaks on.
+    wait_for(page, f"{turns}.some(t => t.user === {FIRST!r} && t.reply === {FIRST!r} && t.latencyMs > 0)")
+    wait_for(page, f"c.sessions[{sid!r}].channel === {CHANNEL!r} && c.latencies.length >= 1")
+    assert card(page, sid).locator(".reply-text").first.inner_text() == FIRST
+    assert page.locator("#channels tr[data-channel='stage']").inner_text().startswith("#stage")
+
+    # Say a line in the show's voice: the session speaks it (its client hears it), the console shows it.
+    card(page, sid).locator("input[name=line]").fill(LINE)
+    card(page, sid).locator("button[name=say]").click()
+    said = event(client, "reply.done", text=LINE)
+    event(client, "audio.end", reply_id=said["reply_id"])
+    assert client.reply_frames(said["reply_id"])
+    wait_for(page, f"{turns}.some(t => t.user === null && t.reply === {LINE!r})")
+
+    # Mute the bot on its channel: the listeners get the reply's events but none of its audio.
+    frames, events = [], []
+    listener = run_async(listen(live_server.ws_url, frames, events, stop))
+    page.locator("#channels tr[data-channel='stage'] button").click()
+    wait_for(page, "c.channels.stage?.muted === true")
+    muted_before = live_server.metric("voicebot_channel_muted_frames_total")
+    card(page, sid).locator("input[name=line]").fill("quiet please")
+    card(page, sid).locator("button[name=say]").click()
+    quiet = event(client, "audio.end", reply_id=event(client, "reply.done", text="quiet please")["reply_id"])
+    time.sleep(0.5)
+    assert any(e.get("type") == "audio.end" and e.get("reply_id") == quiet["reply_id"] for e in events)
+    assert frames == [] and client.reply_frames(quiet["reply_id"])
+    assert live_server.metric("voicebot_channel_muted_frames_total") >= muted_before + len(client.reply_frames(quiet["reply_id"]))
+    page.locator("#channels tr[data-channel='stage'] button").click()  # unmute
+    wait_for(page, "c.channels.stage?.muted === false")
+
+    # Drop the reply now playing: a long line, cut once it plays.
+    card(page, sid).locator("input[name=line]").fill(LONG_LINE)
+    card(page, sid).locator("button[name=say]").click()
+    long_reply = event(client, "reply.done", text=LONG_LINE)["reply_id"]
+    event(client, "audio.start", reply_id=long_reply)
+    wait_for(page, f"c.sessions[{sid!r}].botSpeaking")
+    card(page, sid).locator("button[name=interrupt]").click()
+    cut = event(client, "audio.interrupted", reply_id=long_reply, timeout_s=10)
+    assert cut["reason"] == "client"
+    assert frames, "unmuted, the listener hears the bot again"
+    wait_for(page, f"{turns}.some(t => t.interrupted === 'client') && !c.sessions[{sid!r}].botSpeaking")
+
+    # Switch the voice.
+    card(page, sid).locator("select[name=voice]").select_option("zh")
+    assert event(client, "session.updated")["voice"] == "zh"
+    wait_for(page, f"c.sessions[{sid!r}].voice === 'zh'")
+    assert [c["status"] for c in page.evaluate("window.voicebotConsole.commands")] == [202] * 7
+
+    page.screenshot(path=tmp_path / "console.png")  # docs/images/console.png is one of these
+
+    # End the session: the server closes it (1000, after ended_by_operator) and the console shows it ended.
+    card(page, sid).locator("button[name=end]").click()
+    session_done.result(30)
+    assert client.events[-1]["code"] == "ended_by_operator" and client.ws.close_code == 1000
+    wait_for(page, f"c.sessions[{sid!r}].ended")
+    stop.set()
+    listener.result(10)
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_a_page_without_the_token_sees_nothing_and_commands_nothing(page, live_server, run_async, token):
+    clients: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    session_done = run_async(speaking_session(live_server.ws_url, clients, stop))
+    client: VoiceClient = clients.get(timeout=20)
+    sid = client.events[0]["session_id"]
+    open_console(page, live_server, token)
+    wait_for(page, "c.status.startsWith('refused')", 10_000)
+    assert page.evaluate("Object.keys(window.voicebotConsole.sessions)") == []
+    # Every control, from the page itself (its own fetch, with its token or none): 401, nothing applied.
+    statuses = page.evaluate("""async ([sid, token]) => {
+        const headers = { "Content-Type": "application/json", ...(token ? { Authorization: `Bearer ${token}` } : {}) };
+        const post = (path, body) => fetch(path, { method: "POST", headers, body: JSON.stringify(body) }).then(r => r.status);
+        return Promise.all([
+            post(`/v1/console/sessions/${sid}/say`, { text: "you have been hacked" }),
+            post(`/v1/console/sessions/${sid}/interrupt`, {}),
+            post(`/v1/console/sessions/${sid}/session.update`, { voice: "zh" }),
+            post(`/v1/console/sessions/${sid}/end`, {}),
+            post(`/v1/console/channels/stage/mute`, { muted: true }),
+        ]);
+    }""", [sid, token])
+    assert statuses == [401] * 5
+    # The right token from a page of another site: refused too (what stops a page the operator visits).
+    other_site = httpx.post(f"{live_server.http_url}/v1/console/sessions/{sid}/say", json={"text": "you have been hacked"},
+                            headers={"Authorization": f"Bearer {TOKEN}", "Origin": "http://evil.example"}, timeout=10)
+    assert other_site.status_code == 403
+    time.sleep(1.0)
+    assert not [e for e in client.events if e["type"] in ("reply.done", "session.updated", "error")]
+    assert live_server.on_loop(lambda: live_server.runtime.channels.describe().get(CHANNEL, {}).get("muted")) is False
+    assert not session_done.done()
+    stop.set()
+    session_done.result(15)
