@@ -169,7 +169,7 @@ function drawChannels() {
   document.querySelector("#channels tbody").replaceChildren(...rows);
 }
 
-function percentile(sorted, p) { return sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))]; }
+function percentile(sorted, p) { return sorted[Math.max(0, Math.ceil(p * sorted.length) - 1)]; }  // nearest rank
 
 function drawLatency() {
   const values = state.latencies;

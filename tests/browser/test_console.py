@@ -18,6 +18,7 @@ import pytest
 import websockets
 
 from tests.browser.conftest import FIRST
+from tests.conftest import TEST_PHRASES
 from tests.browser.support import speech
 from tests.audio import to_pcm16
 from tests.conftest import VoiceClient, make_settings, running_server
@@ -26,6 +27,10 @@ pytestmark = pytest.mark.browser
 
 TOKEN = "console-show-token"
 CHANNEL = "stage"
+SECOND = TEST_PHRASES[2]
+# The user's second turn starts once the reply to the first has played (turn end under 0.9 s, a
+# 2.5 s reply): heard while it plays, it would cut it (barge-in).
+PAUSE_S = 5.0
 LINE = "good evening and welcome to the show"
 # Said and then dropped: long enough to be still playing when the test clicks (about 9 s of speech).
 LONG_LINE = " ".join(["this is a very long announcement that goes on and on"] * 5)
@@ -44,12 +49,12 @@ def open_console(page, live_server, token: str | None = TOKEN) -> None:
     page.goto(f"{live_server.http_url}/static/console.html" + (f"?token={token}" if token else ""))
 
 
-async def speaking_session(url: str, clients: queue.Queue, stop: threading.Event) -> None:
-    """A session on CHANNEL that says FIRST, then stays until the server closes it (the console's
-    End) or `stop` is set."""
+async def speaking_session(url: str, clients: queue.Queue, stop: threading.Event, *phrases: str) -> None:
+    """A session on CHANNEL whose user says `phrases` (a turn each), then stays until the server
+    closes it (the console's End) or `stop` is set."""
     async with VoiceClient.connect(f"{url}?token={TOKEN}", channel=CHANNEL) as client:
         clients.put(client)
-        await client.stream(to_pcm16(speech(0.3, FIRST, 1.2)))
+        await client.stream(to_pcm16(speech(0.3, *[part for phrase in phrases for part in (phrase, PAUSE_S)])))
         while client.ws.close_code is None and not stop.is_set():
             await asyncio.sleep(0.05)
 
@@ -89,15 +94,19 @@ def test_the_console_follows_a_session_and_each_control_acts_on_it(page, live_se
     wait_for(page, "c.connected")
     clients: queue.Queue = queue.Queue()
     stop = threading.Event()
-    session_done = run_async(speaking_session(live_server.ws_url, clients, stop))
+    session_done = run_async(speaking_session(live_server.ws_url, clients, stop, FIRST, SECOND))
     client: VoiceClient = clients.get(timeout=20)
     sid = client.events[0]["session_id"]
     turns = f"(c.sessions[{sid!r}]?.turns ?? [])"
 
-    # The user's turn, the reply and its latency, as they happen; the channel it speaks on.
+    # The user's turns, the replies and their latency, as they happen; the channel it speaks on.
+    wait_for(page, f"c.sessions[{sid!r}]?.userSpeaking === true")
     wait_for(page, f"{turns}.some(t => t.user === {FIRST!r} && t.reply === {FIRST!r} && t.latencyMs > 0)")
-    wait_for(page, f"c.sessions[{sid!r}].channel === {CHANNEL!r} && c.latencies.length >= 1")
-    assert card(page, sid).locator(".reply-text").first.inner_text() == FIRST
+    wait_for(page, f"c.sessions[{sid!r}].botSpeaking === false && c.latencies.length === 1")
+    wait_for(page, f"{turns}.some(t => t.user === {SECOND!r} && t.reply === {SECOND!r} && t.latencyMs > 0)")
+    wait_for(page, f"c.sessions[{sid!r}].channel === {CHANNEL!r} && c.latencies.length === 2")
+    assert card(page, sid).locator(".reply-text").nth(1).inner_text() == SECOND
+    event(client, "audio.end", reply_id=event(client, "reply.done", text=SECOND)["reply_id"])
     assert page.locator("#channels tr[data-channel='stage']").inner_text().startswith("#stage")
 
     # Say a line in the show's voice: the session speaks it (its client hears it), the console shows it.
@@ -142,7 +151,7 @@ def test_the_console_follows_a_session_and_each_control_acts_on_it(page, live_se
     wait_for(page, f"c.sessions[{sid!r}].voice === 'zh'")
     assert [c["status"] for c in page.evaluate("window.voicebotConsole.commands")] == [202] * 7
 
-    page.screenshot(path=tmp_path / "console.png")  # docs/images/console.png is one of these
+    page.locator("body").screenshot(path=tmp_path / "console.png")  # docs/images/console.png is one of these
 
     # End the session: the server closes it (1000, after ended_by_operator) and the console shows it ended.
     card(page, sid).locator("button[name=end]").click()
