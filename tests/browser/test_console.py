@@ -195,3 +195,36 @@ def test_a_page_without_the_token_sees_nothing_and_commands_nothing(page, live_s
     assert not session_done.done()
     stop.set()
     session_done.result(15)
+
+
+def test_commands_are_checked_by_the_protocols_own_models(live_server, run_async):
+    clients: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    session_done = run_async(speaking_session(live_server.ws_url, clients, stop))
+    client: VoiceClient = clients.get(timeout=20)
+    sid = client.events[0]["session_id"]
+    base = f"{live_server.http_url}/v1/console"
+
+    def post(path: str, **kwargs) -> httpx.Response:
+        return httpx.post(base + path, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10, **kwargs)
+
+    refused = {
+        "say without text": (post(f"/sessions/{sid}/say", json={}), 400, "invalid_message"),
+        "say too long": (post(f"/sessions/{sid}/say", json={"text": "x" * 2001}), 400, "invalid_message"),
+        "say with a stray field": (post(f"/sessions/{sid}/say", json={"text": "hi", "speed": 2}), 400, "invalid_message"),
+        "not JSON": (post(f"/sessions/{sid}/say", content=b"{nope"), 400, "invalid_json"),
+        "too big": (post(f"/sessions/{sid}/say", content=b"x" * 9000), 413, "frame_too_large"),
+        "unknown command": (post(f"/sessions/{sid}/session.start", json={}), 404, "unknown_command"),
+        "unknown session": (post("/sessions/nobody/interrupt", json={}), 404, "unknown_session"),
+        "mute without muted": (post("/channels/stage/mute", json={}), 400, "invalid_message"),
+        "bad channel name": (post("/channels/no%20spaces/mute", json={"muted": True}), 400, "invalid_message"),
+    }
+    for name, (answer, status, code) in refused.items():
+        assert (answer.status_code, answer.json()["code"]) == (status, code), name
+    time.sleep(0.5)
+    assert [e["type"] for e in client.events] == ["session.ready"]  # none of them reached the session
+    # A name the session does not have is the session's to refuse, as from its own client.
+    assert post(f"/sessions/{sid}/session.update", json={"voice": "klingon"}).status_code == 202
+    assert event(client, "error")["code"] == "unknown_voice"
+    stop.set()
+    session_done.result(15)
