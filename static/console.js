@@ -21,7 +21,9 @@ function session(id) {
                                   partial: "", error: "", ended: false, turns: [] };
 }
 
-function addTurn(s, turn) {
+/** A new turn of `s`: `user` what the user said (null: a line the operator said), `turnEnded` once the user's turn is over. */
+function addTurn(s, user, turnEnded) {
+  const turn = { user, replyId: null, reply: "", latencyMs: null, interrupted: null, turnEnded };
   s.turns.push(turn);
   if (s.turns.length > MAX_TURNS) s.turns.shift();
   return turn;
@@ -32,13 +34,14 @@ function turnOfReply(s, replyId) {
   const found = s.turns.find((t) => t.replyId === replyId);
   if (found) return found;
   const last = s.turns.at(-1);
-  if (last && last.turnEnded && !last.replyId) { last.replyId = replyId; return last; }
-  return addTurn(s, { user: null, replyId, reply: "", latencyMs: null, interrupted: null, turnEnded: true });
+  const turn = last && last.turnEnded && !last.replyId ? last : addTurn(s, null, true);
+  turn.replyId = replyId;
+  return turn;
 }
 
 function onSessionEvent(id, ev) {
   const s = session(id);
-  const open = () => { const last = s.turns.at(-1); return last && !last.turnEnded ? last : null; };
+  const openTurn = () => { const last = s.turns.at(-1); return last && !last.turnEnded ? last : null; };
   switch (ev.type) {
     case "session.ready": case "session.updated": s.voice = ev.voice; s.responder = ev.responder; break;
     case "speech.started": s.userSpeaking = true; break;
@@ -46,12 +49,12 @@ function onSessionEvent(id, ev) {
     case "asr.final": {
       s.userSpeaking = false; s.partial = "";
       if (!ev.text) break;
-      const turn = open() ?? addTurn(s, { user: "", replyId: null, reply: "", latencyMs: null, interrupted: null, turnEnded: false });
+      const turn = openTurn() ?? addTurn(s, "", false);
       turn.user = turn.user ? `${turn.user} ${ev.text}` : ev.text;
       break;
     }
     case "turn.end": {
-      const turn = open() ?? addTurn(s, { user: "", replyId: null, reply: "", latencyMs: null, interrupted: null });
+      const turn = openTurn() ?? addTurn(s, "", true);
       turn.user = ev.text; turn.turnEnded = true;
       break;
     }
@@ -92,7 +95,7 @@ function onSessions({ live, channels }) {
 
 function onFeed(message) {
   if (message.type === "snapshot") {
-    Object.assign(state, { voices: message.voices, responders: message.responders, sessions: {} });
+    Object.assign(state, { voices: message.voices, responders: message.responders, sessions: {}, latencies: [] });
     for (const card of cards.values()) card.remove();
     cards.clear();
     for (const { session: id, event } of message.history) onSessionEvent(id, event);

@@ -60,7 +60,7 @@ CLOSE_TIMEOUT_S = 1.0
 
 # The session events a console shows; the LIVE_ONLY ones are not kept for a console opened later.
 FEED_TYPES = frozenset({"session.ready", "session.updated", "speech.started", "asr.partial", "asr.final", "turn.end",
-                        "reply.delta", "reply.done", "audio.start", "audio.end", "audio.interrupted", "error", "state.reset"})
+                        "reply.delta", "reply.done", "audio.start", "audio.end", "audio.interrupted", "error"})
 LIVE_ONLY = frozenset({"asr.partial", "reply.delta"})
 
 

@@ -89,7 +89,7 @@ def card(page, session_id: str):
     return page.locator(f"article[data-session='{session_id}']")
 
 
-def test_the_console_follows_a_session_and_each_control_acts_on_it(page, live_server, run_async, tmp_path):
+def test_the_console_follows_a_session_and_each_control_acts_on_it(page, browser, live_server, run_async, tmp_path):
     open_console(page, live_server)
     wait_for(page, "c.connected")
     clients: queue.Queue = queue.Queue()
@@ -152,6 +152,14 @@ def test_the_console_follows_a_session_and_each_control_acts_on_it(page, live_se
     assert [c["status"] for c in page.evaluate("window.voicebotConsole.commands")] == [202] * 7
 
     page.locator("body").screenshot(path=tmp_path / "console.png")  # docs/images/console.png is one of these
+
+    # A console opened mid-show finds the session's turns so far (the server's history of it).
+    late = browser.new_page()
+    open_console(late, live_server)
+    wait_for(late, f"{turns}.map(t => t.user).join('|') === {'|'.join([FIRST, SECOND])!r} + '|||'")
+    assert late.evaluate(f"window.voicebotConsole.sessions[{sid!r}].turns.map(t => [t.reply, t.interrupted])") == [
+        [FIRST, None], [SECOND, None], [LINE, None], ["quiet please", None], [LONG_LINE, "client"]]
+    late.close()
 
     # End the session: the server closes it (1000, after ended_by_operator) and the console shows it ended.
     card(page, sid).locator("button[name=end]").click()
