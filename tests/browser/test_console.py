@@ -40,7 +40,9 @@ LONG_LINE = " ".join(["this is a very long announcement that goes on and on"] * 
 def live_server():
     """This module's server (the conftest's browser fixture starts Chromium after it): with a token,
     set after running_server's warm-up, which connects without one; the app reads it on every request."""
-    with running_server(make_settings()) as server:
+    # A second persona to switch to: the OpenAI-compatible responder is offered once it has a URL and
+    # a model (nothing listens there: no reply in this test asks it).
+    with running_server(make_settings(reply={"openai": {"base_url": "http://127.0.0.1:9/v1", "model": "show-persona"}})) as server:
         server.settings.server.token = TOKEN
         yield server
 
@@ -145,11 +147,17 @@ def test_the_console_follows_a_session_and_each_control_acts_on_it(page, browser
     assert frames, "unmuted, the listener hears the bot again"
     wait_for(page, f"{turns}.some(t => t.interrupted === 'client') && !c.sessions[{sid!r}].botSpeaking")
 
-    # Switch the voice.
+    # Switch the voice, and the persona.
     card(page, sid).locator("select[name=voice]").select_option("zh")
     assert event(client, "session.updated")["voice"] == "zh"
     wait_for(page, f"c.sessions[{sid!r}].voice === 'zh'")
-    assert [c["status"] for c in page.evaluate("window.voicebotConsole.commands")] == [202] * 7
+    card(page, sid).locator("select[name=responder]").select_option("openai")
+    assert event(client, "session.updated", responder="openai")["voice"] == "zh"
+    wait_for(page, f"c.sessions[{sid!r}].responder === 'openai'")
+    card(page, sid).locator("select[name=responder]").select_option("echo")
+    wait_for(page, f"c.sessions[{sid!r}].responder === 'echo'")  # from the session's third session.updated
+    assert [e["responder"] for e in client.events if e["type"] == "session.updated"] == ["echo", "openai", "echo"]
+    assert [c["status"] for c in page.evaluate("window.voicebotConsole.commands")] == [202] * 9
 
     page.locator("body").screenshot(path=tmp_path / "console.png")  # docs/images/console.png is one of these
 
