@@ -8,10 +8,11 @@ beside another checkout's stage (`--ref DIR`) on the same chunks.
 
 Replies: the same espeak line (tests/audio.py, 24 kHz, peak 0.5: -24.5 LUFS and a peak 18.5 dB
 above it, a peaky voice) streamed through one session's OutputLevel in TTS-sized chunks of
-0.1-1 s, as the reply path does. Loudness: pyloudnorm's integrated loudness of each reply;
-true peak: soxr 4x oversampled. Cost: the CPU time (thread time) of process() per chunk and in
-all per second of reply audio, and the wall time per second of audio (what the event loop is held:
-on a shared machine the CPU's wait for other work too, an upper bound).
+0.1-1 s, as the reply path does (on the event loop: voicebot/session/replying.py). Loudness:
+pyloudnorm's integrated loudness of each reply; true peak: soxr 4x oversampled. Cost, each as
+p50 / p95 / max: the CPU (thread) time of each chunk per 200 ms frame of its audio, the CPU time of
+a whole reply, and the wall time each call holds the event loop (on a shared machine the wait for
+a core too: an upper bound).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from voicebot.config import OutputConfig  # noqa: E402
 
 LINE = "please tell me a joke about the weather and what time does the show start tomorrow"
 SETTINGS = [(-23.0, -1.0), (-18.0, -1.5), (-16.0, -1.0), (-14.0, -1.5), (-14.0, -1.0)]
+FRAME_S = 0.2  # the session's output frame
 
 
 def stage_of(checkout: Path) -> ModuleType:
@@ -49,34 +51,38 @@ def run(stage: ModuleType, target: float, ceiling: float, replies: int) -> dict:
     audio = espeak_speech(LINE, rate=SPEAK_RATE).astype(np.float32)
     level = stage.OutputLevel(SPEAK_RATE, OutputConfig(loudness_lufs=target, true_peak_dbtp=ceiling))
     meter = pyloudnorm.Meter(SPEAK_RATE)
-    lufs, peaks, chunk_cpu_ms, wall_ms, audio_s = [], [], [], [], 0.0
+    lufs, peaks, calls, per_reply = [], [], [], []  # calls: (CPU ms, wall ms, samples) of each process()/flush()
 
     def timed(step, *args) -> np.ndarray:
         wall, cpu = time.perf_counter(), time.thread_time()
         result = step(*args)
-        chunk_cpu_ms.append((time.thread_time() - cpu) * 1000)
-        wall_ms.append((time.perf_counter() - wall) * 1000)
+        calls.append(((time.thread_time() - cpu) * 1000, (time.perf_counter() - wall) * 1000, len(args[0]) if args else 0))
         return result
 
     for n in range(replies):
-        reply, rng, out, i = level.reply(), np.random.default_rng(n), [], 0
+        reply, rng, out, i, first_call = level.reply(), np.random.default_rng(n), [], 0, len(calls)
         while i < len(audio):
             size = int(rng.integers(SPEAK_RATE // 10, SPEAK_RATE))
             out.append(timed(reply.process, audio[i : i + size]))
             i += size
         out.append(timed(reply.flush))
         sent = np.concatenate(out).astype(np.float64)
-        audio_s += len(sent) / SPEAK_RATE
+        per_reply.append(sum(c[0] for c in calls[first_call:]))
         lufs.append(meter.integrated_loudness(sent))
         peaks.append(20 * np.log10(np.abs(soxr.resample(sent, SPEAK_RATE, 4 * SPEAK_RATE, "VHQ")).max()))
-    return {"lufs": lufs, "peak": max(peaks), "chunk_cpu_ms": chunk_cpu_ms,
-            "cpu_per_s": sum(chunk_cpu_ms) / audio_s, "wall_per_s": sum(wall_ms) / audio_s}
+    chunks = [(cpu, wall, samples) for cpu, wall, samples in calls if samples]
+    return {"lufs": lufs, "peak": max(peaks), "reply_s": len(audio) / SPEAK_RATE, "per_reply_cpu_ms": per_reply,
+            # Each chunk's cost as if it were one 200 ms frame of audio (its cost x 200 ms / its length).
+            "frame_cpu_ms": [cpu * FRAME_S * SPEAK_RATE / samples for cpu, _, samples in chunks],
+            "call_wall_ms": [wall for _, wall, _ in calls]}
 
 
 def row(name: str, r: dict) -> str:
-    p50, p95 = np.percentile(r["chunk_cpu_ms"], [50, 95])
-    return (f"{name:5s} | {' '.join(f'{x:6.2f}' for x in r['lufs'])} | {r['peak']:5.2f} dBTP"
-            f" | {p50:5.2f} / {p95:5.2f} / {max(r['chunk_cpu_ms']):5.2f} | {r['cpu_per_s']:5.2f} | {r['wall_per_s']:5.2f}")
+    def p(values) -> str:
+        return " / ".join(f"{v:5.2f}" for v in (*np.percentile(values, [50, 95]), max(values)))
+
+    return (f"{name:5s} | {' '.join(f'{x:6.2f}' for x in r['lufs'])} | {r['peak']:5.2f} | {p(r['frame_cpu_ms'])}"
+            f" | {p(r['per_reply_cpu_ms'])} | {p(r['call_wall_ms'])}")
 
 
 def main() -> None:
@@ -86,15 +92,14 @@ def main() -> None:
     args = parser.parse_args()
     stages = [("this", loudness)] + ([("ref", stage_of(args.ref))] if args.ref else [])
     print(f"as synthesized: {pyloudnorm.Meter(SPEAK_RATE).integrated_loudness(espeak_speech(LINE, rate=SPEAK_RATE).astype(np.float64)):.1f} LUFS")
-    print("stage | LUFS of replies 1..n | worst true peak | CPU ms per chunk p50 / p95 / max | CPU ms per s of audio | wall ms per s")
+    print("stage | LUFS of replies 1..n | worst true peak dBTP | CPU ms per 200 ms frame | CPU ms per reply"
+          " | wall ms the loop is held per call    (p50 / p95 / max each)")
     for target, ceiling in SETTINGS:
         print(f"target {target:.1f} LUFS, ceiling {ceiling:.1f} dBTP")
         results = {name: run(stage, target, ceiling, args.replies) for name, stage in stages}
         for name, r in results.items():
             print(row(name, r))
-        if "ref" in results:
-            print(f"      ref / this: CPU per s of audio {results['ref']['cpu_per_s'] / results['this']['cpu_per_s']:.1f}x,"
-                  f" worst chunk {max(results['ref']['chunk_cpu_ms']) / max(results['this']['chunk_cpu_ms']):.1f}x")
+        print(f"      (a reply is {results['this']['reply_s']:.1f} s of audio, {FRAME_S * 1000:.0f} ms a frame)")
 
 
 if __name__ == "__main__":

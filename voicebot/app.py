@@ -20,7 +20,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from voicebot import __version__, auth, limits, memory, openai_audio, protocol
+from voicebot import __version__, auth, console, limits, memory, openai_audio, protocol
 from voicebot.asr.funasr_ws import RefusingInFunasrShape, funasr_segmenter, serve_funasr
 from voicebot.channels import run_listener
 from voicebot.config import Settings, load_settings
@@ -74,6 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     auth.install(app, settings.server)  # the Host header, and the token on HTTP routes
     app.state.audio_requests, app.state.occupied, app.state.client_limits = audio_requests, occupied, client_limits
     app.include_router(openai_audio.router)  # /v1/audio/speech, /v1/audio/transcriptions
+    console.install(app, rt)  # /v1/console (the operator console's feed) and its commands, /v1/console/*
 
     @app.get("/healthz")
     async def healthz() -> dict:

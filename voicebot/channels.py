@@ -115,6 +115,13 @@ class ChannelHub:
                                      ["reason"], registry=metrics.registry)
         for reason in LOST_BECAUSE:
             self.speakers_lost.labels(reason)
+        # The operator console's (voicebot/console.py): who else is offered every session's messages,
+        # and the channels it muted (one name per mute; unmuting removes it).
+        self._watchers: list[Callable[[str, Wire], None]] = []
+        self._muted: set[str] = set()
+        self.muted_frames = Counter("voicebot_channel_muted_frames_total",
+                                    "Reply audio frames not sent to the listeners of a channel the operator muted",
+                                    registry=metrics.registry)
 
     # ---- speaking sessions ---------------------------------------------------------------------
 
@@ -184,13 +191,38 @@ class ChannelHub:
 
     def mirror(self, session_id: str, item: Wire) -> None:
         """Offer one outbound message of a session to its channel's listeners (never waits)."""
+        for watcher in self._watchers:
+            watcher(session_id, item)
         name = self._speaking.get(session_id)
         if name is None:
+            return
+        if isinstance(item, bytes) and name in self._muted:
+            self.muted_frames.inc()
             return
         channel = self._channels[name]
         for listener in list(channel.listeners):
             if not listener.offer(item):
                 self._drop(name, listener)
+
+    # ---- the operator console (voicebot/console.py) -------------------------------------------------
+
+    def watch(self, watcher: Callable[[str, Wire], None]) -> None:
+        """Offer `watcher` every session's outbound messages too (session id, message), on a channel or
+        not, as listeners get them; it must never wait."""
+        self._watchers.append(watcher)
+
+    def set_muted(self, name: str, muted: bool) -> None:
+        """Mute the bot on a channel: its speaker's reply audio stops reaching the listeners (its events
+        still do). The channel's, not the session's: it holds across the speaker's reconnects."""
+        (self._muted.add if muted else self._muted.discard)(name)
+
+    def describe(self) -> dict[str, dict]:
+        """Each channel known here: its speaker's session id (or None), its listeners, whether muted."""
+        described = {}
+        for name in sorted(self._channels.keys() | self._muted):
+            channel = self._channels.get(name, Channel())
+            described[name] = {"speaker": channel.speaker, "listeners": len(channel.listeners), "muted": name in self._muted}
+        return described
 
     # ---- listeners --------------------------------------------------------------------------------
 

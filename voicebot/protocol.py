@@ -75,6 +75,7 @@ class ErrorCode:
     CONVERSATION_LOST = "conversation_lost"  # another session resumed this session's conversation with its resume token
     CHANNEL_LOST = "channel_lost"  # a speaker whose channel another session took (its resume token, or the cluster)
     READ_ONLY = "read_only"  # a listener sent something other than ping
+    ENDED_BY_OPERATOR = "ended_by_operator"  # the operator console ended the session; then CloseCode.NORMAL
 
 
 class CloseCode(IntEnum):

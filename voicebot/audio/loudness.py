@@ -54,6 +54,10 @@ PHASES = np.stack([_INTERPOLATOR[p::OVERSAMPLE][: 2 * REACH][::-1] for p in rang
 # No point from x[i] towards x[i + 1] exceeds GAIN_BOUND times the largest sample in its window:
 # where even that is under the ceiling, the interpolation is skipped (most of a reply's samples).
 GAIN_BOUND = float(np.abs(PHASES).sum(axis=1).max())
+# NO_BLAS: the stage runs on the event loop, so its products are numpy's own loops (einsum), never
+# BLAS (np.dot, @): OpenBLAS hands a long product to its threads, which on a busy box wait for a
+# core. np.dot over a 1 s chunk's 24,000 samples took 4 ms of wall time for 0.01 ms of work
+# (a -16 LUFS reply's stage: 8x its CPU cost, bench/output_level.py, 2-core box at load 6).
 
 
 def db_to_gain(db: float) -> float:
@@ -130,7 +134,7 @@ class LoudnessMeter:
         if not len(audio):
             return 0.0
         weighted = lfilter(self._b, self._a, audio.astype(np.float64))
-        return float(np.dot(weighted, weighted)) / len(weighted)
+        return float(np.einsum("i,i->", weighted, weighted)) / len(weighted)  # not np.dot: see NO_BLAS
 
 
 class OutputLevel:
@@ -274,7 +278,7 @@ class ReplyLevel:
         hot_in_window = hot_before[s + REACH + 1 : s + n + REACH + 2] - hot_before[s - REACH + 1 : s + n - REACH + 2]
         loud = np.flatnonzero(hot_in_window)
         windows = sliding_window_view(padded, 2 * REACH)[loud + s - REACH + 1]
-        mine[loud] = np.abs(PHASES @ windows.T).max(axis=0)
+        mine[loud] = np.abs(np.einsum("pr,kr->pk", PHASES, windows)).max(axis=0)  # not PHASES @ windows.T: NO_BLAS
         peaks = np.maximum(mine[:-1], mine[1:])
         if peaks.max(initial=0.0) <= ceiling:
             return None
