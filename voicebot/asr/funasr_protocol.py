@@ -74,8 +74,7 @@ from voicebot.audio.resample import StreamResampler, pcm16_to_float
 from voicebot.metrics import Metrics
 from voicebot.protocol import ErrorCode, load_json
 from voicebot.protocol import ProtocolError as VoiceProtocolError
-from voicebot.serving.vad import VadOverloaded
-from voicebot.session.machine import VAD_RETRY_AFTER_S
+from voicebot.serving.vad import VAD_RETRY_AFTER_S, VadOverloaded
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from voicebot.config import EndpointConfig, Settings
 from voicebot.metrics import Metrics
 from voicebot.protocol import MAX_CHUNK_SECONDS, CloseCode, ErrorCode
 from voicebot.serving.vad import VadBatcher
-from voicebot.session.flood import FloodGuard
-from voicebot.session.idle import IdleWatch
+from voicebot.guards.flood import FloodGuard
+from voicebot.guards.idle import IdleWatch
 from voicebot.transport import Wire, receive_loop
 
 log = logging.getLogger(__name__)

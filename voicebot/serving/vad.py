@@ -46,6 +46,10 @@ from voicebot.serving.worker import JobAborted
 
 log = logging.getLogger(__name__)
 
+# What a client refused with VadOverloaded is told (retry_after_s): the batcher drains in steps of
+# milliseconds, so the client may send again soon.
+VAD_RETRY_AFTER_S = 1
+
 
 class VadOverloaded(RuntimeError):
     """More VAD requests are waiting than the batcher's bound."""
