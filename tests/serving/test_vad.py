@@ -13,10 +13,11 @@ import pytest
 
 from tests.audio import dbfs_gain, espeak_speech, fan_noise, to_pcm16
 from voicebot.asr.funasr_ws import funasr_segmenter
-from voicebot.audio.endpoint import WINDOW, Endpointer, SileroVad, VadEvent
+from voicebot.audio.endpoint import WINDOW, Endpointer, VadEvent
 from voicebot.audio.resample import pcm16_to_float
 from voicebot.config import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
+from voicebot.serving.silero import SileroVad
 from voicebot.serving.vad import VadBatcher, VadFault, VadOverloaded
 from voicebot.serving.worker import JobAborted, Worker
 from voicebot.session.listening import FrontEnd

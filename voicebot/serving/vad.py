@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from voicebot.audio.endpoint import SileroVad, silero_session, silero_step
+from voicebot.serving.silero import SileroVad, silero_session, silero_step
 from voicebot.serving.worker import JobAborted
 
 log = logging.getLogger(__name__)
