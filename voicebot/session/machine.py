@@ -24,14 +24,14 @@ from voicebot.audio.loudness import OutputLevel
 from voicebot.audio.rates import LISTEN_RATE, SPEAK_RATE
 from voicebot.audio.resample import pcm16_to_float
 from voicebot.channels import ChannelRefused
+from voicebot.guards.flood import FloodGuard
+from voicebot.guards.idle import IdleWatch
 from voicebot.messages import AudioFrame, AudioIn, ClearInput, Event, Inbound, InputEnd, Turn
 from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
 from voicebot.serving.vad import VAD_RETRY_AFTER_S, VadOverloaded
 from voicebot.session.choices import Choices
-from voicebot.guards.flood import FloodGuard
-from voicebot.guards.idle import IdleWatch
 from voicebot.session.listening import FrontEnd, Listening
 from voicebot.session.outbox import Outbox
 from voicebot.session.replying import Reply, Replying

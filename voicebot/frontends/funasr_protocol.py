@@ -34,7 +34,7 @@ by default, and reads `error` from it).
 An engine that fails raises `EngineFailed`, named as voicebot_engine_failures_total names it on
 /v1/voice (the segmenter: vad/chunk; the recognizer: asr/feed, asr/finish, its second pass and
 dialect fallback included), so one engine's failures count under one label whichever route hit
-them; the socket side ends the stream with it (voicebot/asr/funasr_ws.py).
+them; the socket side ends the stream with it (voicebot/frontends/funasr_ws.py).
 
 A VAD batcher with no room (`VadOverloaded`: the server is at capacity, nothing is broken) loses
 the piece of audio it was given and the utterance that piece was part of, as on /v1/voice, and the
