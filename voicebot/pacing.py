@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class Segment:
+class SpokenSegment:
     """One sentence (or utterance) of a reply and where its audio lies in the reply (24 kHz samples)."""
 
     text: str
@@ -64,7 +64,7 @@ class Pacer:
 class HeardText:
     """Which words of a reply the listener heard, from the segments' audio positions."""
 
-    segments: list[Segment] = field(default_factory=list)
+    segments: list[SpokenSegment] = field(default_factory=list)
 
     def add(self, text: str, segment_index: int, start: int, samples: int) -> None:
         if segment_index < len(self.segments):
@@ -73,7 +73,7 @@ class HeardText:
             self.segments[segment_index].text = text
             self.segments[segment_index].end = start + samples
         else:
-            self.segments.append(Segment(text, start, start + samples))
+            self.segments.append(SpokenSegment(text, start, start + samples))
 
     def heard(self, played_samples: int) -> str:
         parts = []

@@ -21,7 +21,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from voicebot.asr.base import Recognizer
 from voicebot.audio.endpoint import SAMPLE_RATE, WINDOW, Endpointer, VadEvent
 from voicebot.config import EndpointConfig, Settings
-from voicebot.frontends.funasr_protocol import OFFLINE, EngineFailed, FunasrSession, ProtocolError, Segmenter
+from voicebot.frontends.funasr_protocol import OFFLINE, EngineFailed, FunasrMessageError, FunasrSession, Segmenter
 from voicebot.guards.flood import FloodGuard
 from voicebot.guards.idle import IdleWatch
 from voicebot.metrics import Metrics
@@ -104,7 +104,7 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
                 replies = await session.on_text(message)
             else:
                 replies = await session.on_audio(message)
-        except ProtocolError as exc:
+        except FunasrMessageError as exc:
             replies = [{"wav_name": session.config.wav_name, "error": str(exc), "is_final": False}]
         except EngineFailed as exc:  # the VAD or the recognizer broke on this stream: it ends, the server goes on
             log.error("/funasr: an engine failed on stream %r: %s", session.config.wav_name, exc, exc_info=exc.__cause__)
