@@ -12,6 +12,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from voicebot.text import joined
+
 
 @dataclass
 class SpokenSegment:
@@ -85,15 +87,7 @@ class HeardText:
                 fraction = (played_samples - seg.start) / max(1, seg.end - seg.start)
                 parts.append(_prefix(seg.text, fraction))
             break
-        text = ""
-        for part in filter(None, parts):
-            # Chinese sentences join without a space; English ones with one.
-            text += part if not text or _is_cjk(text[-1]) or _is_cjk(part[0]) else " " + part
-        return text
-
-
-def _is_cjk(ch: str) -> bool:
-    return "\u3000" <= ch <= "\u9fff" or "\uff00" <= ch <= "\uffef"
+        return joined(parts)  # Chinese sentences join without a space, English ones with one
 
 
 def _prefix(text: str, fraction: float) -> str:
