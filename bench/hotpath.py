@@ -23,11 +23,12 @@ import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py
 
 from tests.audio import dbfs_gain, espeak_speech, fan_noise, to_pcm16  # noqa: E402
 from voicebot import protocol  # noqa: E402
-from voicebot.audio.endpoint import WINDOW, Endpointer, SileroVad, silero_step  # noqa: E402
+from voicebot.audio.endpoint import WINDOW, Endpointer  # noqa: E402
 from voicebot.audio.framing import Framer  # noqa: E402
 from voicebot.audio.gate import NoiseGate  # noqa: E402
 from voicebot.audio.resample import StreamResampler, float_to_pcm16, pcm16_to_float  # noqa: E402
 from voicebot.config import EndpointConfig, GateConfig  # noqa: E402
+from voicebot.serving.silero import SileroVad, silero_step  # noqa: E402
 from voicebot.serving.vad import VadBatcher  # noqa: E402
 
 CHUNK = 3200  # 200 ms at 16 kHz

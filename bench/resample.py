@@ -19,7 +19,8 @@ import soxr
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 
 from tests.turn_set import TURNS, render  # noqa: E402
-from voicebot.audio.endpoint import WINDOW, SileroVad  # noqa: E402
+from voicebot.audio.endpoint import WINDOW  # noqa: E402
+from voicebot.serving.silero import SileroVad  # noqa: E402
 
 IN, OUT = 48000, 16000
 CHUNK = IN * 20 // 1000

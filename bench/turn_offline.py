@@ -59,6 +59,7 @@ from voicebot.audio import endpoint  # noqa: E402
 from voicebot.audio.turn import Action, SmartTurn, TurnPolicy  # noqa: E402
 from voicebot.audio.turn_words import unpunctuated  # noqa: E402
 from voicebot.config import EndpointConfig  # noqa: E402
+from voicebot.serving.silero import SileroVad  # noqa: E402
 
 WINDOW_MS = 32
 # VAD silences the model may be asked at: from the shortest swept pause to the last question a 1.5 s
@@ -104,7 +105,7 @@ def endpointer_runs(rendered: list[RenderedTurn], noise_dbfs: float | None, paus
         clean = np.concatenate([np.zeros(lead, np.float32), r.audio, np.zeros(SAMPLE_RATE, np.float32)])
         audio = clean if noise_dbfs is None else clean + rng.standard_normal(len(clean)).astype(np.float32) * 10 ** (noise_dbfs / 20)
         windows = endpoint.Endpointer(config).cut(audio)
-        probabilities = endpoint.SileroVad().probabilities(windows)
+        probabilities = SileroVad().probabilities(windows)
         loud = np.nonzero(np.abs(clean) >= SILENT)[0]
         pauses = [(lead + a * SAMPLE_RATE, lead + b * SAMPLE_RATE) for a, b in r.pauses]
         true_end = lead + r.end_s * SAMPLE_RATE

@@ -21,10 +21,10 @@ import websockets
 from tests.asr.server import serve
 from tests.audio import to_pcm16
 from tests.conftest import VoiceClient, make_settings, speech_pcm
+from voicebot.guards import flood
+from voicebot.guards.flood import FloodGuard
+from voicebot.guards.idle import IdleWatch
 from voicebot.protocol import CloseCode, ErrorCode
-from voicebot.session import flood
-from voicebot.session.flood import FloodGuard
-from voicebot.session.idle import IdleWatch
 
 TOKEN = "limits-secret"
 

@@ -292,7 +292,7 @@ def _stream_until_answered(port: int, head: bytes, chunk: bytes, most: int) -> t
 
 def test_a_speech_body_is_read_only_up_to_its_limit(guarded_server):
     """A 200 MB POST grew the server by 600 MB; now it stops at MAX_SPEECH_BODY_BYTES."""
-    from voicebot.openai_audio import MAX_SPEECH_BODY_BYTES
+    from voicebot.frontends.openai_audio.speech import MAX_SPEECH_BODY_BYTES
 
     head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")
@@ -304,7 +304,7 @@ def test_a_speech_body_is_read_only_up_to_its_limit(guarded_server):
 
 
 def test_a_chunked_upload_is_refused_at_the_limit_not_after_it_is_all_on_disk(guarded_server):
-    from voicebot.openai_audio import MAX_UPLOAD_BYTES
+    from voicebot.frontends.openai_audio.transcriptions import MAX_UPLOAD_BYTES
 
     head = (b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
             b"Content-Type: multipart/form-data; boundary=b0undary\r\n\r\n")

@@ -20,10 +20,11 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from voicebot import __version__, auth, console, limits, memory, openai_audio, protocol
-from voicebot.asr.funasr_ws import RefusingInFunasrShape, funasr_segmenter, serve_funasr
+from voicebot import __version__, auth, console, limits, memory, protocol
 from voicebot.channels import run_listener
 from voicebot.config import Settings, load_settings
+from voicebot.frontends import openai_audio
+from voicebot.frontends.funasr_ws import RefusingInFunasrShape, funasr_segmenter, serve_funasr
 from voicebot.loop_watch import LoopWatch
 from voicebot.obs_plugin import ObsSocket
 from voicebot.protocol import CloseCode, ErrorCode

@@ -84,7 +84,7 @@ class LimitsConfig(Section):
     max_messages_per_s: float = Field(200.0, gt=0)
     # Audio bytes per second allowed, as a multiple of the session's real-time byte rate.
     max_audio_realtime_factor: float = Field(4.0, gt=1)
-    # Each rate's allowance holds this long of it (voicebot/session/flood.py): a client may catch up
+    # Each rate's allowance holds this long of it (voicebot/guards/flood.py): a client may catch up
     # after a network stall this long.
     window_s: float = Field(2.0, gt=0)
     # FunASR's clients send a file as fast as the server reads it (funasr-client in every mode, the

@@ -47,9 +47,9 @@ def build_synthesizer(settings: Settings) -> Synthesizer:
 def build_responders(settings: Settings) -> dict[str, Responder]:
     """Every responder a session may pick; `reply.engine` names the default. "openai" is offered
     whenever reply.openai has a base_url and a model, even while echo is the default."""
-    from voicebot.reply.echo import EchoResponder
+    from voicebot.reply.repeat import RepeatResponder
 
-    responders: dict[str, Responder] = {"echo": EchoResponder()}
+    responders: dict[str, Responder] = {RepeatResponder.name: RepeatResponder()}
     reply = settings.reply
     if reply.openai.base_url and reply.openai.model:
         from voicebot.reply.openai_compat import OpenAICompatResponder

@@ -6,7 +6,7 @@ ProxyHeadersMiddleware, which `install` puts in front; the header of any other p
 `CountConnections` counts every WebSocket for the whole time its route runs, whatever the route;
 `admit()` (voicebot/app.py) asks `refusal` whether one more is allowed and `hold_session` for
 each connection it admits as a session, released with the connection. An HTTP request that runs
-an engine (voicebot/openai_audio.py) is a session of its address too, from admission to its last
+an engine (voicebot/frontends/openai_audio/) is a session of its address too, from admission to its last
 byte: `refusal(scope, session=True)`, then `take_session` and `release_session`.
 """
 

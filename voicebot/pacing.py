@@ -12,9 +12,11 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from voicebot.text import joined
+
 
 @dataclass
-class Segment:
+class SpokenSegment:
     """One sentence (or utterance) of a reply and where its audio lies in the reply (24 kHz samples)."""
 
     text: str
@@ -64,7 +66,7 @@ class Pacer:
 class HeardText:
     """Which words of a reply the listener heard, from the segments' audio positions."""
 
-    segments: list[Segment] = field(default_factory=list)
+    segments: list[SpokenSegment] = field(default_factory=list)
 
     def add(self, text: str, segment_index: int, start: int, samples: int) -> None:
         if segment_index < len(self.segments):
@@ -73,7 +75,7 @@ class HeardText:
             self.segments[segment_index].text = text
             self.segments[segment_index].end = start + samples
         else:
-            self.segments.append(Segment(text, start, start + samples))
+            self.segments.append(SpokenSegment(text, start, start + samples))
 
     def heard(self, played_samples: int) -> str:
         parts = []
@@ -85,15 +87,7 @@ class HeardText:
                 fraction = (played_samples - seg.start) / max(1, seg.end - seg.start)
                 parts.append(_prefix(seg.text, fraction))
             break
-        text = ""
-        for part in filter(None, parts):
-            # Chinese sentences join without a space; English ones with one.
-            text += part if not text or _is_cjk(text[-1]) or _is_cjk(part[0]) else " " + part
-        return text
-
-
-def _is_cjk(ch: str) -> bool:
-    return "\u3000" <= ch <= "\u9fff" or "\uff00" <= ch <= "\uffef"
+        return joined(parts)  # Chinese sentences join without a space, English ones with one
 
 
 def _prefix(text: str, fraction: float) -> str:

@@ -16,9 +16,9 @@ import pytest
 import soundfile
 
 from tests.asr.tiny_models import synthetic_speech
-from voicebot.asr.funasr_protocol import EngineFailed, FunasrSession
 from voicebot.audio.endpoint import EventKind, VadEvent
 from voicebot.audio.resample import float_to_pcm16
+from voicebot.frontends.funasr_protocol import EngineFailed, FunasrSession
 from voicebot.metrics import Metrics
 from voicebot.serving.vad import VadOverloaded
 

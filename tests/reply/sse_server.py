@@ -67,6 +67,10 @@ class SSEServer:
             time.sleep(0.01)
         return self
 
+    def close_unstarted(self) -> None:
+        """Give back the port of a server never started: a connection to `base_url` is refused."""
+        self._sock.close()
+
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(5)

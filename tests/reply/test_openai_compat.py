@@ -146,8 +146,8 @@ def test_a_malformed_chunk_fails(sse):
 
 
 def test_unreachable_endpoint_is_a_connect_failure(sse):
-    closed = SSEServer()  # bound, never started: nothing accepts
-    closed._sock.close()
+    closed = SSEServer()
+    closed.close_unstarted()  # nothing accepts on its port
     with pytest.raises(ResponderError) as failure:
         run(collect(make(closed, retries=1)))
     assert failure.value.kind == "connect"

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from tests.audio import dbfs_gain, espeak_speech, fan_noise, to_pcm16
-from voicebot.asr.funasr_ws import funasr_segmenter
-from voicebot.audio.endpoint import WINDOW, Endpointer, SileroVad, VadEvent
+from voicebot.audio.endpoint import WINDOW, Endpointer, VadEvent
 from voicebot.audio.resample import pcm16_to_float
 from voicebot.config import EndpointConfig, GateConfig
+from voicebot.frontends.funasr_ws import funasr_segmenter
 from voicebot.messages import AudioIn
+from voicebot.serving.silero import SileroVad
 from voicebot.serving.vad import VadBatcher, VadFault, VadOverloaded
 from voicebot.serving.worker import JobAborted, Worker
 from voicebot.session.listening import FrontEnd
@@ -136,7 +137,7 @@ def test_a_session_that_goes_away_mid_chunk_leaves_the_others_judged(batcher):
     assert batcher.pending == 0 and batcher._thread.is_alive()
 
 
-# ---- /funasr streams (voicebot/asr/funasr_ws.py) on the same batcher as /v1/voice sessions ----------
+# ---- /funasr streams (voicebot/frontends/funasr_ws.py) on the same batcher as /v1/voice sessions ----------
 
 def recorded(endpointer: Endpointer) -> list[np.ndarray]:
     """The probabilities the endpoint rule is given, call by call."""

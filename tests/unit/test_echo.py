@@ -12,8 +12,9 @@ import pytest
 
 from tests.audio import espeak_speech
 from voicebot.audio.echo import AEC3_FIELD_TRIALS, MAX_FAR_S, EchoCanceller
-from voicebot.audio.endpoint import WINDOW, WINDOW_MS, SileroVad
+from voicebot.audio.endpoint import WINDOW, WINDOW_MS
 from voicebot.audio.resample import StreamResampler
+from voicebot.serving.silero import SileroVad
 
 REPLY = "Here is a longer reply from the bot. It keeps talking for a few seconds, as replies do."
 BARGE_IN = "Stop talking now please, I want to say something."

@@ -8,7 +8,9 @@ import pytest
 
 from tests.turn_set import TURNS, render
 from voicebot.audio.endpoint import HANGOVER_WINDOWS_MAX, WINDOW, WINDOW_MS, Endpointer, EventKind
+from voicebot.audio.rates import LISTEN_RATE
 from voicebot.config import EndpointConfig
+from voicebot.serving.silero import SAMPLE_RATE
 
 ROOM = 10 ** (-60 / 20)  # a quiet room's noise, RMS
 SPEECH = 10 ** (-25 / 20)
@@ -91,3 +93,8 @@ def test_silero_speech_ends_within_a_window_of_the_true_end(noise_dbfs):
         lags.append((end[-1].speech_end_sample - (lead + turn.end_s * 16000)) / 16)
     assert len(lags) >= 8
     assert abs(np.percentile(lags, 50)) < WINDOW_MS and max(lags) < 2 * WINDOW_MS, lags
+
+
+def test_the_endpointer_hears_at_silero_s_rate():
+    """Silero's graph (serving/silero.py) takes 16 kHz: the rate the server listens at."""
+    assert SAMPLE_RATE == LISTEN_RATE

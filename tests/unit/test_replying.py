@@ -16,8 +16,8 @@ from voicebot.config import PacingConfig, ReplyConfig
 from voicebot.engine_reports import ResetReport
 from voicebot.messages import AudioFrame, Event, Turn
 from voicebot.metrics import Metrics
-from voicebot.reply.echo import EchoResponder
 from voicebot.reply.history import Conversation
+from voicebot.reply.repeat import RepeatResponder
 from voicebot.reply.safety import SpeechFilter
 from voicebot.session.outbox import Outbox
 from voicebot.session.replying import FRAMES_MAX, Replying
@@ -89,7 +89,7 @@ def play_reply(realtime_factor: float) -> tuple[list[bytes], list[dict], float, 
         outbox = Outbox(metrics)
         stage = Replying(tts, conversation, outbox, metrics, SpeechFilter([]), ReplyConfig(), PacingConfig(),
                          clock=loop.time)
-        reply = stage.reply(Turn("tell me a long story", say=False), "echo", EchoResponder(), on_speaking=lambda: None)
+        reply = stage.reply(Turn("tell me a long story", say=False), "echo", RepeatResponder(), on_speaking=lambda: None)
         player = asyncio.create_task(reply.run())
         frames, events = [], []
         while not any(e["type"] == "audio.end" for e in events):
@@ -138,7 +138,7 @@ def test_a_started_reply_holds_its_audio_until_play_and_a_cancel_counts_it():
         outbox = Outbox(metrics)
         stage = Replying(tts, Conversation(8), outbox, metrics, SpeechFilter([]), ReplyConfig(), PacingConfig(),
                          clock=loop.time)
-        reply = stage.reply(Turn("hello there", say=True), "echo", EchoResponder(), on_speaking=lambda: None)
+        reply = stage.reply(Turn("hello there", say=True), "echo", RepeatResponder(), on_speaking=lambda: None)
         reply.start()
         await asyncio.sleep(30)  # virtual: the producer fills the holding buffer and waits
         held = reply.frames.qsize()
@@ -159,7 +159,7 @@ def test_a_started_reply_holds_its_audio_until_play_and_a_cancel_counts_it():
     assert metrics.frames_dropped.labels("interrupted")._value.get() == reply.frames_produced + 1
 
 
-class RecordingEcho(EchoResponder):
+class RecordingEcho(RepeatResponder):
     """The echo responder, keeping the history each reply was asked with."""
 
     def __init__(self) -> None:

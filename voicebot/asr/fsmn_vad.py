@@ -60,7 +60,7 @@ class FsmnVad:
 
 
 class FsmnSegmenter:
-    """One connection's endpointer: the `Segmenter` interface of voicebot.asr.funasr_protocol."""
+    """One connection's endpointer: the `Segmenter` interface of voicebot.frontends.funasr_protocol."""
 
     def __init__(self, vad: FsmnVad) -> None:
         self.vad = vad

@@ -37,7 +37,7 @@ class ParaformerRecognizer(Recognizer):
         self.max_utterance_samples = int(self.endpoint.max_utterance_s * SAMPLE_RATE)
         self.streaming: FunasrModel | None = None
         self.router = Router()
-        # fsmn-vad for /funasr (voicebot.asr.funasr_ws), when asr.paraformer.vad_model is set.
+        # fsmn-vad for /funasr (voicebot.frontends.funasr_ws), when asr.paraformer.vad_model is set.
         self.vad: FsmnVad | None = None
 
     def _model(self, key: str, ref: str) -> FunasrModel:

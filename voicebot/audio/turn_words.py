@@ -17,6 +17,8 @@ from __future__ import annotations
 import enum
 import re
 
+from voicebot.text import is_cjk
+
 
 class Cue(enum.Enum):
     HOLD = "hold"  # the words say the user is not done
@@ -53,7 +55,7 @@ def cue(text: str) -> Cue:
         return Cue.GO
     if text[-1] in END_HOLD:
         return Cue.HOLD
-    if _cjk(text[-1]):
+    if is_cjk(text[-1]):
         if text.endswith(GO_ZH):
             return Cue.GO
         return Cue.HOLD if text.endswith(HOLD_ZH) else Cue.NONE
@@ -64,7 +66,3 @@ def cue(text: str) -> Cue:
 def unpunctuated(text: str) -> str:
     """The text as a recognizer without punctuation gives it (pocketsphinx, paraformer)."""
     return " ".join(re.sub(r"[^\w\s']", " ", text).split())
-
-
-def _cjk(char: str) -> bool:
-    return "\u3400" <= char <= "\u9fff" or "\uf900" <= char <= "\ufaff"

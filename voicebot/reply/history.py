@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections import deque
 
 from voicebot.reply.base import Message
+from voicebot.text import is_cjk
 
 
 def estimate_tokens(text: str) -> int:
     """A tokenizer-free estimate: one token per CJK character, one per four other characters
     (close to what Qwen and Llama tokenizers give, and cheap enough to run on every turn)."""
-    cjk = sum(1 for ch in text if ch >= "\u2e80")
+    cjk = sum(map(is_cjk, text))
     return cjk + (len(text) - cjk + 3) // 4
 
 

@@ -41,10 +41,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from voicebot.audio.endpoint import SileroVad, silero_session, silero_step
+from voicebot.serving.silero import SileroVad, silero_session, silero_step
 from voicebot.serving.worker import JobAborted
 
 log = logging.getLogger(__name__)
+
+# What a client refused with VadOverloaded is told (retry_after_s): the batcher drains in steps of
+# milliseconds, so the client may send again soon.
+VAD_RETRY_AFTER_S = 1
 
 
 class VadOverloaded(RuntimeError):

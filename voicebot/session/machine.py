@@ -24,14 +24,14 @@ from voicebot.audio.loudness import OutputLevel
 from voicebot.audio.rates import LISTEN_RATE, SPEAK_RATE
 from voicebot.audio.resample import pcm16_to_float
 from voicebot.channels import ChannelRefused
+from voicebot.guards.flood import FloodGuard
+from voicebot.guards.idle import IdleWatch
 from voicebot.messages import AudioFrame, AudioIn, ClearInput, Event, Inbound, InputEnd, Turn
 from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
-from voicebot.serving.vad import VadOverloaded
+from voicebot.serving.vad import VAD_RETRY_AFTER_S, VadOverloaded
 from voicebot.session.choices import Choices
-from voicebot.session.flood import FloodGuard
-from voicebot.session.idle import IdleWatch
 from voicebot.session.listening import FrontEnd, Listening
 from voicebot.session.outbox import Outbox
 from voicebot.session.replying import Reply, Replying
@@ -45,8 +45,6 @@ log = logging.getLogger("voicebot.session")
 # 20-100 ms, so about 6 s of audio in practice). turns: 8 replies waiting to be made.
 AUDIO_IN_MAX = 64
 TURNS_MAX = 8
-# The VAD batcher full: it drains in steps of milliseconds, so the client may send again soon.
-VAD_RETRY_AFTER_S = 1
 
 
 class State(Enum):
@@ -233,7 +231,7 @@ class Session:
             self.request_close(CloseCode.POLICY, ErrorCode.START_TIMEOUT, f"no session.start within {timeout_s:g} s")
 
     async def _close_when_idle(self) -> None:
-        """From session.start on: close the session once its client has gone quiet (session/idle.py)."""
+        """From session.start on: close the session once its client has gone quiet (guards/idle.py)."""
         self.request_close(CloseCode.POLICY, ErrorCode.IDLE_TIMEOUT, await self.idle.expire())
 
     async def handle(self, message) -> None:

@@ -39,6 +39,7 @@ from voicebot.metrics import Metrics
 from voicebot.session.listening import FrontEnd
 from voicebot.session.outbox import Outbox
 from voicebot.session.replying import Reply
+from voicebot.text import joined
 
 log = logging.getLogger("voicebot.session")
 
@@ -52,22 +53,8 @@ def normalised(text: str) -> str:
     return " ".join(re.sub(r"[^\w\s']", " ", text.lower()).split())
 
 
-def joined(texts: list[str]) -> str:
-    """Segment transcripts as one: a space between words, none between CJK characters."""
-    out = ""
-    for text in (t.strip() for t in texts):
-        if out and text and not (_cjk(out[-1]) and _cjk(text[0])):
-            out += " "
-        out += text
-    return out
-
-
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 1)
-
-
-def _cjk(char: str) -> bool:
-    return "\u3000" <= char <= "\u9fff" or "\uf900" <= char <= "\ufaff"
 
 
 class TurnTaking:

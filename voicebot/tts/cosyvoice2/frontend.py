@@ -18,6 +18,7 @@ import onnxruntime as ort
 import soundfile as sf
 import torch
 
+from voicebot.text import is_cjk, is_hangul
 from voicebot.tts.cosyvoice2 import features
 
 CAMPPLUS_FILE = "campplus.onnx"
@@ -101,13 +102,12 @@ def load_text_tokenizer(qwen_dir: str | Path):
     return tokenizer
 
 
-_CJK = re.compile(r"[\u4e00-\u9fff]")
 SENTENCE_END = {"zh": "。？！；：、.?!;", "en": ".?!;:"}
 CLOSING_QUOTES = "\"”"
 
 
 def language(text: str) -> str:
-    return "zh" if _CJK.search(text) else "en"
+    return "zh" if any(is_cjk(c) and not is_hangul(c) for c in text) else "en"  # Chinese or Japanese writing
 
 
 class TextFrontend:

@@ -1,4 +1,9 @@
-"""The echo responder: answers with what it heard, word by word (no model, no network)."""
+"""The repeat responder: answers with what it heard, word by word (no model, no network).
+
+Users pick it by the name "echo" (`reply.engine: echo`, the default; session.start's `responder`):
+that name stays, since configs and clients use it. In the code it is the repeat responder, so that
+"echo" means one thing there: the echo canceller (voicebot/audio/echo.py).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,8 @@ from voicebot.engine_reports import EngineInfo
 from voicebot.reply.base import Message, Responder
 
 
-class EchoResponder(Responder):
-    name = "echo"
+class RepeatResponder(Responder):
+    name = "echo"  # what users call it in configs and session.start (see above)
 
     async def reply(self, history: list[Message], text: str, voice: str | None = None) -> AsyncIterator[str]:
         words = text.split()

@@ -34,7 +34,7 @@ by default, and reads `error` from it).
 An engine that fails raises `EngineFailed`, named as voicebot_engine_failures_total names it on
 /v1/voice (the segmenter: vad/chunk; the recognizer: asr/feed, asr/finish, its second pass and
 dialect fallback included), so one engine's failures count under one label whichever route hit
-them; the socket side ends the stream with it (voicebot/asr/funasr_ws.py).
+them; the socket side ends the stream with it (voicebot/frontends/funasr_ws.py).
 
 A VAD batcher with no room (`VadOverloaded`: the server is at capacity, nothing is broken) loses
 the piece of audio it was given and the utterance that piece was part of, as on /v1/voice, and the
@@ -72,10 +72,8 @@ from voicebot.audio.endpoint import EventKind, VadEvent
 from voicebot.audio.files import UndecodableAudio, decode_file
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
 from voicebot.metrics import Metrics
-from voicebot.protocol import ErrorCode, load_json
-from voicebot.protocol import ProtocolError as VoiceProtocolError
-from voicebot.serving.vad import VadOverloaded
-from voicebot.session.machine import VAD_RETRY_AFTER_S
+from voicebot.protocol import ErrorCode, ProtocolError, load_json
+from voicebot.serving.vad import VAD_RETRY_AFTER_S, VadOverloaded
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +90,9 @@ MAX_FILE_BYTES = 64 * 2**20
 _FILE_PIECE = SAMPLE_RATE  # samples (1 s)
 
 
-class ProtocolError(ValueError):
-    """A client message we cannot follow; the session ends the stream with its reason."""
+class FunasrMessageError(ValueError):
+    """A FunASR client message we cannot follow (a field we refuse); the session ends the stream with
+    its reason. (voicebot.protocol.ProtocolError is /v1/voice's: `load_json` raises it here too.)"""
 
 
 class EngineFailed(RuntimeError):
@@ -120,12 +119,12 @@ class ClientConfig:
     audio_fs: int = SAMPLE_RATE
 
     def update(self, message: dict) -> None:
-        """Apply a client message; raises ProtocolError (with wav_name applied) on a field we refuse."""
+        """Apply a client message; raises FunasrMessageError (with wav_name applied) on a field we refuse."""
         # The name first: the error result of a refused message must carry it.
         self.wav_name = str(message.get("wav_name", self.wav_name))
         mode = message.get("mode", self.mode)
         if mode not in _MODES:
-            raise ProtocolError(f"mode must be one of {', '.join(_MODES)}, not {mode!r}")
+            raise FunasrMessageError(f"mode must be one of {', '.join(_MODES)}, not {mode!r}")
         audio_fs = _sample_rate(message.get("audio_fs", self.audio_fs))
         wav_format = str(message.get("wav_format") or self.wav_format).lower()
         self.mode, self.audio_fs, self.wav_format = mode, audio_fs, wav_format
@@ -142,7 +141,7 @@ def _sample_rate(value: object) -> int:
     except (TypeError, ValueError):
         rate = float("nan")
     if isinstance(value, bool) or not rate.is_integer() or not 8000 <= rate <= 48000:
-        raise ProtocolError(f"audio_fs must be a sample rate in 8000-48000 Hz, not {value!r}")
+        raise FunasrMessageError(f"audio_fs must be a sample rate in 8000-48000 Hz, not {value!r}")
     return int(rate)
 
 
@@ -170,7 +169,7 @@ class FunasrSession:
     async def on_text(self, text: str) -> list[dict]:
         try:
             message = load_json(text)  # the input policy of every route: nothing echoed is unencodable
-        except VoiceProtocolError as exc:
+        except ProtocolError as exc:
             return await self.refuse(f"not JSON: {exc.message}" if exc.code == ErrorCode.INVALID_JSON else exc.message)
         if not isinstance(message, dict):
             return await self.refuse("a text message must be a JSON object")
@@ -183,7 +182,7 @@ class FunasrSession:
         previous = (self.config.audio_fs, self.config.wav_format)
         try:
             self.config.update(message)
-        except ProtocolError as exc:
+        except FunasrMessageError as exc:
             return await self.refuse(str(exc), is_end=is_end)
         if (self.config.audio_fs, self.config.wav_format) != previous:
             self._resampler = StreamResampler(self.config.audio_fs, SAMPLE_RATE)

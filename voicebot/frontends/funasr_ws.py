@@ -1,4 +1,4 @@
-"""The /funasr WebSocket: socket I/O around voicebot.asr.funasr_protocol.
+"""The /funasr WebSocket: socket I/O around voicebot.frontends.funasr_protocol.
 
 Serves existing FunASR runtime clients with the server's loaded recognizer (same model, same
 worker, shared with /v1/voice sessions); utterances end by fsmn-vad when one is configured (as in
@@ -19,14 +19,14 @@ import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
 
 from voicebot.asr.base import Recognizer
-from voicebot.asr.funasr_protocol import OFFLINE, EngineFailed, FunasrSession, ProtocolError, Segmenter
 from voicebot.audio.endpoint import SAMPLE_RATE, WINDOW, Endpointer, VadEvent
 from voicebot.config import EndpointConfig, Settings
+from voicebot.frontends.funasr_protocol import OFFLINE, EngineFailed, FunasrMessageError, FunasrSession, Segmenter
+from voicebot.guards.flood import FloodGuard
+from voicebot.guards.idle import IdleWatch
 from voicebot.metrics import Metrics
 from voicebot.protocol import MAX_CHUNK_SECONDS, CloseCode, ErrorCode
 from voicebot.serving.vad import VadBatcher
-from voicebot.session.flood import FloodGuard
-from voicebot.session.idle import IdleWatch
 from voicebot.transport import Wire, receive_loop
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
                 replies = await session.on_text(message)
             else:
                 replies = await session.on_audio(message)
-        except ProtocolError as exc:
+        except FunasrMessageError as exc:
             replies = [{"wav_name": session.config.wav_name, "error": str(exc), "is_final": False}]
         except EngineFailed as exc:  # the VAD or the recognizer broke on this stream: it ends, the server goes on
             log.error("/funasr: an engine failed on stream %r: %s", session.config.wav_name, exc, exc_info=exc.__cause__)

@@ -1,7 +1,7 @@
 """The flood guard: past its limits a client is abusing the server and its connection is closed.
 
 Used by every route that takes audio: /v1/voice and /obs/audio (voicebot/session/machine.py) and
-/funasr (voicebot/asr/funasr_ws.py). Two token buckets, full at the start: messages, and seconds
+/funasr (voicebot/frontends/funasr_ws.py). Two token buckets, full at the start: messages, and seconds
 of audio. Each refills at its rate (`max_messages_per_s`; `max_audio_factor` seconds of audio per
 second) and holds `window_s` of it, so a client may catch up after a network stall of that long;
 `audio_burst_s` more seconds of audio may come at any speed (a FunASR client sends a file whole).

@@ -1,0 +1,1 @@
+"""The protocol front ends: each translates its wire to the session's commands and events."""

@@ -1,0 +1,1 @@
+"""Per-connection guards every front end that takes audio applies: the flood guard and the idle timeout."""
