@@ -24,7 +24,7 @@ Bounds (written down because every session waits here):
 
 Counted: `batch_sizes` (steps by rows), `refused` (submits over the bound), `cancelled` (requests
 whose session went away before they were taken: their input is not run), `failed_requests`
-(requests answered with an error: their step, their `_take` or a break of the loop), `thread_faults`
+(requests answered with an error: their step, their `_take`, a break of the loop or a stop), `thread_faults`
 (BaseExceptions that are not Exceptions, and breaks of the loop, survived), `busy_s` (the thread's
 CPU seconds, read by admission control, voicebot/serving/capacity.py, like a worker pool's).
 
