@@ -88,6 +88,8 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
     step 120 "cosyvoice2" $python bench/cosyvoice2.py --size tiny --device cpu --threads 1 \
         --modes exact --int8-modes '' --overlap-modes ''
   fi
+  # 5. The batched streaming Paraformer (issue 25): one chunk of 1 / 4 / 8 / 16 sessions in one step, ours only.
+  step 45 "paraformer" $python bench/paraformer.py --device "$device" --dtype "$dtype" --skip-funasr --rounds 5 --warm 3 --size "$([ "$device" = cuda ] && echo large || echo tiny)"
   rm -rf "$site"
   echo
   echo "gpu_check: $([ $status -eq 0 ] && echo 'every step ended cleanly' || echo 'a step failed or was cut (above)')"

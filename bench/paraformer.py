@@ -2,7 +2,7 @@
 
     python bench/paraformer.py                       # released dimensions (220 M params), CPU
     python bench/paraformer.py --size tiny           # the tiny test model: overhead only
-    python bench/paraformer.py --device cuda --dtype float16
+    python bench/paraformer.py --device cuda --dtype float16 --skip-funasr   # bench/gpu_check.sh's step
     python bench/paraformer.py --precision           # fp16, bf16, int8 against funasr's golden fixtures
 
 One decode step (600 ms of audio per session, chunk [0, 10, 5], look-back 4/1) for 1, 4, 8 and 16
@@ -16,8 +16,9 @@ the look-back caches are full, as in a running show. Printed side by side:
   audio s/s    aggregate throughput, sessions * 0.6 s / step
 
 "large" is a random-weight model with paraformer-large-online's exact dimensions, built once by
-funasr's own classes into bench-output/ (880 MB); the compute per chunk is the real model's.
-Timings on a shared machine are upper bounds.
+funasr's own classes into bench-output/ (880 MB); the compute per chunk is the real model's. With
+--skip-funasr nothing of funasr is needed (the GPU box has none): the same dimensions get random
+weights from our own classes, in memory. Timings on a shared machine are upper bounds.
 """
 
 from __future__ import annotations
@@ -44,15 +45,32 @@ def p50(values: list[float]) -> float:
     return float(np.percentile(np.asarray(values) * 1000, 50))
 
 
-def run_ours(model_dir: Path, audio: np.ndarray, rounds: int, warm: int, device: str, dtype: str) -> dict[int, float]:
+def random_paraformer(size: str):
+    """A LoadedParaformer of `size`'s dimensions (the config tests/asr/tiny_models.py writes for
+    funasr) with random weights from our own classes, identity CMVN: no funasr, no files."""
     import torch
 
-    from voicebot.asr.sanm.loader import load_paraformer
+    from tests.asr.tiny_models import _paraformer_config, _tokens
+    from voicebot.asr.sanm.frontend import Cmvn
+    from voicebot.asr.sanm.loader import LoadedParaformer, check_config, frontend_config, model_args
+    from voicebot.asr.sanm.model import Paraformer
+
+    config, tokens = _paraformer_config("paraformer-streaming", size), _tokens(size)
+    check_config(config)
+    args = model_args(config, len(tokens))
+    torch.manual_seed(0)
+    cmvn = Cmvn(np.zeros(args.input_dim, np.float32), np.ones(args.input_dim, np.float32))
+    return LoadedParaformer(Path(f"(random {size})"), Paraformer(args).eval(), frontend_config(config), cmvn, tokens, config)
+
+
+def run_ours(loaded, audio: np.ndarray, rounds: int, warm: int, device: str, dtype: str) -> dict[int, float]:
+    import torch
+
     from voicebot.asr.sanm.model import ChunkConfig
     from voicebot.asr.sanm.stream import StreamingParaformer
 
-    engine = StreamingParaformer(load_paraformer(model_dir, device=device, dtype=getattr(torch, dtype)),
-                                 ChunkConfig(tuple(CHUNK), *LOOK_BACK))
+    loaded.model = loaded.model.to(device=device, dtype=getattr(torch, dtype))
+    engine = StreamingParaformer(loaded, ChunkConfig(tuple(CHUNK), *LOOK_BACK))
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     results = {}
     for n in SESSIONS:
@@ -143,24 +161,32 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", help="ours only; funasr runs float32")
-    parser.add_argument("--skip-funasr", action="store_true")
+    parser.add_argument("--skip-funasr", action="store_true",
+                        help="ours only, on random weights from our own classes (no funasr needed)")
     parser.add_argument("--precision", action="store_true", help="only: lower precisions against the golden fixtures")
     args = parser.parse_args()
     if args.precision:
         return precision()
 
-    import funasr  # noqa: F401  (registers funasr's classes, for building the model directory)
     import torch
 
     torch.set_num_threads(args.threads)
-    model_dir = OUT / f"paraformer-streaming-{args.size}"
-    if not is_complete(model_dir):
-        started = time.perf_counter()
-        build_model_dir(model_dir, "paraformer-streaming", size=args.size)
-        print(f"built {model_dir} in {time.perf_counter() - started:.0f} s")
     audio = synthetic_speech(60.0, seed=7)
+    if args.skip_funasr:
+        loaded = random_paraformer(args.size)
+    else:
+        import funasr  # noqa: F401  (registers funasr's classes, for building the model directory)
 
-    ours = run_ours(model_dir, audio, args.rounds, args.warm, args.device, args.dtype)
+        from voicebot.asr.sanm.loader import load_paraformer
+
+        model_dir = OUT / f"paraformer-streaming-{args.size}"
+        if not is_complete(model_dir):
+            started = time.perf_counter()
+            build_model_dir(model_dir, "paraformer-streaming", size=args.size)
+            print(f"built {model_dir} in {time.perf_counter() - started:.0f} s")
+        loaded = load_paraformer(model_dir)
+
+    ours = run_ours(loaded, audio, args.rounds, args.warm, args.device, args.dtype)
     theirs = {} if args.skip_funasr else run_funasr(model_dir, audio, args.rounds, args.warm, args.device)
 
     print(f"\n{args.size} model, {args.device} {args.dtype}, {args.threads} thread(s), chunk {CHUNK}, "

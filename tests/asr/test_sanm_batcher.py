@@ -14,6 +14,7 @@ from voicebot.asr.sanm.batcher import AsrOverloaded, ParaformerBatcher
 from voicebot.asr.sanm.loader import load_paraformer
 from voicebot.asr.sanm.model import ChunkConfig
 from voicebot.asr.sanm.stream import StreamingParaformer
+from voicebot.serving.batcher import StepFailed
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "paraformer"
 
@@ -69,9 +70,9 @@ def test_a_failing_step_fails_only_its_rows_and_resets_their_streams(engine, bat
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(engine, "step", broken)
-    with pytest.raises(RuntimeError, match="the utterance so far is lost: device lost"):
+    with pytest.raises(StepFailed, match=r"asr model call of 1 rows failed \(RuntimeError: device lost\)"):
         batcher.submit(stream, synthetic_speech(1.2, seed=3), False).result(timeout=30)
-    assert batcher.failed_utterances == 1 and stream.state.encoder_kv is None
+    assert batcher.failed_requests == 1 and stream.state.encoder_kv is None
     monkeypatch.setattr(engine, "step", real_step)
     result = batcher.submit(stream, synthetic_speech(1.2, seed=3), True).result(timeout=30)
     alone = engine.feed(engine.open(), synthetic_speech(1.2, seed=3), True)

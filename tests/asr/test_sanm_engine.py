@@ -57,6 +57,9 @@ def test_same_partials_text_and_confidences_as_the_funasr_engine(engines):
         assert my_final.confidence == pytest.approx(their_final.confidence, abs=1e-5)
     assert max(ours.streaming.worker.batch_sizes) > 1, "the sessions' chunks shared model calls"
     assert ours.workers() == [ours.streaming.worker]
+    counts = ours.info().details["batchers"][ours.streaming.worker.name]  # what /readyz shows
+    assert counts["batch_sizes"] == dict(sorted(ours.streaming.worker.batch_sizes.items()))
+    assert counts["refused"] == counts["failed_requests"] == counts["thread_faults"] == 0 and counts["pending"] == 0
 
 
 def test_streamed_confidences_match_funasr(tiny_models):

@@ -76,15 +76,22 @@ def test_a_config_with_more_layers_than_the_checkpoint_fails_naming_a_key(model_
 
 
 @pytest.mark.parametrize(("section", "key", "value", "message"), [
-    (None, "model", "Paraformer", r"model 'Paraformer' is not supported"),
-    (None, "encoder", "SANMEncoder", r"encoder 'SANMEncoder' is not supported"),
+    (None, "model", "Paraformer", r"model is 'Paraformer'; this implementation supports 'ParaformerStreaming'"),
+    (None, "encoder", "SANMEncoder", r"encoder is 'SANMEncoder'"),
+    ("frontend_conf", "snip_edges", False, r"frontend_conf.snip_edges is False"),
+    ("predictor_conf", "idim", 64, r"predictor_conf.idim is 64; this implementation needs it equal to encoder_conf.output_size"),
     ("encoder_conf", "input_layer", "pe", r"encoder_conf.input_layer is 'pe'"),
     ("decoder_conf", "att_layer_num", 1, r"decoder_conf.att_layer_num is 1"),
+    ("predictor_conf", "l_order", None, r"predictor_conf.l_order is missing"),
     ("decoder_conf", "sanm_shfit", 0, r"not causal"),
 ])
 def test_unsupported_architectures_are_refused_by_name(model_dir, section, key, value, message):
     config = yaml.safe_load((model_dir / "config.yaml").read_text())
-    (config[section] if section else config)[key] = value
+    target = config[section] if section else config
+    if value is None:
+        del target[key]
+    else:
+        target[key] = value
     (model_dir / "config.yaml").write_text(yaml.safe_dump(config))
     with pytest.raises(ValueError, match=message):
         load_paraformer(model_dir)

@@ -19,7 +19,8 @@ from voicebot.frontends.funasr_ws import funasr_segmenter
 from voicebot.messages import AudioIn
 from voicebot.serving.silero import SileroVad
 from voicebot.serving.vad import VadBatcher, VadFault, VadOverloaded
-from voicebot.serving.worker import JobAborted, Worker
+from voicebot.serving.batcher import StepFailed
+from voicebot.serving.worker import Worker
 from voicebot.session.listening import FrontEnd
 
 PHRASES = ["what time does the show start", "turn the music down a little", "hello there", "who is the guest tonight"]
@@ -254,7 +255,7 @@ def test_a_step_raising_systemexit_fails_its_rows_only_and_the_batcher_goes_on(b
 
     monkeypatch.setattr(vad_module, "silero_step", step_or_exit)
     windows = stream_audio(0)[:4]
-    with pytest.raises(JobAborted, match="SystemExit"):
+    with pytest.raises(StepFailed, match="SystemExit"):
         batcher.submit(SileroVad(), windows).result(timeout=10)
     np.testing.assert_allclose(batcher.submit(SileroVad(), windows).result(timeout=10), SileroVad().probabilities(windows),
                                rtol=0, atol=1e-6)

@@ -125,6 +125,13 @@ class BatchedParaformerRecognizer(ParaformerRecognizer):
         models = (self.streaming, self.router.dialect)
         return [m.worker for m in models if isinstance(m, BatchedStreamingModel)]
 
+    def info(self) -> EngineInfo:
+        """As the funasr engine's, plus each batcher's counts (/readyz): rows per step, refusals,
+        cancellations, failed requests, thread faults."""
+        info = super().info()
+        info.details["batchers"] = {batcher.name: batcher.stats() for batcher in self.workers()}
+        return info
+
 
 class StreamingPass:
     """One streaming model's pass over the current utterance: its cache, text and confidences."""

@@ -23,12 +23,42 @@ from torch import nn
 from voicebot.asr.sanm.frontend import Cmvn, FrontendConfig, load_cmvn
 from voicebot.asr.sanm.model import ModelArgs, Paraformer
 
-# config.yaml's class names this implementation follows (funasr 1.4.16 registry names).
-MODEL_CLASSES = {"ParaformerStreaming"}
-ENCODER_CLASSES = {"SANMEncoderChunkOpt"}
-DECODER_CLASSES = {"ParaformerSANMDecoder"}
-PREDICTOR_CLASSES = {"CifPredictorV2"}
-FRONTEND_CLASSES = {"WavFrontendOnline", "WavFrontend"}
+# What config.yaml must say for model.py to implement it: dotted key -> the values accepted (funasr
+# 1.4.16's registry names and options). An absent key is read as funasr's default (DEFAULTS).
+SUPPORTED: dict[str, tuple[object, ...]] = {
+    "model": ("ParaformerStreaming",),
+    "encoder": ("SANMEncoderChunkOpt",),
+    "decoder": ("ParaformerSANMDecoder",),
+    "predictor": ("CifPredictorV2",),
+    "frontend": ("WavFrontendOnline", "WavFrontend"),
+    "encoder_conf.input_layer": ("pe_online",),
+    "encoder_conf.selfattention_layer_type": ("sanm",),
+    "encoder_conf.normalize_before": (True,),
+    "encoder_conf.concat_after": (False,),
+    "encoder_conf.positionwise_layer_type": ("linear",),
+    "decoder_conf.normalize_before": (True,),
+    "decoder_conf.concat_after": (False,),
+    "frontend_conf.snip_edges": (True,),
+}
+# Keys that must equal another key. Decoder layers past att_layer_num (decoders2) exist in funasr's
+# class but the released models have none; the predictor reads the encoder's output.
+SAME_AS = {"decoder_conf.att_layer_num": "decoder_conf.num_blocks", "predictor_conf.idim": "encoder_conf.output_size"}
+# funasr's defaults for the keys a config.yaml may leave out.
+DEFAULTS: dict[str, object] = {
+    "encoder_conf.selfattention_layer_type": "sanm", "encoder_conf.normalize_before": True,
+    "encoder_conf.concat_after": False, "encoder_conf.positionwise_layer_type": "linear",
+    "encoder_conf.output_size": 256, "encoder_conf.attention_heads": 4, "encoder_conf.linear_units": 2048,
+    "encoder_conf.num_blocks": 6, "encoder_conf.kernel_size": 11, "encoder_conf.sanm_shfit": 0,
+    "decoder_conf.normalize_before": True, "decoder_conf.concat_after": False, "decoder_conf.attention_heads": 4,
+    "decoder_conf.linear_units": 2048, "decoder_conf.num_blocks": 6, "decoder_conf.att_layer_num": 6,
+    "decoder_conf.kernel_size": 21, "decoder_conf.sanm_shfit": 0,
+    "predictor_conf.threshold": 1.0, "predictor_conf.tail_threshold": 0.0, "predictor_conf.smooth_factor": 1.0,
+    "predictor_conf.noise_threshold": 0.0,
+    "model_conf.blank_id": 0, "model_conf.sos": 1, "model_conf.eos": 2,
+    "frontend_conf.snip_edges": True, "frontend_conf.fs": 16000, "frontend_conf.n_mels": 80,
+    "frontend_conf.frame_length": 25, "frontend_conf.frame_shift": 10, "frontend_conf.lfr_m": 1,
+    "frontend_conf.lfr_n": 1, "frontend_conf.window": "hamming",
+}
 # Checkpoint keys of training-only modules, not used at inference.
 UNUSED_PREFIXES = ("ctc.", "criterion_att.", "criterion_pre.")
 
@@ -47,71 +77,76 @@ class LoadedParaformer:
     config: dict[str, Any]
 
 
-def _require(value: object, allowed: set[str], what: str, path: Path) -> None:
-    if value not in allowed:
-        raise ValueError(f"{path}: {what} {value!r} is not supported (supported: {', '.join(sorted(allowed))})")
+def config_value(config: dict[str, Any], key: str) -> Any:
+    """config.yaml's value at a dotted key ("encoder_conf.output_size"), or funasr's default (None
+    when funasr has none)."""
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return DEFAULTS.get(key)
+        node = node[part]
+    return node
+
+
+def check_config(config: dict[str, Any], path: Path = Path("config.yaml")) -> None:
+    """Refuse, naming the key, what model.py does not implement (SUPPORTED, SAME_AS); the
+    geometry's own limits (a decoder FSMN that is not causal) are model.py's to refuse."""
+    for key, accepted in SUPPORTED.items():
+        got = config_value(config, key)
+        if got not in accepted:
+            raise ValueError(f"{path}: {key} is {got!r}; this implementation supports {' or '.join(map(repr, accepted))}")
+    for key, other in SAME_AS.items():
+        got, want = config_value(config, key), config_value(config, other)
+        if got is not None and got != want:
+            raise ValueError(f"{path}: {key} is {got!r}; this implementation needs it equal to {other} ({want!r})")
+
+
+def _read(config: dict[str, Any], key: str, kind: type, path: Path) -> Any:
+    got = config_value(config, key)
+    if got is None:
+        raise ValueError(f"{path}: {key} is missing (funasr has no default for it)")
+    return kind(got)
 
 
 def model_args(config: dict[str, Any], vocab_size: int, path: Path = Path("config.yaml")) -> ModelArgs:
-    """ModelArgs from a parsed config.yaml; refuses what model.py does not implement."""
-    _require(config.get("model"), MODEL_CLASSES, "model", path)
-    _require(config.get("encoder"), ENCODER_CLASSES, "encoder", path)
-    _require(config.get("decoder"), DECODER_CLASSES, "decoder", path)
-    _require(config.get("predictor"), PREDICTOR_CLASSES, "predictor", path)
-    enc, dec = config.get("encoder_conf", {}), config.get("decoder_conf", {})
-    pred, front = config.get("predictor_conf", {}), config.get("frontend_conf", {})
-    model_conf = config.get("model_conf", {})
-    checks = {
-        "encoder_conf.input_layer": (enc.get("input_layer"), "pe_online"),
-        "encoder_conf.selfattention_layer_type": (enc.get("selfattention_layer_type", "sanm"), "sanm"),
-        "encoder_conf.normalize_before": (enc.get("normalize_before", True), True),
-        "encoder_conf.concat_after": (enc.get("concat_after", False), False),
-        "encoder_conf.positionwise_layer_type": (enc.get("positionwise_layer_type", "linear"), "linear"),
-        "decoder_conf.normalize_before": (dec.get("normalize_before", True), True),
-        "decoder_conf.concat_after": (dec.get("concat_after", False), False),
-        # Layers past att_layer_num (decoders2) exist in funasr's class but the released models have none.
-        "decoder_conf.att_layer_num": (dec.get("att_layer_num", 6), dec.get("num_blocks", 6)),
-    }
-    for key, (got, want) in checks.items():
-        if got != want:
-            raise ValueError(f"{path}: {key} is {got!r}; this implementation needs {want!r}")
-    if int(pred.get("idim", enc.get("output_size", 256))) != int(enc.get("output_size", 256)):
-        raise ValueError(f"{path}: predictor_conf.idim {pred.get('idim')} != encoder output_size {enc.get('output_size')}")
+    """ModelArgs from a parsed config.yaml that passed `check_config`."""
+    def read(key: str, kind: type = int) -> Any:
+        return _read(config, key, kind, path)
+
     return ModelArgs(
-        input_dim=int(front.get("n_mels", 80)) * int(front.get("lfr_m", 1)),
-        dim=int(enc.get("output_size", 256)),
-        encoder_heads=int(enc.get("attention_heads", 4)),
-        encoder_ffn=int(enc.get("linear_units", 2048)),
-        encoder_layers=int(enc.get("num_blocks", 6)),
-        encoder_kernel=int(enc.get("kernel_size", 11)),
-        encoder_sanm_shift=int(enc.get("sanm_shfit", 0)),
-        decoder_heads=int(dec.get("attention_heads", 4)),
-        decoder_ffn=int(dec.get("linear_units", 2048)),
-        decoder_layers=int(dec.get("num_blocks", 6)),
-        decoder_kernel=int(dec.get("kernel_size", 21)),
-        decoder_sanm_shift=int(dec.get("sanm_shfit", 0)),
+        input_dim=read("frontend_conf.n_mels") * read("frontend_conf.lfr_m"),
+        dim=read("encoder_conf.output_size"),
+        encoder_heads=read("encoder_conf.attention_heads"),
+        encoder_ffn=read("encoder_conf.linear_units"),
+        encoder_layers=read("encoder_conf.num_blocks"),
+        encoder_kernel=read("encoder_conf.kernel_size"),
+        encoder_sanm_shift=read("encoder_conf.sanm_shfit"),
+        decoder_heads=read("decoder_conf.attention_heads"),
+        decoder_ffn=read("decoder_conf.linear_units"),
+        decoder_layers=read("decoder_conf.num_blocks"),
+        decoder_kernel=read("decoder_conf.kernel_size"),
+        decoder_sanm_shift=read("decoder_conf.sanm_shfit"),
         vocab_size=vocab_size,
-        cif_l_order=int(pred["l_order"]),
-        cif_r_order=int(pred["r_order"]),
-        cif_threshold=float(pred.get("threshold", 1.0)),
-        cif_tail_threshold=float(pred.get("tail_threshold", 0.0)),
-        cif_smooth_factor=float(pred.get("smooth_factor", 1.0)),
-        cif_noise_threshold=float(pred.get("noise_threshold", 0.0)),
-        blank_id=int(model_conf.get("blank_id", 0)),
-        sos=int(model_conf.get("sos", 1)),
-        eos=int(model_conf.get("eos", 2)),
+        cif_l_order=read("predictor_conf.l_order"),
+        cif_r_order=read("predictor_conf.r_order"),
+        cif_threshold=read("predictor_conf.threshold", float),
+        cif_tail_threshold=read("predictor_conf.tail_threshold", float),
+        cif_smooth_factor=read("predictor_conf.smooth_factor", float),
+        cif_noise_threshold=read("predictor_conf.noise_threshold", float),
+        blank_id=read("model_conf.blank_id"),
+        sos=read("model_conf.sos"),
+        eos=read("model_conf.eos"),
     )
 
 
 def frontend_config(config: dict[str, Any], path: Path = Path("config.yaml")) -> FrontendConfig:
-    _require(config.get("frontend"), FRONTEND_CLASSES, "frontend", path)
-    front = config.get("frontend_conf", {})
-    if not front.get("snip_edges", True):
-        raise ValueError(f"{path}: frontend_conf.snip_edges false is not supported")
-    return FrontendConfig(fs=int(front.get("fs", 16000)), n_mels=int(front.get("n_mels", 80)),
-                          frame_length=int(front.get("frame_length", 25)), frame_shift=int(front.get("frame_shift", 10)),
-                          lfr_m=int(front.get("lfr_m", 1)), lfr_n=int(front.get("lfr_n", 1)),
-                          window=str(front.get("window", "hamming")))
+    """FrontendConfig from a parsed config.yaml that passed `check_config`."""
+    def read(key: str, kind: type = int) -> Any:
+        return _read(config, f"frontend_conf.{key}", kind, path)
+
+    return FrontendConfig(fs=read("fs"), n_mels=read("n_mels"), frame_length=read("frame_length"),
+                          frame_shift=read("frame_shift"), lfr_m=read("lfr_m"), lfr_n=read("lfr_n"),
+                          window=read("window", str))
 
 
 def load_tokens(model_dir: Path) -> list[str]:
@@ -165,6 +200,7 @@ def load_paraformer(model_dir: str | Path, device: str | torch.device = "cpu",
     model_dir = Path(model_dir)
     config_path = model_dir / "config.yaml"
     config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    check_config(config, config_path)
     tokens = load_tokens(model_dir)
     args = model_args(config, len(tokens), config_path)
     frontend = frontend_config(config, config_path)

@@ -566,6 +566,9 @@ def _stack_kv(caches: list[Tensor | None], layers: int, heads: int, dk: int, lik
     """Rows' key/value caches (layers, 2, H, P_i, dk) or None, left-padded to one tensor
     (B, layers, 2, H, P, dk) with past_valid (B, P)."""
     longest = max((c.shape[3] for c in caches if c is not None), default=0)
+    if longest and all(c is not None and c.shape[3] == longest for c in caches):
+        # Every row's look-back is full (a running show's steady state): one copy, no padding.
+        return torch.stack(caches), torch.ones(len(caches), longest, dtype=torch.bool, device=like.device)
     past = like.new_zeros(len(caches), layers, 2, heads, longest, dk)
     past_valid = torch.zeros(len(caches), longest, dtype=torch.bool, device=like.device)
     for row, cache in enumerate(caches):
