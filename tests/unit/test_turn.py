@@ -45,13 +45,24 @@ def test_model_ships_in_the_wheel_and_loads_without_pipecat():
 
 
 def test_features_match_pipecat(smart_turn, speech):
-    ours = smart_turn._features(
-        [last_window(speech)], sampling_rate=SAMPLE_RATE, padding="max_length", max_length=WINDOW_SAMPLES,
-        truncation=True, do_normalize=True, return_tensors="np",
-    ).input_features[0]
+    ours = smart_turn.features([speech])[0]
     theirs = pipecat_features(speech)
     assert ours.shape == theirs.shape == (80, 800)
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+def test_features_are_whisper_s_extractor_s_for_each_turn_of_a_batch(smart_turn, speech):
+    from transformers import WhisperFeatureExtractor
+
+    extractor = WhisperFeatureExtractor(chunk_length=8, feature_size=80, sampling_rate=SAMPLE_RATE)
+    rng = np.random.default_rng(0)
+    turns = [speech, speech[: len(speech) // 3], np.tile(speech, 4),  # padded, short, longer than the window
+             (0.01 * rng.standard_normal(2 * SAMPLE_RATE)).astype(np.float32)]
+    ours = smart_turn.features(turns)
+    for turn, features in zip(turns, ours):
+        theirs = extractor([last_window(turn)], sampling_rate=SAMPLE_RATE, padding="max_length", max_length=WINDOW_SAMPLES,
+                           truncation=True, do_normalize=True, return_tensors="np").input_features[0]
+        np.testing.assert_allclose(features, theirs, atol=1e-5)
 
 
 def test_window_is_the_last_8_s_padded_at_the_front():
