@@ -1,7 +1,7 @@
 """What one live speaker's input costs in the per-session stages that bench/live_speakers.py's input
 figure leaves out or lumps together: the noise gate (µs of CPU per second of audio, fed 20 ms at a
 time as a live microphone sends it) and Smart Turn's question (features and model, ms of CPU per
-question, alone and in a batch of 8), on the turn set's complete English turns (espeak) with the
+question, in calls of 1, 2, 4 and 8 questions, and as this code's SmartTurn batches 8 waiting), on the turn set's complete English turns (espeak) with the
 silences between them a live client sends.
 
     python bench/per_speaker_cost.py [--seconds 60] [--rounds 20]
@@ -50,15 +50,17 @@ def gate_us_per_audio_s(audio: np.ndarray) -> float:
     return (time.process_time() - start) / (len(audio) / RATE) * 1e6
 
 
-def question_ms(smart: SmartTurn, turns: list[np.ndarray], batch: int, rounds: int) -> float:
-    """Median CPU ms per question of `predict` (features and model) in batches of `batch`."""
+def question_ms(smart: SmartTurn, turns: list[np.ndarray], waiting: int, batch: int, rounds: int) -> float:
+    """Median CPU ms per question of `predict` (features and model) for `waiting` questions answered
+    in calls of at most `batch`, as SmartTurn's drain makes them."""
     costs = []
     smart.predict(turns[:batch])  # warm: onnxruntime's first run plans its graph
     for r in range(rounds):
-        questions = [turns[(r + i) % len(turns)] for i in range(batch)]
+        questions = [turns[(r + i) % len(turns)] for i in range(waiting)]
         start = time.process_time()
-        smart.predict(questions)
-        costs.append((time.process_time() - start) / batch * 1000)
+        for k in range(0, waiting, batch):
+            smart.predict(questions[k : k + batch])
+        costs.append((time.process_time() - start) / waiting * 1000)
     return float(np.median(costs))
 
 
@@ -71,9 +73,11 @@ def main() -> None:
     print(f"noise gate: {gate_us_per_audio_s(audio):.0f} µs CPU per s of audio ({args.seconds:g} s, 20 ms chunks)")
     smart = SmartTurn()
     try:
-        for batch in (1, 8):
-            print(f"Smart Turn: {question_ms(smart, turns, batch, args.rounds):.1f} ms CPU per question in batches of {batch} "
+        for batch in (1, 2, 4, 8):
+            print(f"Smart Turn: {question_ms(smart, turns, 8, batch, args.rounds):.1f} ms CPU per question in calls of {batch} "
                   f"(features and model; median of {args.rounds})")
+        print(f"Smart Turn as this code answers 8 waiting questions (calls of at most {smart.max_batch}): "
+              f"{question_ms(smart, turns, 8, smart.max_batch, args.rounds):.1f} ms CPU per question")
     finally:
         smart.close()
 

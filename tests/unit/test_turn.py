@@ -81,11 +81,11 @@ def test_a_batch_answers_as_each_alone(smart_turn, speech):
     np.testing.assert_allclose(together, alone, atol=1e-4)
 
 
-def test_waiting_questions_go_in_one_call(smart_turn, speech):
+def test_waiting_questions_go_two_a_call_in_the_order_asked(smart_turn, speech):
     async def ask_many():
         batches = smart_turn.batches
         first = asyncio.create_task(smart_turn.ask(speech))
-        await asyncio.sleep(0.01)  # the first call is running: the next six wait for it, together
+        await asyncio.sleep(0.01)  # the first call is running: the next six wait for it
         rest = [asyncio.create_task(smart_turn.ask(speech[: len(speech) - 800 * i])) for i in range(6)]
         answers = await asyncio.gather(first, *rest)
         return answers, smart_turn.batches - batches
@@ -93,7 +93,10 @@ def test_waiting_questions_go_in_one_call(smart_turn, speech):
     answers, calls = asyncio.run(ask_many())
     assert len(answers) == 7 and all(0 <= a.probability <= 1 for a in answers)
     assert answers[0].queued_s < answers[1].queued_s  # the six waited for the first call
-    assert calls == 2
+    # then went two a call, in the order asked: the later a pair, the longer it waited
+    assert calls == 1 + 6 // smart_turn.max_batch and smart_turn.max_batch == 2
+    assert answers[1].queued_s == pytest.approx(answers[2].queued_s, abs=0.005)
+    assert answers[2].queued_s < answers[3].queued_s < answers[5].queued_s
 
 
 def test_a_question_given_up_is_skipped(smart_turn, speech):

@@ -118,12 +118,18 @@ class Answer:
 class SmartTurn:
     """Smart Turn v3.2, shared by every session.
 
-    `await ask(audio)` from any session; one worker thread runs whatever is waiting as one
-    batch, so a question waits for at most the call in progress. Waiting questions are bounded by
-    the sessions (a `TurnPolicy` has at most one question out); a batch holds at most `max_batch`.
+    `await ask(audio)` from any session; one worker thread answers whatever is waiting, in calls
+    of at most `max_batch` questions, in the order asked. Waiting questions are bounded by the
+    sessions (a `TurnPolicy` has at most one question out).
+
+    Two a call: on one thread a row costs the same CPU in a call of 1 or 2 and about 1.5 times as
+    much in a call of 4 or 8 (31, 32, 44, 49 ms, bench/per_speaker_cost.py on this project's 2-core
+    machine: the larger batch's activations leave the cache). So a larger call only delays the
+    answers it holds: 8 waiting questions answered two at a time are all in by about 250 ms, the
+    first by 65; in one call, all at about 390.
     """
 
-    def __init__(self, path: Path | None = None, threads: int = 1, max_batch: int = 16) -> None:
+    def __init__(self, path: Path | None = None, threads: int = 1, max_batch: int = 2) -> None:
         import onnxruntime
 
         path = path or model_path()
