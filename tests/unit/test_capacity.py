@@ -252,5 +252,5 @@ def test_a_flat_line_from_noisy_levels_is_not_taken_for_free_sessions():
     fixed, marginal = adm.pools[0].line()
     least_average = min(v.load / v.sessions for v in adm.pools[0].levels.values())  # about 0.5 / 5
     assert marginal == pytest.approx(MARGINAL_FLOOR * least_average)  # a share of it, not 0
-    assert adm.refuse(5) is None  # about 0.39 + 6 x 0.025
-    assert adm.refuse(30).reason == "pool_load"  # about 0.39 + 31 x 0.025 = 1.17: the floor still bounds it
+    assert adm.refuse(5) is None  # about 0.28 + 6 x 0.05
+    assert adm.refuse(20).reason == "pool_load"  # about 0.28 + 21 x 0.05 = 1.33: the floor still bounds it

@@ -64,7 +64,7 @@ LEVELS_MAX = 64
 LEVEL_WEIGHT_MAX = 120
 # The marginal cost is kept at least this share of the least average cost per session: a noisy line
 # can come out flat, and admitting by it would fill the pool.
-MARGINAL_FLOOR = 0.25
+MARGINAL_FLOOR = 0.5
 # Below this load a pool's cost per session is too small to measure; it is not learnt from, only
 # bounded (at most this load over the sessions connected).
 MIN_LOAD_TO_LEARN = 0.05
