@@ -18,6 +18,8 @@ once its first frame is in (as bench/latency.py does). Printed per N:
   endpoint beyond the audio it had to hear, so the input path's lag, plus up to a VAD window);
 - server CPU per live speaker (main process and its decoding children apart), in cores, over the
   time the clients spoke;
+- after each N, the admission's view of each pool (/readyz `capacity`): its load as fixed +
+  marginal x sessions, as learnt so far;
 - the input path's CPU per session per second of audio (µs): the server's
   voicebot_input_cpu_seconds_total over voicebot_input_audio_seconds_total where it has them, and
   the whole server's CPU over the audio every admitted client sent (an upper bound: replies too).
@@ -245,7 +247,7 @@ def measure(root: Path, config: dict, clients: list[int], rendered, label: str) 
                  histogram_quantile(before, after, "voicebot_input_lag_seconds", 0.95)),
                 input_cpu / input_audio * 1e6 if input_audio > 0 else None,
                 (main1 - main0 + children1 - children0) / max(audio_s, 1e-9) * 1e6, pause_ms))
-            print(f"  {label}: {n} clients done in {elapsed:.0f} s", flush=True)
+            print(f"  {label}: {n} clients done in {elapsed:.0f} s; admission's view: {capacity_view(base)}", flush=True)
     finally:
         server.terminate()
         try:
@@ -255,6 +257,14 @@ def measure(root: Path, config: dict, clients: list[int], rendered, label: str) 
             server.wait()
         os.unlink(config_file)
     return rows
+
+
+def capacity_view(base: str) -> str:
+    """Each pool's line as /readyz shows it (voicebot/serving/capacity.py): fixed + marginal per
+    session, where learnt; a server without the line shows its own keys."""
+    pools = httpx.get(base + "/readyz").json().get("capacity", {})
+    return " ".join(f"{name} {p['fixed_load']:.3f}+{p['marginal_cost']:.3f}n" if p.get("marginal_cost") is not None
+                    else f"{name} {json.dumps(p, separators=(',', ':'))}" for name, p in pools.items())
 
 
 def fmt(value: float | None, spec: str, scale: float = 1.0) -> str:

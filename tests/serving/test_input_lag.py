@@ -100,7 +100,8 @@ def test_a_burst_of_connects_before_any_cost_is_known_is_let_in_as_configured_an
             """As at start-up (running_server's own first session taught the pools), and nothing
             learnt from here on: the loads stay as measured."""
             for pool in admission.pools:
-                pool.cost_per_session = pool.cost_bound = None
+                pool.levels.clear()
+                pool.cost_bound = None
                 monkeypatch.setattr(pool, "sample", lambda sessions, pool=pool: pool.load())
 
         async def run():

@@ -8,7 +8,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from voicebot.serving.capacity import LATE_SHARE, SAMPLE_S, WINDOW_S, Admission, InputLag, LoopThread, ServerCpu
+from voicebot.serving.capacity import LATE_SHARE, MARGINAL_FLOOR, SAMPLE_S, WINDOW_S, Admission, InputLag, LoopThread, ServerCpu
 from voicebot.serving.worker import Worker
 
 
@@ -82,11 +82,11 @@ def test_the_learnt_cost_refuses_a_burst_before_it_speaks():
     adm = Admission([worker], max_load=0.85, clock=clock)
     # Four sessions kept the pool 60 % busy for a minute: 0.15 each.
     run_for(adm, worker, clock, 60, load=0.6, sessions=4)
-    assert abs(adm.pools[0].cost_per_session - 0.15) < 0.01
+    assert abs(adm.pools[0].cost() - 0.15) < 0.01
     # They all pause at once: the pool is idle now (the pause lowers the learnt cost a little),
     # yet a fifth fits and an eighth does not.
     run_for(adm, worker, clock, WINDOW_S, load=0.0, sessions=4)
-    assert adm.pools[0].load() == 0.0 and 0.12 < adm.pools[0].cost_per_session <= 0.15
+    assert adm.pools[0].load() == 0.0 and 0.12 < adm.pools[0].cost() <= 0.15
     assert adm.refuse(4) is None  # 5 x <= 0.15 = 0.75
     assert adm.refuse(7).reason == "pool_load"  # 8 x > 0.12 = 0.96 > 0.85
 
@@ -95,7 +95,7 @@ def test_a_pool_too_idle_to_measure_learns_no_cost_only_a_bound():
     clock, worker = Clock(), BusyWorker(threads=1)
     adm = Admission([worker], max_load=0.85, cold_start_sessions=4, clock=clock)
     run_for(adm, worker, clock, 30, load=0.01, sessions=3)
-    assert adm.pools[0].cost_per_session is None
+    assert adm.pools[0].line() is None
     assert adm.pools[0].cost_bound == pytest.approx(0.05 / 3)  # under 5 % with 3 connected
     assert adm.refuse(100) is None  # nothing says 101 sessions would fill it
     for _ in range(10):  # and a burst goes by the bound, not by the cold start's 4 per window
@@ -117,9 +117,9 @@ def test_a_burst_at_cold_start_gets_cold_start_sessions_in_per_window():
     # Their first window says nothing yet (their start-ups); once a whole window holds their load,
     # the next are let in by what it says.
     run_for(adm, worker, clock, WINDOW_S, load=0.2, sessions=4)
-    assert adm.pools[0].cost_per_session is None and adm.refuse(4).reason == "cold_start"
+    assert adm.pools[0].cost() is None and adm.refuse(4).reason == "cold_start"
     run_for(adm, worker, clock, WINDOW_S, load=0.2, sessions=4)
-    assert adm.pools[0].cost_per_session == pytest.approx(0.05)  # 0.2 over 4
+    assert adm.pools[0].cost() == pytest.approx(0.05)  # 0.2 over 4
     assert adm.refuse(4) is None
 
 
@@ -191,7 +191,66 @@ def test_what_a_pool_does_with_nobody_connected_is_no_session_s_cost():
     assert adm.pools[0].idle_load == pytest.approx(0.08)
     # Four sessions keep it 48 % busy for a minute: 0.1 each over the idle 0.08 (0.12 as an average).
     run_for(adm, worker, clock, 60, load=0.48, sessions=4)
-    assert adm.pools[0].cost_per_session == pytest.approx(0.1, abs=0.005)
+    assert adm.pools[0].cost() == pytest.approx(0.1, abs=0.005)
     assert adm.refuse(6) is None  # 0.08 + 7 x 0.1 = 0.78
     assert adm.refuse(7).reason == "pool_load"  # 0.08 + 8 x 0.1 = 0.88 > 0.85 (8 x 0.1 = 0.8 would fit)
     assert adm.report()["asr"]["idle_load"] == pytest.approx(0.08)
+
+
+def shared_plus_each(sessions: int) -> float:
+    """A pool whose sessions share 0.10 of its load (batches, ticks) and add 0.08 each."""
+    return 0.10 + 0.08 * sessions
+
+
+def test_admission_goes_by_the_marginal_cost_not_the_average():
+    clock, worker = Clock(), BusyWorker(threads=1)
+    adm = Admission([worker], max_load=0.85, clock=clock)
+    sessions = 1
+    run_for(adm, worker, clock, 2 * WINDOW_S, load=shared_plus_each(1), sessions=1)
+    assert adm.pools[0].cost() == pytest.approx(0.18)  # one level: the average, all it can say
+    while adm.refuse(sessions) is None:  # one at a time, each measured before the next
+        adm.admitted()
+        sessions += 1
+        run_for(adm, worker, clock, 2 * WINDOW_S, load=shared_plus_each(sessions), sessions=sessions)
+    # 0.10 + 9 x 0.08 = 0.82 fits, a tenth would be 0.90; by the lone speaker's average (0.18) it
+    # would have stopped at 4.
+    assert sessions == 9 and adm.refuse(sessions).reason == "pool_load"
+    assert adm.pools[0].line() == pytest.approx((0.10, 0.08), abs=0.002)
+    assert adm.report()["asr"]["marginal_cost"] == pytest.approx(0.08, abs=0.002)
+
+
+def test_a_burst_once_the_line_is_known_is_let_in_to_the_limit_and_no_further():
+    clock, worker = Clock(), BusyWorker(threads=1)
+    adm = Admission([worker], max_load=0.85, cold_start_sessions=100, clock=clock)
+    for sessions in (1, 2):
+        run_for(adm, worker, clock, 2 * WINDOW_S, load=shared_plus_each(sessions), sessions=sessions)
+    sessions = 2
+    while adm.refuse(sessions) is None:  # all at once: none of them speaks within the window
+        adm.admitted()
+        sessions += 1
+    assert sessions == 9  # 0.26 now + 7 x 0.08 = 0.82: the newcomers at the marginal cost
+    assert adm.refuse(sessions).reason == "pool_load"
+
+
+def test_an_admitted_speaker_falling_behind_refuses_the_next_one_whatever_the_line_says():
+    clock, worker = Clock(), BusyWorker(threads=1)
+    lag = InputLag(deadline_s=0.25, clock=clock)
+    adm = Admission([worker], max_load=0.85, lag=lag, clock=clock)
+    for sessions in (1, 2, 3):
+        run_for(adm, worker, clock, 2 * WINDOW_S, load=shared_plus_each(sessions), sessions=sessions)
+    assert adm.refuse(3) is None  # the line says 0.42 with a fourth
+    lag.observe("pocketsphinx-0", "s1", [0.4] * 20)
+    lag.observe("pocketsphinx-0", "s2", [0.4] * 20)
+    assert adm.refuse(3).reason == "input_lag"
+
+
+def test_a_flat_line_from_noisy_levels_is_not_taken_for_free_sessions():
+    clock, worker = Clock(), BusyWorker(threads=1)
+    adm = Admission([worker], max_load=0.85, clock=clock)
+    for sessions in (4, 5):  # one more session, the same load: the pauses fell that way
+        run_for(adm, worker, clock, 2 * WINDOW_S, load=0.5, sessions=sessions)
+    fixed, marginal = adm.pools[0].line()
+    least_average = min(v.load / v.sessions for v in adm.pools[0].levels.values())  # about 0.5 / 5
+    assert marginal == pytest.approx(MARGINAL_FLOOR * least_average)  # a share of it, not 0
+    assert adm.refuse(5) is None  # about 0.28 + 6 x 0.05
+    assert adm.refuse(20).reason == "pool_load"  # about 0.28 + 21 x 0.05 = 1.33: the floor still bounds it

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.audio import dbfs_gain, espeak_speech, fan_noise, impulse
-from voicebot.audio.gate import NoiseGate
+from voicebot.audio.gate import QUIETER, NoiseGate
 from voicebot.config import GateConfig
 
 RATE = 16000
@@ -256,6 +256,38 @@ def changing_room(request):
         background_db.append(10 * np.log10(gate.mean))
     out.append(gate.flush())
     return scene, np.concatenate(out), np.array(background_db)
+
+
+class PartitionGate(NoiseGate):
+    """The gate with the lower quartile of its recent blocks found by sorting, as it was first written."""
+
+    quieter = 0  # times the check said the room got quieter
+
+    def _room_got_quieter(self) -> bool:
+        quarter = self.relearn_blocks // 4
+        got_quieter = bool(np.partition(self._recent, quarter)[quarter] < self.mean * QUIETER)
+        self.quieter += got_quieter
+        return got_quieter
+
+
+def test_counting_the_quiet_blocks_decides_as_the_lower_quartile_did():
+    """Exactly the same, not within a tolerance: the same mutes and the same re-learnt background,
+    on the changing room (a room getting quieter is where the check fires) and on words in digital
+    silence (ties: many blocks of energy exactly 0)."""
+    seed, speech_dbfs = 1, -15
+    words = make_scene(seed, -45, speech_dbfs).speech
+    rooms = {"changing room": make_scene(seed, ROOM_STEPS, speech_dbfs).mixed,
+             "digital silence": np.where(np.abs(words) > 1e-3, words, 0).astype(np.float32)}
+    for name, audio in rooms.items():
+        counted, sorted_ = NoiseGate(GateConfig(), RATE), PartitionGate(GateConfig(), RATE)
+        results = []
+        for gate in (counted, sorted_):
+            out = [gate.process(audio[pos : pos + 320]) for pos in range(0, len(audio), 320)]
+            results.append((np.concatenate(out + [gate.flush()]), gate.relearns, gate.mean, gate.muted_samples))
+        np.testing.assert_array_equal(results[0][0], results[1][0])
+        assert results[0][1:] == results[1][1:], name
+        if name == "changing room":
+            assert sorted_.quieter > 0  # the check fired, and both gates answered it alike
 
 
 def test_background_relearnt_within_seconds_of_a_change(changing_room):

@@ -45,13 +45,24 @@ def test_model_ships_in_the_wheel_and_loads_without_pipecat():
 
 
 def test_features_match_pipecat(smart_turn, speech):
-    ours = smart_turn._features(
-        [last_window(speech)], sampling_rate=SAMPLE_RATE, padding="max_length", max_length=WINDOW_SAMPLES,
-        truncation=True, do_normalize=True, return_tensors="np",
-    ).input_features[0]
+    ours = smart_turn.features([speech])[0]
     theirs = pipecat_features(speech)
     assert ours.shape == theirs.shape == (80, 800)
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+def test_features_are_whisper_s_extractor_s_for_each_turn_of_a_batch(smart_turn, speech):
+    from transformers import WhisperFeatureExtractor
+
+    extractor = WhisperFeatureExtractor(chunk_length=8, feature_size=80, sampling_rate=SAMPLE_RATE)
+    rng = np.random.default_rng(0)
+    turns = [speech, speech[: len(speech) // 3], np.tile(speech, 4),  # padded, short, longer than the window
+             (0.01 * rng.standard_normal(2 * SAMPLE_RATE)).astype(np.float32)]
+    ours = smart_turn.features(turns)
+    for turn, features in zip(turns, ours):
+        theirs = extractor([last_window(turn)], sampling_rate=SAMPLE_RATE, padding="max_length", max_length=WINDOW_SAMPLES,
+                           truncation=True, do_normalize=True, return_tensors="np").input_features[0]
+        np.testing.assert_allclose(features, theirs, atol=1e-5)
 
 
 def test_window_is_the_last_8_s_padded_at_the_front():
@@ -70,11 +81,11 @@ def test_a_batch_answers_as_each_alone(smart_turn, speech):
     np.testing.assert_allclose(together, alone, atol=1e-4)
 
 
-def test_waiting_questions_go_in_one_call(smart_turn, speech):
+def test_waiting_questions_go_two_a_call_in_the_order_asked(smart_turn, speech):
     async def ask_many():
         batches = smart_turn.batches
         first = asyncio.create_task(smart_turn.ask(speech))
-        await asyncio.sleep(0.01)  # the first call is running: the next six wait for it, together
+        await asyncio.sleep(0.01)  # the first call is running: the next six wait for it
         rest = [asyncio.create_task(smart_turn.ask(speech[: len(speech) - 800 * i])) for i in range(6)]
         answers = await asyncio.gather(first, *rest)
         return answers, smart_turn.batches - batches
@@ -82,7 +93,10 @@ def test_waiting_questions_go_in_one_call(smart_turn, speech):
     answers, calls = asyncio.run(ask_many())
     assert len(answers) == 7 and all(0 <= a.probability <= 1 for a in answers)
     assert answers[0].queued_s < answers[1].queued_s  # the six waited for the first call
-    assert calls == 2
+    # then went two a call, in the order asked: the later a pair, the longer it waited
+    assert calls == 1 + 6 // smart_turn.max_batch and smart_turn.max_batch == 2
+    assert answers[1].queued_s == pytest.approx(answers[2].queued_s, abs=0.005)
+    assert answers[2].queued_s < answers[3].queued_s < answers[5].queued_s
 
 
 def test_a_question_given_up_is_skipped(smart_turn, speech):

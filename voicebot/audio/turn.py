@@ -78,6 +78,36 @@ def with_silence(audio: np.ndarray, silent_samples: int, total_silent_samples: i
     return np.concatenate([audio, np.tile(tail, -(-missing // len(tail)))[:missing]])
 
 
+class LogMel:
+    """Whisper's log-mel features of a batch of turns' last 8 s, as transformers' WhisperFeatureExtractor
+    computes them (its torch path: each window normalised to zero mean and unit variance, a 400-sample
+    Hann STFT every 160 samples, power, 80 mel bins, log10 floored 8 below the window's peak, scaled),
+    in one pass over the batch: the extractor's own call spends as much again padding, building
+    attention masks and converting row by row (bench/per_speaker_cost.py). The same features to 1e-5
+    (tests/unit/test_turn.py)."""
+
+    def __init__(self) -> None:
+        import torch
+        from transformers import WhisperFeatureExtractor
+
+        extractor = WhisperFeatureExtractor(chunk_length=WINDOW_S, feature_size=80, sampling_rate=SAMPLE_RATE)
+        self._torch = torch
+        self.n_fft, self.hop = extractor.n_fft, extractor.hop_length
+        self.mel_filters = torch.from_numpy(np.ascontiguousarray(extractor.mel_filters.T, np.float32))  # (80, 201)
+        self.window = torch.hann_window(self.n_fft)
+
+    def __call__(self, turns: list[np.ndarray]) -> np.ndarray:
+        """(len(turns), 80, 800) float32 features of each turn's `last_window`."""
+        torch = self._torch
+        audio = np.stack([last_window(t) for t in turns])
+        audio = (audio - audio.mean(axis=1, keepdims=True)) / np.sqrt(audio.var(axis=1, keepdims=True) + 1e-7)
+        stft = torch.stft(torch.from_numpy(audio), self.n_fft, self.hop, window=self.window, return_complex=True)
+        power = torch.view_as_real(stft[..., :-1]).square().sum(-1)  # |X|^2 without the square root of abs()
+        log_spec = torch.clamp(self.mel_filters @ power, min=1e-10).log10()
+        peak = log_spec.amax(dim=(1, 2), keepdim=True)
+        return ((torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0).numpy()
+
+
 @dataclass(frozen=True)
 class Answer:
     probability: float  # that the turn is complete
@@ -88,14 +118,19 @@ class Answer:
 class SmartTurn:
     """Smart Turn v3.2, shared by every session.
 
-    `await ask(audio)` from any session; one worker thread runs whatever is waiting as one
-    batch, so a question waits for at most the call in progress. Waiting questions are bounded by
-    the sessions (a `TurnPolicy` has at most one question out); a batch holds at most `max_batch`.
+    `await ask(audio)` from any session; one worker thread answers whatever is waiting, in calls
+    of at most `max_batch` questions, in the order asked. Waiting questions are bounded by the
+    sessions (a `TurnPolicy` has at most one question out).
+
+    Two a call: on one thread a row costs the same CPU in a call of 1 or 2 and about 1.5 times as
+    much in a call of 4 or 8 (31, 32, 44, 49 ms, bench/per_speaker_cost.py on this project's 2-core
+    machine: the larger batch's activations leave the cache). So a larger call only delays the
+    answers it holds: 8 waiting questions answered two at a time are all in by about 250 ms, the
+    first by 65; in one call, all at about 390.
     """
 
-    def __init__(self, path: Path | None = None, threads: int = 1, max_batch: int = 16) -> None:
+    def __init__(self, path: Path | None = None, threads: int = 1, max_batch: int = 2) -> None:
         import onnxruntime
-        from transformers import WhisperFeatureExtractor
 
         path = path or model_path()
         options = onnxruntime.SessionOptions()
@@ -111,8 +146,8 @@ class SmartTurn:
         except Exception as exc:  # onnxruntime raises its own untyped errors for a bad file
             raise SmartTurnUnavailable(f"cannot load {path}: {exc}") from exc
         self.path = path
-        # The same features as pipecat's own (vendored) copy of this extractor, to 2e-6 (tests/unit/test_turn.py).
-        self._features = WhisperFeatureExtractor(chunk_length=WINDOW_S, feature_size=80, sampling_rate=SAMPLE_RATE)
+        # The same features as pipecat's own (vendored) copy of Whisper's extractor (tests/unit/test_turn.py).
+        self.features = LogMel()
         self.worker = Worker("smart-turn", threads=1)
         self.max_batch = max_batch
         self._waiting: list[tuple[np.ndarray, float, asyncio.Future[Answer]]] = []  # (audio, asked at, answer)
@@ -122,11 +157,7 @@ class SmartTurn:
 
     def predict(self, windows: list[np.ndarray]) -> np.ndarray:
         """Probability that each turn is complete (blocking: runs on the worker thread)."""
-        features = self._features(
-            [last_window(w) for w in windows], sampling_rate=SAMPLE_RATE, padding="max_length",
-            max_length=WINDOW_SAMPLES, truncation=True, do_normalize=True, return_tensors="np",
-        ).input_features
-        (probabilities,) = self._session.run(None, {"input_features": features.astype(np.float32)})
+        (probabilities,) = self._session.run(None, {"input_features": self.features(windows)})
         return probabilities[:, 0]
 
     async def ask(self, audio: np.ndarray) -> Answer:

@@ -16,14 +16,18 @@ voicebot_sessions_refused_total{reason}) when
   behind real time, whatever holds the CPU (our pools, or another tenant of the box: either way one
   more session only adds to it). One session late alone is its own matter (its decoding process
   restarting after a crash, its client sending a backlog at once); it is counted all the same.
-- `pool_load`: a pool is above `limits.max_worker_load` now, or its learnt cost per connected session
-  (its load over the sessions connected, an average over time, so a session's pauses count) says one
-  more would pass that limit; this catches a burst of connections that have not started speaking.
-  What a pool does with no session connected (the server's own timers and samplers: its idle load,
-  the least seen over a whole window without sessions) is no session's cost: it is taken off the
-  load before dividing, and counted once in the sum;
+- `pool_load`: a pool is above `limits.max_worker_load` now, or the line its load follows with the
+  number of sessions connected says one more would pass that limit; this catches a burst of
+  connections that have not started speaking. The line (`PoolLoad.line`): the pool's load over each
+  whole window with sessions in it (an average over time, so a session's pauses count) is kept per
+  number of sessions connected (a level), and the load is fitted as `fixed + marginal x sessions`
+  through the levels. The marginal cost, not the average: what sessions share (the VAD's and
+  the recognizers' batches, the loop's ticks) is paid once, and a speaker among 8 costs less than a
+  lone one. With one level seen, the line runs from the idle load through it (the average cost over
+  the idle load: what a pool does with no session connected, its own timers and samplers, the least
+  seen over a whole window without sessions, is no session's cost);
 - the sessions admitted in the last window, whose load the window does not hold yet, plus this one,
-  at a pool's cost per session, would pass the limit (`pool_load`); before a pool's cost is known
+  at a pool's marginal cost, would pass the limit (`pool_load`); before a pool's cost is known
   (learnt, or bounded by a window too idle to learn from), `cold_start`: at most
   `limits.cold_start_sessions` are let in per window.
 The first session always fits: it slows nobody. An admitted session is never dropped for load:
@@ -31,7 +35,8 @@ these rules only keep the next one out.
 Devices whose engines batch (the CosyVoice 2 scheduler) answer for themselves through
 `Synthesizer.admit()`; both are asked.
 
-Memory bound: per pool a window of WINDOW_S / SAMPLE_S samples (two floats each); the lag window
+Memory bound: per pool a window of WINDOW_S / SAMPLE_S samples (three numbers each) and at most
+LEVELS_MAX levels; the lag window
 keeps at most LAG_SAMPLES_MAX (time, lag) pairs per pool; the recent admissions at most
 ADMISSIONS_MAX times.
 """
@@ -50,8 +55,16 @@ import numpy as np
 
 SAMPLE_S = 0.5
 WINDOW_S = 5.0
-# How fast the cost per session follows a new measurement (per sample): about 20 s to settle.
+# How fast a level's load follows a new measurement (per sample): about 20 s to settle.
 COST_EWMA = 0.025
+# The numbers of sessions whose loads are kept (the most recently seen).
+LEVELS_MAX = 64
+# A level weighs in the line by its samples, up to this many (a minute): a level seen for long does
+# not drown out the others.
+LEVEL_WEIGHT_MAX = 120
+# The marginal cost is kept at least this share of the least average cost per session: a noisy line
+# can come out flat, and admitting by it would fill the pool.
+MARGINAL_FLOOR = 0.5
 # Below this load a pool's cost per session is too small to measure; it is not learnt from, only
 # bounded (at most this load over the sessions connected).
 MIN_LOAD_TO_LEARN = 0.05
@@ -117,15 +130,34 @@ class Refusal:
     message: str
 
 
+@dataclass
+class Level:
+    """A pool's load with about `sessions` connected: both averaged over the samples whose window held
+    that many on average (rounded); the plain mean of the first 1 / COST_EWMA, then an EWMA."""
+
+    sessions: float
+    load: float
+    samples: int = 1
+
+    def add(self, sessions: float, load: float) -> None:
+        self.samples += 1
+        weight = max(1 / self.samples, COST_EWMA)
+        self.sessions += weight * (sessions - self.sessions)
+        self.load += weight * (load - self.load)
+
+
 class PoolLoad:
-    """One worker pool's load: busy thread-seconds / (threads x elapsed), over the last WINDOW_S."""
+    """One worker pool's load: busy thread-seconds / (threads x elapsed), over the last WINDOW_S; and
+    what one more session would add to it (its marginal cost), from the loads seen at each number of
+    sessions (`levels`)."""
 
     def __init__(self, worker: Pool, clock: Callable[[], float] = time.monotonic) -> None:
         self.worker = worker
         self._clock = clock
-        self._samples: deque[tuple[float, float]] = deque(maxlen=int(WINDOW_S / SAMPLE_S) + 1)
-        self.cost_per_session: float | None = None  # learnt load of one connected session
-        self.cost_bound: float | None = None  # at most this, while too idle to learn
+        # (when, busy seconds, sessions connected) per sample
+        self._samples: deque[tuple[float, float, int]] = deque(maxlen=int(WINDOW_S / SAMPLE_S) + 1)
+        self.levels: dict[int, Level] = {}  # by sessions connected, rounded; at most LEVELS_MAX
+        self.cost_bound: float | None = None  # at most this per session, while too idle to learn
         self._sessions_since: float | None = None  # when the sessions connected last went from none to some
         self._idle_since: float | None = None  # when the sessions connected last went from some to none
         self.idle_load: float = 0.0  # the least load of a whole window with no session (0 until one is seen)
@@ -133,7 +165,7 @@ class PoolLoad:
 
     def sample(self, sessions: int) -> float:
         now = self._clock()
-        self._samples.append((now, self.worker.busy_s))
+        self._samples.append((now, self.worker.busy_s, sessions))
         if not sessions:
             self._sessions_since = None
             self._idle_since = now if self._idle_since is None else self._idle_since
@@ -147,23 +179,62 @@ class PoolLoad:
         # Learnt only from a whole window with sessions in it: a session's start-up, or a window
         # that was mostly empty, says nothing of what one costs.
         if sessions and self._sessions_since <= now - WINDOW_S:
+            connected = float(np.mean([n for _, _, n in list(self._samples)[1:]]))  # over the window's intervals
             if load >= MIN_LOAD_TO_LEARN:
-                cost = max(load - self.idle_load, 0.0) / sessions
-                self.cost_per_session = cost if self.cost_per_session is None else (
-                    self.cost_per_session + COST_EWMA * (cost - self.cost_per_session))
+                self._learn(connected, load)
             else:
-                self.cost_bound = min(self.cost_bound or 1.0, MIN_LOAD_TO_LEARN / sessions)
+                self.cost_bound = min(self.cost_bound or 1.0, MIN_LOAD_TO_LEARN / connected)
         return load
+
+    def _learn(self, connected: float, load: float) -> None:
+        key = round(connected)
+        if key in self.levels:
+            self.levels[key].add(connected, load)
+            self.levels[key] = self.levels.pop(key)  # the most recently seen last
+        else:
+            self.levels[key] = Level(connected, load)
+            if len(self.levels) > LEVELS_MAX:
+                del self.levels[next(iter(self.levels))]  # the least recently seen
 
     def load(self) -> float:
         if len(self._samples) < 2:
             return 0.0
-        (t0, busy0), (t1, busy1) = self._samples[0], self._samples[-1]
+        (t0, busy0, _), (t1, busy1, _) = self._samples[0], self._samples[-1]
         return (busy1 - busy0) / (self.worker.threads * max(t1 - t0, 1e-9))
 
+    def line(self) -> tuple[float, float] | None:
+        """The pool's load as `fixed + marginal x sessions`, from the levels seen; None before any.
+
+        One level: the line from the idle load through it (marginal = the average cost per session
+        over the idle load). Several: the least-squares line through them, each weighted by its
+        samples (at most LEVEL_WEIGHT_MAX), its slope kept between MARGINAL_FLOOR times the least
+        average cost per session and the greatest (few or noisy levels can tilt a line; the
+        average bounds it from above while what sessions share is part of it)."""
+        if not self.levels:
+            return None
+        levels = list(self.levels.values())
+        averages = [max(v.load - self.idle_load, 0.0) / v.sessions for v in levels]
+        if len(levels) == 1:
+            return self.idle_load, averages[0]
+        n = np.array([v.sessions for v in levels])
+        y = np.array([v.load for v in levels])
+        w = np.minimum([v.samples for v in levels], LEVEL_WEIGHT_MAX).astype(np.float64)
+        n_mean, y_mean = np.average(n, weights=w), np.average(y, weights=w)
+        spread = float(np.sum(w * (n - n_mean) ** 2))
+        slope = float(np.sum(w * (n - n_mean) * (y - y_mean)) / spread) if spread > 0 else max(averages)
+        marginal = min(max(slope, MARGINAL_FLOOR * min(averages)), max(averages))
+        return float(y_mean - marginal * n_mean), marginal
+
     def cost(self) -> float | None:
-        """One session's load here: learnt, or bounded by an idle window; None before either."""
-        return self.cost_per_session if self.cost_per_session is not None else self.cost_bound
+        """What one more session adds here: learnt (the line's slope), or bounded by an idle
+        window; None before either."""
+        line = self.line()
+        return line[1] if line is not None else self.cost_bound
+
+    def predict(self, sessions: int) -> float | None:
+        """The load the levels seen say `sessions` connected keep this pool at; None before any."""
+        line = self.line()
+        return None if line is None else line[0] + line[1] * sessions
 
 
 class InputLag:
@@ -258,10 +329,9 @@ class Admission:
         since = self._clock() - WINDOW_S
         unmeasured = sum(1 for at in self._admitted if at >= since)
         for p in self.pools:
-            load, cost, name = p.load(), p.cost(), p.worker.name
+            load, cost, full, name = p.load(), p.cost(), p.predict(sessions + 1), p.worker.name
             # The window must turn over before the load can have fallen: retry after it.
-            if load > self.max_load or (p.cost_per_session is not None
-                                        and p.idle_load + (sessions + 1) * cost > self.max_load):
+            if load > self.max_load or (full is not None and full > self.max_load):
                 return Refusal("pool_load", name, WINDOW_S, f"one more session would overload {name}")
             if cost is None and unmeasured >= self.cold_start_sessions:
                 return Refusal("cold_start", name, WINDOW_S, f"{unmeasured} sessions let in during the last {WINDOW_S:g} s "
@@ -272,9 +342,15 @@ class Admission:
         return None
 
     def report(self) -> dict[str, dict]:
-        return {p.worker.name: {"load": round(p.load(), 3), "threads": p.worker.threads, "idle_load": round(p.idle_load, 4),
-                                "cost_per_session": None if p.cost_per_session is None else round(p.cost_per_session, 4)}
-                for p in self.pools}
+        out = {}
+        for p in self.pools:
+            line = p.line()
+            out[p.worker.name] = {
+                "load": round(p.load(), 3), "threads": p.worker.threads, "idle_load": round(p.idle_load, 4),
+                "fixed_load": None if line is None else round(line[0], 4),
+                "marginal_cost": None if line is None else round(line[1], 4),
+                "levels": {k: round(v.load, 3) for k, v in sorted(p.levels.items())}}
+        return out
 
     async def watch(self, sessions: Callable[[], int], on_sample: Callable[[], None] = lambda: None) -> None:
         """Sample every SAMPLE_S until cancelled (runs on the event loop: a few float reads); the
