@@ -12,8 +12,9 @@ import pytest
 
 from tests.audio import espeak_speech
 from voicebot.audio.echo import AEC3_FIELD_TRIALS, MAX_FAR_S, EchoCanceller
-from voicebot.audio.endpoint import WINDOW, WINDOW_MS, SileroVad
+from voicebot.audio.endpoint import WINDOW, WINDOW_MS, Endpointer, EventKind, SileroVad
 from voicebot.audio.resample import StreamResampler
+from voicebot.config import EndpointConfig
 
 REPLY = "Here is a longer reply from the bot. It keeps talking for a few seconds, as replies do."
 BARGE_IN = "Stop talking now please, I want to say something."
@@ -392,3 +393,36 @@ def test_a_voice_over_a_new_reply_leaves_the_linear_hold_where_the_echo_put_it(r
     canceller, *_ = run_case(reply_24k, 150, -20, speech, speech_at_s=speech_at_s)
     assert abs(canceller.tracker.early_delay_s - 0.15) <= 0.01
     assert len(resets) == 1, f"the linear hold moved {len(resets)} times (once: onto the 150 ms path)"
+
+
+def utterance_start_s(out: np.ndarray) -> float | None:
+    """Where the endpoint rule (Silero, the default EndpointConfig) starts the first utterance in
+    `out`, its pre-speech included: where the recognizer's audio of it begins."""
+    endpointer = Endpointer(EndpointConfig())
+    for i in range(0, len(out), 320):
+        for event in endpointer.process(out[i : i + 320]):
+            if event.kind is EventKind.START:
+                return (endpointer.samples_seen - len(event.audio)) / 16000
+    return None
+
+
+@pytest.mark.parametrize("delay_ms", [150, pytest.param(205, marks=pytest.mark.xfail(strict=True, reason=(
+    "issue 29, traced, open: at this path (not at 150 ms) AEC3's suppressor takes the first words off the "
+    "output the VAD hears, the endpointer forgets the first blip, and the utterance, so the recognizer's "
+    "audio, starts 0.52 s into the words (test_speech_over_the_bots_echo_is_transcribed's ''); "
+    "WebRTC-Aec3(Very)SensitiveDominantNearendActivation moved it 0.06-0.10 s, not enough")))])
+def test_words_over_a_first_replys_echo_start_the_utterance_on_time(delay_ms):
+    # test_turn_taking's echo case offline, deterministically: its reply, at the level the server's
+    # espeak speaks it (peak ~0.9, where espeak_speech normalises to 0.5), its -6 dB echo, and the
+    # words 1.5 s into the first reply. The live test's echo came back 134-233 ms late (the client's
+    # timing); the server's reply, synthesized in-process, differs a little from run to run.
+    reply = espeak_speech("Here is a long answer that goes on for a while, about the weather and the show and "
+                          "everything else you might want to know.", "en", 24000) * 1.75
+    reply_24k = np.concatenate([reply, np.zeros(12000, np.float32), reply])
+    words = espeak_speech("what time does the show start tomorrow") * 0.7
+    speech_at_s = 1.5
+    _, _, _, suppressed, _ = run_case(reply_24k, delay_ms, -6, words, speech_at_s=speech_at_s)
+    start = utterance_start_s(suppressed)
+    print(f"\nwords {speech_at_s} s into a first reply over a {delay_ms} ms -6 dB echo: the utterance starts "
+          f"{None if start is None else round(start - speech_at_s, 2)} s after them")
+    assert start is not None and start <= speech_at_s + 0.1, "the recognizer's audio misses the first words"
