@@ -32,7 +32,9 @@ Per case:
   down: how far MDF had converged when the user spoke); and what the default config's recognizer
   (pocketsphinx on the bench's phrases) makes of the linear output over the whole barge-in, as one
   utterance: the same input every run, where the live `heard` also depends on the box's load and
-  where the endpointer cut.
+  where the endpointer cut. --offline also applies the barge-in rule (Silero, 300 ms of speech in a
+  row) to the suppressed output: of the echo alone (a false barge-in), and of the input with the
+  user (how long after the first word it is met).
 """
 
 from __future__ import annotations
@@ -67,13 +69,13 @@ REPLY = ("Here is a longer reply from the bot. It keeps talking for a few second
          "so that the echo has time to come back.")
 BARGE_IN = "Stop talking now please, I want to say something."
 BARGE_AT_S = 2.0  # into the reply's playback
-# --offline: more replies, and barge-ins earlier and later into them
+# --offline: more replies, and barge-ins earlier (0.5 s: before any echo is confirmed) and later into them
 OFFLINE_REPLIES = [
     REPLY,
     "Welcome back to the stream, everyone. Tonight we are playing the new map, and the chat has a lot of questions about it.",
     "Sure, I can explain that. The first step is to open the settings menu, then pick the audio tab and choose your microphone.",
 ]
-OFFLINE_BARGE_AT_S = (1.5, 2.0, 2.5)
+OFFLINE_BARGE_AT_S = (0.5, 1.5, 2.0, 2.5)
 
 
 def clauses(*texts: str) -> list[str]:
@@ -108,6 +110,10 @@ class CaseResult:
     linear_echo_over_rest_db: float | None = None  # the echo in under those words over what is not them in the linear output
     linear_echo_down_db: float | None = None  # the echo in under those words over what the linear output leaves of it
     heard_offline: str = ""  # what the recognizer made of the linear output there, offline, as one utterance
+    # Offline, the barge-in rule (Silero, pacing.barge_in_min_ms in a row) on the suppressed output:
+    # whether the echo alone met it, and how long after the user began the input with the user did.
+    echo_barged_in_offline: bool = False
+    barge_in_offline_ms: float | None = None
 
 
 class Room:
@@ -234,12 +240,11 @@ def cancelled(room: Room, end: int, with_voice: bool = True) -> tuple[np.ndarray
 @functools.cache
 def offline_decoder():
     """The default config's recognizer, on the phrases of every reply here and the whole barge-in as one (one utterance here)."""
-    from voicebot.asr.pocketsphinx import PocketsphinxRecognizer
-    from voicebot.config import PocketsphinxConfig
+    from voicebot.asr.pocketsphinx_decoders import Decoders
 
-    recognizer = PocketsphinxRecognizer(PocketsphinxConfig(phrases=clauses(*OFFLINE_REPLIES, BARGE_IN) + [BARGE_IN], decoders=1))
-    recognizer.load()
-    return recognizer.borrow()
+    # One decoder built here, as a session's process builds it (the recognizer lends its decoders
+    # only to streams, in child processes).
+    return Decoders(clauses(*OFFLINE_REPLIES, BARGE_IN) + [BARGE_IN], False, 1, lambda build: build()).new_decoder()
 
 
 def heard_offline(audio: np.ndarray) -> str:
@@ -248,6 +253,18 @@ def heard_offline(audio: np.ndarray) -> str:
     decoder.process_raw(to_pcm16(audio), False, True)
     decoder.end_utt()
     return decoder.hyp().hypstr if decoder.hyp() else ""
+
+
+def barged_in_at(audio: np.ndarray, min_ms: int = 300) -> int | None:
+    """The sample where Silero has heard `min_ms` (configs/default.yaml's pacing.barge_in_min_ms) of speech in a row."""
+    from voicebot.audio.endpoint import WINDOW, WINDOW_MS, SileroVad
+
+    run = 0
+    for k, probability in enumerate(SileroVad().probabilities(audio[: len(audio) // WINDOW * WINDOW].reshape(-1, WINDOW))):
+        run = run + WINDOW_MS if probability >= 0.5 else 0
+        if run >= min_ms:
+            return (k + 1) * WINDOW
+    return None
 
 
 def words_kept(case: CaseResult, room: Room, end: int, user_from: int, user_len: int) -> None:
@@ -266,13 +283,16 @@ def words_kept(case: CaseResult, room: Room, end: int, user_from: int, user_len:
 
     worst, mean, _ = kept(suppressed)
     case.kept_suppressed_db = (worst, mean)
+    at = barged_in_at(suppressed[user_from:])
+    case.barge_in_offline_ms = None if at is None else at / RATE * 1000
     worst, mean, left = kept(linear)
     case.kept_linear_db = (worst, mean)
     if np.any(echo):  # else the reply was over (or cut) before the user spoke
         case.linear_echo_over_rest_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(left, left)), 1e-12)))
         # The echo alone through a canceller: what the linear output leaves of it there, the
         # speech's distortion no part of it (the filter adapts on the echo alone, as before the user spoke).
-        _, _, echo_left = cancelled(room, end, with_voice=False)
+        _, echo_suppressed, echo_left = cancelled(room, end, with_voice=False)
+        case.echo_barged_in_offline = barged_in_at(echo_suppressed) is not None
         echo_left = echo_left[user_from : user_from + RATE]
         case.linear_echo_down_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(echo_left, echo_left)), 1e-12)))
     case.heard_offline = heard_offline(linear[user_from - RATE // 10 : user_from + user_len + RATE * 3 // 10])
@@ -285,11 +305,12 @@ def offline(delays: list[int], gains: list[int]) -> None:
     said = BARGE_IN.lower().replace(",", "").replace(".", "").split()
     start = int(SAY_AT_S * RATE)
     print(f"offline: {len(OFFLINE_REPLIES)} replies x barge-in at {OFFLINE_BARGE_AT_S} s; of the barge-in's "
-          f"{len(said)} words, those the recognizer heard in the linear output; the echo under them, down (mean)")
-    print(f"{'delay':>6} {'gain':>6} {'words heard':>14} {'echo down':>10}")
+          f"{len(said)} words, those the recognizer heard in the linear output; the echo under them, down (mean); "
+          f"the echo alone barging in (the suppressed output, Silero, 300 ms); the barge-in heard after (p50, max; missed)")
+    print(f"{'delay':>6} {'gain':>6} {'words heard':>14} {'echo down':>10} {'echo barged in':>15} {'barge-in ms':>14}")
     total = cases = 0
     for delay_ms, gain_db in itertools.product(delays, gains):
-        heard, down = 0, []
+        heard, down, echo_barged, barge_ms = 0, [], 0, []
         for text, at_s in itertools.product(OFFLINE_REPLIES, OFFLINE_BARGE_AT_S):
             reply = espeak_speech(text, "en-us", RATE)
             room = Room(delay_ms, gain_db)
@@ -300,9 +321,14 @@ def offline(delays: list[int], gains: list[int]) -> None:
             words_kept(case, room, (at + len(speech) + RATE) // CHUNK * CHUNK, at, len(speech))
             heard += sum(word in case.heard_offline.split() for word in said)
             down.append(case.linear_echo_down_db)
+            echo_barged += case.echo_barged_in_offline
+            barge_ms.append(case.barge_in_offline_ms)
         n = len(OFFLINE_REPLIES) * len(OFFLINE_BARGE_AT_S) * len(said)
         total, cases = total + heard, cases + n
-        print(f"{delay_ms:>3} ms {gain_db:>3} dB {heard:>6} of {n:<4} {np.mean(down):>7.1f} dB")
+        found = [ms for ms in barge_ms if ms is not None]
+        timing = f"{np.median(found):.0f}, {max(found):.0f}" if found else "-"
+        print(f"{delay_ms:>3} ms {gain_db:>3} dB {heard:>6} of {n:<4} {np.mean(down):>7.1f} dB {echo_barged:>8} of {len(barge_ms)} "
+              f"{timing:>11}; {len(barge_ms) - len(found)}")
     print(f"{'all':>13} {total:>6} of {cases:<4} ({total / cases:.0%})")
 
 

@@ -1,16 +1,22 @@
 """Channels: a session's listeners get what it is sent, and one that stops reading is dropped
-without holding the session back (counted in messages, never in time)."""
+without holding the session back: once its queue is full (counted in messages), or once its
+socket has taken nothing for LISTENER_SEND_TIMEOUT_S (a client that never reads)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
+import os
+import socket
+import time
 
 import pytest
 import websockets
 
 from tests.conftest import make_settings, speech_pcm
+from voicebot import channels
 from voicebot.channels import LISTENER_QUEUE_MAX, ChannelRefused, Listener
 from voicebot.messages import AudioFrame
 from voicebot.protocol import CloseCode
@@ -66,7 +72,7 @@ def test_a_stalled_listener_is_dropped_and_the_speaker_gets_every_frame():
     assert speaker.frames == frames  # every frame, in order
     assert healthy.frames == frames
     assert stalled.dropped.is_set()
-    assert rt.metrics.listeners_dropped._value.get() == 1
+    assert rt.metrics.registry.get_sample_value("voicebot_listeners_dropped_total", {"reason": "fell_behind"}) == 1
     assert rt.channels.listener_count == 1  # the healthy one
     assert rt.metrics.active_listeners._value.get() == 1
 
@@ -161,3 +167,56 @@ def test_listener_over_the_socket(server):
     assert [e["text"] for e in events if e["type"] == "asr.final"] == ["hello there how are you"]
     assert kinds.index("reply.done") < kinds.index("audio.start") < kinds.index("audio.end")
     assert error["code"] == "invalid_message" and close_code == CloseCode.POLICY
+
+
+def masked_text_frame(text: str) -> bytes:
+    """One client-to-server WebSocket text frame (RFC 6455: masked; an all-zero mask leaves the payload as is)."""
+    payload = text.encode()
+    assert 126 <= len(payload) < 1 << 16
+    return bytes([0x81, 0x80 | 126]) + len(payload).to_bytes(2, "big") + bytes(4) + payload
+
+
+def test_a_listener_whose_client_never_reads_is_dropped_and_counted(server, monkeypatch):
+    # A real socket whose client never reads, with a small receive buffer so that the server's send
+    # blocks within a few hundred KB. It asks for pongs: each goes through the listener's sender, the
+    # queue never fills (a reply to a listener's own message is not offered past a full queue), so
+    # only the stalled send can end it. Before, nothing did until uvicorn's keepalive (~40 s), uncounted.
+    monkeypatch.setattr(channels, "LISTENER_SEND_TIMEOUT_S", 1.0)
+    dropped = {"reason": "stalled"}
+    before = server.runtime.metrics.registry.get_sample_value("voicebot_listeners_dropped_total", dropped)
+    client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.connect(("127.0.0.1", server.settings.server.port))
+    try:
+        key = base64.b64encode(os.urandom(16)).decode()
+        client.sendall((f"GET /v1/voice?role=listener&channel=unread HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        f"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                        "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += client.recv(1)  # the handshake only, a byte at a time: nothing after it is read
+        assert head.startswith(b"HTTP/1.1 101"), head
+        client.setblocking(False)
+        ping = masked_text_frame(json.dumps({"type": "ping", "id": "x" * 256}))
+
+        def dropped_now() -> float:
+            return server.runtime.metrics.registry.get_sample_value("voicebot_listeners_dropped_total", dropped)
+
+        deadline, sent, unsent = time.monotonic() + 30, 0, b""
+        while time.monotonic() < deadline:  # bounded: the drop comes within seconds, or the test fails
+            try:
+                frame = unsent or ping
+                unsent = frame[client.send(frame):]  # a partial send is finished before the next frame
+                sent += not unsent
+                if sent % 1000:
+                    continue
+            except BlockingIOError:  # the server stopped reading too (its sends to us block)
+                time.sleep(0.01)
+            if dropped_now() > before:
+                break
+    finally:
+        client.close()
+    after = server.runtime.metrics.registry.get_sample_value("voicebot_listeners_dropped_total", dropped)
+    print(f"\n{sent} pings sent; dropped {time.monotonic() - deadline + 30:.1f} s after the handshake")
+    assert after == before + 1, "the listener that never reads was not dropped as stalled within 30 s"
+    assert server.on_loop(lambda: server.runtime.channels.listener_count) == 0

@@ -14,8 +14,10 @@ through the `tell` it claimed with, counted in voicebot_channel_speakers_lost_to
 that moment nothing it is sent reaches the channel's listeners; the session itself goes on.
 
 Listeners must never slow the session they follow: `mirror` only offers each message to a
-listener's own bounded queue and never waits. A listener whose queue is full has fallen behind
-(its socket stopped draining) and is dropped with close code 4009; the session does not notice.
+listener's own bounded queue and never waits. A listener is dropped with close code 4009, and
+counted in voicebot_listeners_dropped_total{reason}, when its queue is full (`fell_behind`) or when
+its socket has not taken a message for LISTENER_SEND_TIMEOUT_S (`stalled`: a client that stopped
+reading, whose kernel buffers hold megabytes before the queue would fill); the session does not notice.
 """
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ log = logging.getLogger("voicebot.channels")
 # pacing.lead_ms (default 400 ms) ahead of real time, so a listener that keeps up holds a few
 # frames; 64 messages is about 10 s of 200 ms frames, at most 64 x 9600 B = 600 KB per listener.
 LISTENER_QUEUE_MAX = 64
+# A send to a listener that has not completed in this long is a client that stopped reading: its
+# socket's buffers are full (the send waits only then), and it has taken nothing for that long. The
+# same ~10 s of reply audio as the queue's bound; a listener that keeps up takes a frame in milliseconds.
+LISTENER_SEND_TIMEOUT_S = 10.0
+# Why a listener was dropped: the label of voicebot_listeners_dropped_total.
+DROPPED_BECAUSE = {
+    "fell_behind": f"fell {LISTENER_QUEUE_MAX} messages behind",
+    "stalled": "took no message for {timeout_s:g} s",
+}
 # A dropped listener gets this long to take its close frame before the connection is abandoned.
 CLOSE_TIMEOUT_S = 1.0
 
@@ -63,6 +74,9 @@ class Listener:
         self._send_bytes = send_bytes
         self.queue: asyncio.Queue[Wire] = asyncio.Queue(LISTENER_QUEUE_MAX)
         self.dropped = asyncio.Event()
+        # Called when a send has not completed within LISTENER_SEND_TIMEOUT_S: the hub counts the
+        # listener dropped and removes it (add_listener); a listener on no hub is only marked dropped.
+        self.on_stalled: Callable[[], None] = self.dropped.set
 
     def offer(self, item: Wire) -> bool:
         """Queue without waiting; False when the listener has fallen behind."""
@@ -73,12 +87,29 @@ class Listener:
         return True
 
     async def run_sender(self) -> None:
+        """Send the queue to the socket until a send takes longer than LISTENER_SEND_TIMEOUT_S.
+        The bound is a timer that cancels this task (asyncio.wait_for would run each send as a task
+        of its own: a loop turn more per message, and a listener that keeps up fell behind)."""
+        loop, sender = asyncio.get_running_loop(), asyncio.current_task()
+        stalled = False
+
+        def give_up() -> None:
+            nonlocal stalled
+            stalled = True
+            sender.cancel()
+
         while True:
             item = await self.queue.get()
-            if isinstance(item, bytes):
-                await self._send_bytes(item)
-            else:
-                await self._send_text(item)
+            timer = loop.call_later(LISTENER_SEND_TIMEOUT_S, give_up)
+            try:
+                await (self._send_bytes(item) if isinstance(item, bytes) else self._send_text(item))
+            except asyncio.CancelledError:
+                if not stalled:
+                    raise
+                self.on_stalled()
+                return
+            finally:
+                timer.cancel()
 
 
 class ChannelRefused(Exception):
@@ -236,6 +267,7 @@ class ChannelHub:
             return False
         channel = self._channels.setdefault(name, Channel())
         channel.listeners.add(listener)
+        listener.on_stalled = lambda: self._drop(name, listener, "stalled")
         self.metrics.active_listeners.inc()
         listener.offer(
             json.dumps(protocol.event("listener.ready", channel=name, speaking=self.is_speaking(name), protocol_version=PROTOCOL_VERSION))
@@ -254,9 +286,9 @@ class ChannelHub:
         self.metrics.active_listeners.dec()
         self._forget_if_empty(name)
 
-    def _drop(self, name: str, listener: Listener) -> None:
-        log.warning("listener on channel %r fell %d messages behind: dropped", name, LISTENER_QUEUE_MAX)
-        self.metrics.listeners_dropped.inc()
+    def _drop(self, name: str, listener: Listener, reason: str = "fell_behind") -> None:
+        log.warning("listener on channel %r %s: dropped", name, DROPPED_BECAUSE[reason].format(timeout_s=LISTENER_SEND_TIMEOUT_S))
+        self.metrics.listeners_dropped.labels(reason).inc()
         self.remove_listener(name, listener)
         listener.dropped.set()
 

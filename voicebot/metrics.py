@@ -30,7 +30,9 @@ class Metrics:
         self.active_sessions = Gauge("voicebot_active_sessions", "Sessions connected now", registry=r)
         self.worker_load = Gauge("voicebot_worker_load", "Share of an engine thread pool's time spent running calls (last 5 s)", ["worker"], registry=r)
         self.active_listeners = Gauge("voicebot_active_listeners", "Listener connections now", registry=r)
-        self.listeners_dropped = Counter("voicebot_listeners_dropped_total", "Listeners dropped for falling behind their channel", registry=r)
+        self.listeners_dropped = Counter("voicebot_listeners_dropped_total", "Listeners dropped, by reason (fell_behind: its queue was full; stalled: its socket took no message for a while)", ["reason"], registry=r)
+        for reason in ("fell_behind", "stalled"):  # voicebot.channels.DROPPED_BECAUSE
+            self.listeners_dropped.labels(reason)
         self.obs_bad_chunks = Counter("voicebot_obs_bad_chunks_total", "Messages on /obs/audio that could not be used, by reason", ["reason"], registry=r)
         self.sessions_total = Counter("voicebot_sessions_total", "Sessions started", registry=r)
         self.sessions_refused = Counter("voicebot_sessions_refused_total", "Sessions refused, by cause (input_lag, pool_load, cold_start, max_sessions, per_client, synthesizer; else the error code: unauthorized, shutting_down, ...)", ["reason"], registry=r)

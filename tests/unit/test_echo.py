@@ -12,8 +12,9 @@ import pytest
 
 from tests.audio import espeak_speech
 from voicebot.audio.echo import AEC3_FIELD_TRIALS, MAX_FAR_S, EchoCanceller
-from voicebot.audio.endpoint import WINDOW, WINDOW_MS
+from voicebot.audio.endpoint import WINDOW, WINDOW_MS, Endpointer, EventKind
 from voicebot.audio.resample import StreamResampler
+from voicebot.config import EndpointConfig
 from voicebot.serving.silero import SileroVad
 
 REPLY = "Here is a longer reply from the bot. It keeps talking for a few seconds, as replies do."
@@ -31,10 +32,22 @@ def reply_24k() -> np.ndarray:
     return np.concatenate([once, np.zeros(12000, np.float32), once])  # two replies, 0.5 s apart
 
 
+def room_tail(rt60_s: float, direct_over_tail_db: float) -> np.ndarray:
+    """A room's impulse response: the direct path, then an exponentially decaying tail (fixed seed)."""
+    n = round(rt60_s * 16000)
+    tail = np.random.default_rng(1).standard_normal(n) * np.exp(-6.9 * np.arange(n) / n)
+    tail[:48] = 0  # the first reflection 3 ms after the direct path
+    tail *= np.sqrt(10 ** (-direct_over_tail_db / 10) / np.sum(tail**2))
+    tail[0] = 1.0
+    return tail.astype(np.float32)
+
+
 def run_case(reply_24k: np.ndarray, delay_ms: int, gain_db: float | None, speech: np.ndarray | None,
-             backlog_chunks: int = 0, speech_at_s: float | None = None):
-    """Play the reply, feed it back `delay_ms` late at `gain_db` (None: no echo path at all), plus
-    `speech` over the second reply (or from `speech_at_s` into the first). Returns the canceller,
+             backlog_chunks: int = 0, speech_at_s: float | None = None, noise_dbfs: float | None = None,
+             room: np.ndarray | None = None):
+    """Play the reply, feed it back `delay_ms` late at `gain_db` (None: no echo path at all), through
+    `room`'s impulse response if given, plus `speech` over the second reply (or from `speech_at_s`
+    into the first), plus a microphone's white noise floor at `noise_dbfs`. Returns the canceller,
     the echo, the speech, and both outputs: AEC3's suppressed one and the linear one.
 
     On a clock of its own: input chunk i arrives at (i + 1) * CHUNK_S, reply chunk m is sent (and
@@ -47,13 +60,16 @@ def run_case(reply_24k: np.ndarray, delay_ms: int, gain_db: float | None, speech
     delay = delay_ms * 16
     echo = np.zeros(n, np.float32)
     if gain_db is not None:
-        echo[delay : delay + len(far)] = far[: n - delay] * 10 ** (gain_db / 20)
+        played = far if room is None else np.convolve(far, room)[: len(far)].astype(np.float32)
+        echo[delay : delay + len(far)] = played[: n - delay] * 10 ** (gain_db / 20)
     voice = np.zeros(n, np.float32)
     if speech is not None:
         start = int(len(far) * 0.7) if speech_at_s is None else int(speech_at_s * 16000)
         voice[start : start + len(speech)] = speech[: n - start]
     canceller = EchoCanceller()
     near, out, linear = echo + voice, [], []
+    if noise_dbfs is not None:
+        near = near + np.random.default_rng(2).standard_normal(n).astype(np.float32) * 10 ** (noise_dbfs / 20)
     step = int(CHUNK_S * 16000)
     sent = 0
     for i in range(0, n, step):
@@ -143,16 +159,17 @@ def test_speech_over_a_reply_with_no_echo_path_is_kept(reply_24k):
     assert canceller.tracker.echo_absent and not canceller.tracker.echo_confirmed  # the voice is no echo
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 29, open: DelayTracker.echo_absent needs a whole 1 s window of input under -80 dBFS while "
-    "the bot spoke in both halves of the 2 s far history, so a user who talks within the first ~2 s "
-    "of the session's first reply (or any real microphone's noise floor) keeps AEC3's reference on "
-    "with no echo at all, and its suppressor takes 13-70 dB off the words (see the report of "
-    "branch clients); the recognizer's linear output keeps them, but the VAD starts the utterance late"))
-def test_speech_early_in_a_reply_with_no_echo_path_is_kept(reply_24k):
-    # As above, but the user talks 0.5 s into the first reply: no silent window comes first.
+@pytest.mark.parametrize("speech_at_s", [1.0, pytest.param(0.5, marks=pytest.mark.xfail(strict=True, reason=(
+    "issue 29, open: words that start within AEC3_REACH_S (0.55 s) of the reply's first sound cannot be "
+    "told from an echo of that path until ONSET_WINDOW_S of them is checked, so their first 200 ms get "
+    "AEC3's suppression (-49 dB) and barge-in is heard after 716 ms instead of 364; taking them for "
+    "no echo sooner left a 300-500 ms echo unsuppressed at its start (first reply 16 dB down instead of 40)")))])
+def test_speech_early_in_a_reply_with_no_echo_path_is_kept(reply_24k, speech_at_s):
+    # As above, but the user talks early into the first reply: no silent second comes first. With
+    # silence as the only proof of no echo, AEC3's suppressor took 27-68 dB off each 200 ms of the
+    # words 0.5 s in (issue 29: on /obs/audio speech.started 1.2-1.6 s late, no barge-in). The
+    # reply played over AEC3_REACH_S with nothing back: there is no echo AEC3 could cancel.
     speech = espeak_speech(BARGE_IN, "en-gb") * 0.7
-    speech_at_s = 0.5
     canceller, _, voice, out, _ = run_case(reply_24k, 0, None, speech, speech_at_s=speech_at_s)
     start = int(speech_at_s * 16000)
     kept = []
@@ -160,10 +177,49 @@ def test_speech_early_in_a_reply_with_no_echo_path_is_kept(reply_24k):
         talking = voice[start + w : start + w + 3200] != 0
         kept.append(db(out[start + w : start + w + 3200][talking]) - db(voice[start + w : start + w + 3200][talking]))
     heard, heard_raw = barge_in_heard_ms(out, start), barge_in_heard_ms(voice, start)
-    print(f"\nspeech 0.5 s into a reply, no echo: kept per 200 ms {' '.join(f'{k:+.1f}' for k in kept)} dB; "
+    print(f"\nspeech {speech_at_s} s into a reply, no echo: kept per 200 ms {' '.join(f'{k:+.1f}' for k in kept)} dB; "
           f"barge-in heard after {heard} ms ({heard_raw} ms with no canceller)")
     assert min(kept) >= -3, f"speech over the reply lost {-min(kept):.1f} dB in a 200 ms frame"
     assert heard is not None and heard <= heard_raw + 200, "the barge-in was heard more than a frame late"
+
+
+@pytest.mark.parametrize("noise_dbfs", [-70, -60])
+def test_speech_over_a_reply_with_no_echo_path_and_a_noise_floor_is_kept(reply_24k, noise_dbfs):
+    # A real microphone is never under -80 dBFS: the silent second never came, and AEC3's suppressor
+    # took 11-38 dB off each 200 ms of words 1.5 s into the first reply over a -70 dBFS floor.
+    speech = espeak_speech(BARGE_IN, "en-gb") * 0.7
+    speech_at_s = 2.0
+    canceller, _, voice, out, _ = run_case(reply_24k, 0, None, speech, speech_at_s=speech_at_s, noise_dbfs=noise_dbfs)
+    start = int(speech_at_s * 16000)
+    kept = kept_per_frame(out, voice, start)
+    heard, heard_raw = barge_in_heard_ms(out, start), barge_in_heard_ms(voice, start)
+    print(f"\nspeech over a reply, no echo, {noise_dbfs} dBFS noise: kept per 200 ms "
+          f"{' '.join(f'{k:+.1f}' for k in kept)} dB; barge-in heard after {heard} ms ({heard_raw} ms with no canceller)")
+    assert min(kept) >= -3, f"speech over the reply lost {-min(kept):.1f} dB in a 200 ms frame"
+    assert heard is not None and heard <= heard_raw + 200, "the barge-in was heard more than a frame late"
+    assert canceller.tracker.echo_absent
+
+
+@pytest.mark.parametrize("delay_ms, gain_db, room", [(150, -6, None), (300, -20, None), (50, -6, (0.4, 0.0))])
+@pytest.mark.parametrize("noise_dbfs", [None, -65])
+def test_an_echo_with_a_user_talking_early_is_still_cancelled(reply_24k, delay_ms, gain_db, room, noise_dbfs):
+    # The no-echo decisions above must not take a real echo for none: the echo alone (no voice) is
+    # never heard as a barge-in, and a user talking 0.5 s into the first reply, before the echo is
+    # confirmed, still is. Rooms: a pure delay (an OBS mix), and a tail as loud as the direct path.
+    # (One with RT60 0.8 s and the tail 6 dB louder barged in from the echo alone with or without
+    # these decisions: AEC3 itself leaves too much of it.)
+    tail = None if room is None else room_tail(*room)
+    canceller, echo, _, alone, _ = run_case(reply_24k, delay_ms, gain_db, None, noise_dbfs=noise_dbfs, room=tail)
+    assert barge_in_heard_ms(alone, 0) is None, "the echo alone was heard as a barge-in"
+    assert not canceller.tracker.echo_absent
+    speech = espeak_speech(BARGE_IN, "en-gb") * 0.7
+    speech_at_s = 0.5
+    start = int(speech_at_s * 16000)
+    _, _, voice, out, _ = run_case(reply_24k, delay_ms, gain_db, speech, speech_at_s=speech_at_s, noise_dbfs=noise_dbfs, room=tail)
+    heard, heard_raw = barge_in_heard_ms(out, start), barge_in_heard_ms(voice, start)
+    print(f"\necho {delay_ms} ms {gain_db} dB room {room} noise {noise_dbfs}: echo alone {db(echo) - db(alone):.1f} dB down, "
+          f"never a barge-in; a user 0.5 s in heard after {heard} ms ({heard_raw} ms with no echo, no canceller)")
+    assert heard is not None and heard <= heard_raw + 1000
 
 
 def test_no_echo_path_leaves_the_input_alone(reply_24k):
@@ -338,3 +394,36 @@ def test_a_voice_over_a_new_reply_leaves_the_linear_hold_where_the_echo_put_it(r
     canceller, *_ = run_case(reply_24k, 150, -20, speech, speech_at_s=speech_at_s)
     assert abs(canceller.tracker.early_delay_s - 0.15) <= 0.01
     assert len(resets) == 1, f"the linear hold moved {len(resets)} times (once: onto the 150 ms path)"
+
+
+def utterance_start_s(out: np.ndarray) -> float | None:
+    """Where the endpoint rule (Silero, the default EndpointConfig) starts the first utterance in
+    `out`, its pre-speech included: where the recognizer's audio of it begins."""
+    endpointer = Endpointer(EndpointConfig())
+    for i in range(0, len(out), 320):
+        for event in endpointer.process(out[i : i + 320]):
+            if event.kind is EventKind.START:
+                return (endpointer.samples_seen - len(event.audio)) / 16000
+    return None
+
+
+@pytest.mark.parametrize("delay_ms", [150, pytest.param(205, marks=pytest.mark.xfail(strict=True, reason=(
+    "issue 29, traced, open: at this path (not at 150 ms) AEC3's suppressor takes the first words off the "
+    "output the VAD hears, the endpointer forgets the first blip, and the utterance, so the recognizer's "
+    "audio, starts 0.52 s into the words (test_speech_over_the_bots_echo_is_transcribed's ''); "
+    "WebRTC-Aec3(Very)SensitiveDominantNearendActivation moved it 0.06-0.10 s, not enough")))])
+def test_words_over_a_first_replys_echo_start_the_utterance_on_time(delay_ms):
+    # test_turn_taking's echo case offline, deterministically: its reply, at the level the server's
+    # espeak speaks it (peak ~0.9, where espeak_speech normalises to 0.5), its -6 dB echo, and the
+    # words 1.5 s into the first reply. The live test's echo came back 134-233 ms late (the client's
+    # timing); the server's reply, synthesized in-process, differs a little from run to run.
+    reply = espeak_speech("Here is a long answer that goes on for a while, about the weather and the show and "
+                          "everything else you might want to know.", "en", 24000) * 1.75
+    reply_24k = np.concatenate([reply, np.zeros(12000, np.float32), reply])
+    words = espeak_speech("what time does the show start tomorrow") * 0.7
+    speech_at_s = 1.5
+    _, _, _, suppressed, _ = run_case(reply_24k, delay_ms, -6, words, speech_at_s=speech_at_s)
+    start = utterance_start_s(suppressed)
+    print(f"\nwords {speech_at_s} s into a first reply over a {delay_ms} ms -6 dB echo: the utterance starts "
+          f"{None if start is None else round(start - speech_at_s, 2)} s after them")
+    assert start is not None and start <= speech_at_s + 0.1, "the recognizer's audio misses the first words"
