@@ -181,7 +181,7 @@ class Session:
         except ProtocolError as exc:
             await self.outbox.error(exc.code, exc.message)
             return
-        await self._dispatch(message)
+        await self.handle(message)
 
     async def on_bytes(self, data: bytes) -> None:
         # A frame over the frame limit counts as that limit for the flood guard: it is refused with
@@ -236,7 +236,9 @@ class Session:
         """From session.start on: close the session once its client has gone quiet (session/idle.py)."""
         self.request_close(CloseCode.POLICY, ErrorCode.IDLE_TIMEOUT, await self.idle.expire())
 
-    async def _dispatch(self, message) -> None:
+    async def handle(self, message) -> None:
+        """The session's typed door in: one command (a parsed /v1/voice message, or one a front end
+        built), in the order the client sent it."""
         if isinstance(message, protocol.SessionStart):
             if self.state is not State.STARTING:
                 await self.outbox.error(ErrorCode.ALREADY_STARTED, "session.start was already received")
