@@ -1,12 +1,12 @@
 """The OpenAI Realtime protocol (GA event names) translated to and from voicebot's, without I/O.
 
-`RealtimeTranslator.client_event(raw)` turns one Realtime client event into `Action`s: messages of
-the /v1/voice protocol for the session (`Forward`), the session hooks the Realtime protocol needs
-and /v1/voice has no message for (`Answer` a typed user message, `Truncate` a reply at the audio
-the client played, `Instruct` the responder, `SetThreshold` of the VAD), and events for the
-client (`Send`). `server_text(wire)` and `server_audio(pcm)` turn what the session sends (its
-events, its 24 kHz frames) into Realtime server events. voicebot/realtime.py does the I/O;
-docs/realtime.md lists every event, what voicebot adds and what it does not do.
+`RealtimeTranslator.client_event(raw)` turns one Realtime client event into `Action`s: the session's
+typed commands (voicebot.protocol's and voicebot.session.commands': audio, input end, a typed user
+message answered, a reply truncated at the audio the client played, the responder's instructions,
+the VAD threshold, ...) and events for the client (`Send`). `server_event(message)` turns what the
+session says (its typed events, its 24 kHz frames) into Realtime server events.
+voicebot/realtime.py does the I/O; docs/realtime.md lists every event, what voicebot adds and what
+it does not do.
 
 Ids: a user audio item is `item_<utterance id>`, a typed one `item_t<n>` unless the client named
 it, a response `resp_<reply id>` and its assistant item `item_<reply id>`.
@@ -23,7 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from voicebot.audio.rates import SPEAK_RATE
-from voicebot.protocol import MAX_CHUNK_SECONDS, ProtocolError, load_json
+from voicebot.messages import AudioFrame
+from voicebot.protocol import MAX_CHUNK_SECONDS, EndInput, EndpointingUpdate, Interrupt, ProtocolError, SessionStart, SessionUpdate, load_json
+from voicebot.session import events as said
+from voicebot.session.commands import AnswerText, AudioChunk, ClearInput, Command, SetInstructions, SetVadThreshold, TruncateReply
+from voicebot.session.events import Outbound
 
 INPUT_RATE = 24000  # the only input rate of the Realtime protocol's audio/pcm
 PCM_FORMAT = {"type": "audio/pcm", "rate": INPUT_RATE}
@@ -55,61 +59,13 @@ class RealtimeError(Exception):
 
 
 @dataclass(frozen=True)
-class Forward:
-    """A /v1/voice message for the session's on_message: JSON text, or PCM at INPUT_RATE."""
-
-    wire: str | bytes
-
-
-@dataclass(frozen=True)
-class Answer:
-    """Reply to the user's typed text (Session.answer)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class Truncate:
-    """The client played `audio_end_ms` of this reply: keep only that in the history."""
-
-    reply_id: str
-    item_id: str
-    content_index: int
-    audio_end_ms: int
-
-
-@dataclass(frozen=True)
-class Instruct:
-    """The responder's system prompt for this conversation (None: the configured persona)."""
-
-    text: str | None
-
-
-@dataclass(frozen=True)
-class SetThreshold:
-    """The VAD's speech probability threshold for this session."""
-
-    threshold: float
-
-
-@dataclass(frozen=True)
 class Send:
     """A Realtime server event for the client, straight away."""
 
     event: dict
 
 
-@dataclass(frozen=True)
-class Clear:
-    """Drop the utterance in progress, the uncommitted audio (input_audio_buffer.clear); the session
-    answers input.cleared."""
-
-
-Action = Forward | Answer | Truncate | Instruct | SetThreshold | Send | Clear
-
-
-def _voice_message(kind: str, **fields: Any) -> Forward:
-    return Forward(json.dumps({"type": kind, **fields}))
+Action = Command | Send  # a command for Session.handle, or an event for the client
 
 
 # ---- state ----------------------------------------------------------------------------------
@@ -136,7 +92,9 @@ class _Response:
 
 
 @dataclass
-class _Utterance:
+class _SpokenItem:
+    """A user audio item: speech started, not yet transcribed."""
+
     item_id: str
     start_ms: int
     partial: str = ""
@@ -154,7 +112,7 @@ class RealtimeTranslator:
     session_id: str | None = None
     input_bytes: int = 0  # all audio appended, at INPUT_RATE
     uncommitted_bytes: int = 0  # appended since the last commit or utterance
-    _utterance: _Utterance | None = None  # speech started, not yet transcribed
+    _spoken: _SpokenItem | None = None  # speech started, not yet transcribed
     _last_item: str | None = None
     _pending_texts: list[str] = field(default_factory=list)  # typed user messages awaiting response.create
     _turn_answered: bool = False  # voicebot answered the latest spoken turn on its own; no response.create claimed it
@@ -170,8 +128,9 @@ class RealtimeTranslator:
 
     # ---- the session's first message ----
 
-    def start(self) -> Forward:
-        return _voice_message("session.start", sample_rate=INPUT_RATE, endpointing=self._endpointing())
+    def start(self) -> SessionStart:
+        """The session's first command: Realtime audio is 24 kHz."""
+        return SessionStart(type="session.start", sample_rate=INPUT_RATE, endpointing=self._endpointing())
 
     # ---- client events --------------------------------------------------------------------
 
@@ -227,18 +186,14 @@ class RealtimeTranslator:
         actions: list[Action] = []
         if instructions is not None:
             self.instructions = instructions
-            actions.append(Instruct(instructions or None))
+            actions.append(SetInstructions(instructions or None))
         self.turn_detection, self.transcription = turn_detection, transcription
         if transcription is not None and transcription.get("language"):
             self.language = transcription["language"]
         if turn_detection is not None and turn_detection.get("threshold") is not None:
-            actions.append(SetThreshold(turn_detection["threshold"]))
-        update: dict[str, Any] = {"endpointing": self._endpointing()}
-        if voice is not None:
-            update["voice"] = voice
-        if self.language:
-            update["language"] = self.language
-        actions.append(_voice_message("session.update", **update))  # answered by session.updated
+            actions.append(SetVadThreshold(turn_detection["threshold"]))
+        # Answered by session.updated.
+        actions.append(SessionUpdate(type="session.update", endpointing=self._endpointing(), voice=voice, language=self.language or None))
         return actions
 
     def _ga_shaped(self, session: dict) -> dict:
@@ -287,20 +242,20 @@ class RealtimeTranslator:
             raise RealtimeError(f"audio holds {len(pcm)} bytes; pcm16 needs an even count", param="audio")
         self.input_bytes += len(pcm)
         self.uncommitted_bytes += len(pcm)
-        return [Forward(pcm[i : i + CHUNK_BYTES]) for i in range(0, len(pcm), CHUNK_BYTES)]
+        return [AudioChunk(pcm[i : i + CHUNK_BYTES]) for i in range(0, len(pcm), CHUNK_BYTES)]
 
     def _commit(self, event: dict) -> list[Action]:
         if self.uncommitted_bytes == 0:
             raise RealtimeError("the input audio buffer is empty", "input_audio_buffer_commit_empty")
         self.uncommitted_bytes = 0
         self._commit_open = True
-        return [_voice_message("input.end")]  # its utterance's asr.final brings `committed`
+        return [EndInput(type="input.end")]  # its utterance's asr.final brings `committed`
 
     def _clear(self, event: dict) -> list[Action]:
         # The buffer only: utterances already committed (at their end, `_final`; under semantic_vad
         # before the turn is decided) are items, as in OpenAI's API, and their turn is answered.
         self.uncommitted_bytes = 0  # what is appended after the clear is a new buffer
-        return [Clear()]  # `cleared` when the session has dropped it (_cleared)
+        return [ClearInput()]  # `cleared` when the session has dropped it (_cleared)
 
     def _item_create(self, event: dict) -> list[Action]:
         item = _object(event, "item", "item")
@@ -337,17 +292,12 @@ class RealtimeTranslator:
         if audio_end_ms > response.audio_ms:
             raise RealtimeError(f"audio_end_ms {audio_end_ms} is past the {response.audio_ms} ms of audio sent",
                                 "audio_end_ms_out_of_range", "audio_end_ms")
-        return [Truncate(response.reply_id, item_id, content_index, audio_end_ms)]
-
-    def truncated(self, action: Truncate, heard: str) -> dict:
-        """The event that reports a truncation done (the adapter calls it after the session did)."""
-        return self._event("conversation.item.truncated", item_id=action.item_id, content_index=action.content_index,
-                           audio_end_ms=action.audio_end_ms, voicebot={"heard_text": heard})
+        return [TruncateReply(response.reply_id, audio_end_ms)]  # answered by reply.truncated (_truncated)
 
     def _response_create(self, event: dict) -> list[Action]:
         if self._pending_texts:
             text, self._pending_texts = "\n".join(self._pending_texts), []
-            return [Answer(text)]
+            return [AnswerText(text)]
         if self._turn_answered:
             # voicebot answers every spoken turn itself: this response.create asks for that reply.
             self._turn_answered = False
@@ -363,7 +313,7 @@ class RealtimeTranslator:
     def _response_cancel(self, event: dict) -> list[Action]:
         if not any(not r.done for r in self._responses.values()):
             raise RealtimeError("there is no response in progress", "response_cancel_not_active")
-        return [_voice_message("interrupt")]
+        return [Interrupt(type="interrupt")]
 
     _CLIENT_EVENTS = {
         "session.update": _session_update,
@@ -378,52 +328,56 @@ class RealtimeTranslator:
 
     # ---- server side: voicebot's events and frames ------------------------------------------
 
-    def server_text(self, wire: str) -> list[dict]:
-        event = json.loads(wire)
-        handler = self._SERVER_EVENTS.get(event["type"])
-        return handler(self, event) if handler else []  # pong, state.reset: nothing to say
+    def server_event(self, message: Outbound) -> list[dict]:
+        """What one event or frame of the session is in Realtime server events."""
+        if isinstance(message, AudioFrame):
+            return self._audio(message.pcm)
+        handler = self._SERVER_EVENTS.get(type(message))
+        return handler(self, message) if handler else []  # pong, state.reset: nothing to say
 
-    def server_audio(self, pcm: bytes) -> list[dict]:
+    def _audio(self, pcm: bytes) -> list[dict]:
         response = self._playing
         if response is None or response.done:
             return []  # not reachable: frames come between audio.start and its end
         response.audio_bytes += len(pcm)
         return [self._event("response.output_audio.delta", **self._where(response), delta=base64.b64encode(pcm).decode())]
 
-    def _ready(self, event: dict) -> list[dict]:
-        self.session_id = event["session_id"]
-        self.voice = event["voice"]
+    def _ready(self, event: said.SessionReady) -> list[dict]:
+        self.session_id = event.session_id
+        self.voice = event.voice
         return [self._event("session.created", session=self.session())]
 
-    def _updated(self, event: dict) -> list[dict]:
-        self.voice = event["voice"]
-        self._in_force = {k: event[k] for k in ("responder", "language", "turn", "endpoint_silence_ms", "barge_in_min_ms")}
+    def _updated(self, event: said.SessionUpdated) -> list[dict]:
+        self.voice = event.voice
+        self._in_force = {"responder": event.responder, "language": event.language, "turn": event.turn,
+                          "endpoint_silence_ms": event.endpoint_silence_ms, "barge_in_min_ms": event.barge_in_min_ms}
         return [self._event("session.updated", session=self.session())]
 
-    def _speech_started(self, event: dict) -> list[dict]:
-        self._utterance = _Utterance(f"item_{event['utterance_id']}", self._input_ms())
+    def _speech_started(self, event: said.SpeechStarted) -> list[dict]:
+        self._spoken = _SpokenItem(f"item_{event.utterance_id}", self._input_ms())
         if self.turn_detection is None:
             return []  # VAD off (push-to-talk): OpenAI sends no speech_started/stopped, only `committed`
-        return [self._event("input_audio_buffer.speech_started", audio_start_ms=self._utterance.start_ms,
-                            item_id=self._utterance.item_id)]
+        return [self._event("input_audio_buffer.speech_started", audio_start_ms=self._spoken.start_ms,
+                            item_id=self._spoken.item_id)]
 
-    def _partial(self, event: dict) -> list[dict]:
-        utterance = self._utterance
-        if utterance is None or self.transcription is None or not event["text"].startswith(utterance.partial):
+    def _partial(self, event: said.AsrPartial) -> list[dict]:
+        utterance = self._spoken
+        if utterance is None or self.transcription is None or not event.text.startswith(utterance.partial):
             return []  # a revised partial has no delta; `completed` carries the final text
-        delta, utterance.partial = event["text"][len(utterance.partial):], event["text"]
+        delta, utterance.partial = event.text[len(utterance.partial):], event.text
         if not delta:
             return []
         return [self._event("conversation.item.input_audio_transcription.delta", item_id=utterance.item_id,
                             content_index=0, delta=delta)]
 
-    def _final(self, event: dict) -> list[dict]:
-        item_id = f"item_{event['utterance_id']}"
-        start_ms = self._utterance.start_ms if self._utterance else self._input_ms()
+    def _final(self, event: said.AsrFinal) -> list[dict]:
+        item_id = f"item_{event.utterance_id}"
+        start_ms = self._spoken.start_ms if self._spoken else self._input_ms()
         end_ms = self._input_ms()
-        self._utterance = None
+        self._spoken = None
         self.uncommitted_bytes = 0
-        text = event["text"]
+        hypothesis = event.hypothesis
+        text = hypothesis["text"]
         previous, self._last_item = self._last_item, item_id
         item = {"id": item_id, "object": "realtime.item", "type": "message", "status": "completed", "role": "user",
                 "content": [{"type": "input_audio", "transcript": text if self.transcription is not None else None}]}
@@ -439,59 +393,67 @@ class RealtimeTranslator:
             events.append(self._event(
                 "conversation.item.input_audio_transcription.completed", item_id=item_id, content_index=0, transcript=text,
                 usage={"type": "duration", "seconds": round((end_ms - start_ms) / 1000, 3)},
-                voicebot={"confidence": event["confidence"], "model": event["model"], "fallback": event["fallback"],
-                          "gate_muted_ms": event["gate_muted_ms"]}))
+                voicebot={"confidence": hypothesis["confidence"], "model": hypothesis["model"], "fallback": hypothesis["fallback"],
+                          "gate_muted_ms": event.gate_muted_ms}))
         return events
 
-    def _cleared(self, event: dict) -> list[dict]:
+    def _cleared(self, event: said.InputCleared) -> list[dict]:
         """The session dropped the utterance in progress, if any: it has no item, no transcript."""
-        if self._utterance is not None and self._utterance.item_id == f"item_{event['utterance_id']}":
-            self._utterance = None
+        if self._spoken is not None and self._spoken.item_id == f"item_{event.utterance_id}":
+            self._spoken = None
         return [self._event("input_audio_buffer.cleared")]
 
-    def _turn_end(self, event: dict) -> list[dict]:
+    def _turn_end(self, event: said.TurnEnd) -> list[dict]:
         held, self._create_held, self._commit_open = self._create_held, None, False
         if held is not None:  # a response.create waited for this turn: it claims its reply, or learns there is none
-            if event["text"]:
+            if event.text:
                 return []
             return [self.error("nothing new to respond to: the committed audio held no words",
                                "response_create_nothing_new", event_id=held or None)]
-        if event["text"]:
+        if event.text:
             self._turn_answered = True  # its reply follows (a turn may hold several utterances)
         return []
 
-    def _reply_delta(self, event: dict) -> list[dict]:
-        events, response = self._response(event["reply_id"])
-        response.transcript += event["text"]
-        events.append(self._event("response.output_audio_transcript.delta", **self._where(response), delta=event["text"]))
+    def _reply_delta(self, event: said.ReplyDelta) -> list[dict]:
+        events, response = self._response(event.reply_id)
+        response.transcript += event.text
+        events.append(self._event("response.output_audio_transcript.delta", **self._where(response), delta=event.text))
         return events
 
-    def _reply_done(self, event: dict) -> list[dict]:
-        events, response = self._response(event["reply_id"])
-        if not event["text"]:
+    def _reply_done(self, event: said.ReplyDone) -> list[dict]:
+        events, response = self._response(event.reply_id)
+        if not event.text:
             events += self._finish(response, "completed")  # nothing to speak: no audio follows
         return events
 
-    def _audio_start(self, event: dict) -> list[dict]:
-        events, self._playing = self._response(event["reply_id"])
+    def _audio_start(self, event: said.AudioStart) -> list[dict]:
+        events, self._playing = self._response(event.reply_id)
         return events
 
-    def _audio_end(self, event: dict) -> list[dict]:
-        events, response = self._response(event["reply_id"])
+    def _audio_end(self, event: said.AudioEnd) -> list[dict]:
+        events, response = self._response(event.reply_id)
         return events + self._finish(response, "completed")
 
-    def _interrupted(self, event: dict) -> list[dict]:
-        events, response = self._response(event["reply_id"])
-        reason = "turn_detected" if event["reason"] == "barge_in" else "client_cancelled"
-        extra = {k: event[k] for k in ("played_ms", "heard_text", "frames_sent", "frames_dropped")}
+    def _interrupted(self, event: said.AudioInterrupted) -> list[dict]:
+        events, response = self._response(event.reply_id)
+        reason = "turn_detected" if event.reason == "barge_in" else "client_cancelled"
+        extra = {"played_ms": event.played_ms, "heard_text": event.heard_text, "frames_sent": event.frames_sent,
+                 "frames_dropped": event.frames_dropped}
         return events + self._finish(response, "cancelled", {"type": "cancelled", "reason": reason}, extra)
 
-    def _error(self, event: dict) -> list[dict]:
-        extra = {k: v for k, v in event.items() if k not in ("type", "code", "message")}
-        events = [self.error(event["message"], event["code"], kind="server_error" if event["code"] in SERVER_ERRORS else None,
+    def _truncated(self, event: said.ReplyTruncated) -> list[dict]:
+        return [self._event("conversation.item.truncated", item_id=f"item_{event.reply_id}", content_index=0,
+                            audio_end_ms=event.audio_end_ms, voicebot={"heard_text": event.heard_text})]
+
+    def _truncate_refused(self, event: said.TruncateRefused) -> list[dict]:
+        return [self.error("only the latest response can be truncated", "item_truncate_invalid_item_id", "item_id")]
+
+    def _error(self, event: said.Error) -> list[dict]:
+        extra = event.details
+        events = [self.error(event.message, event.code, kind="server_error" if event.code in SERVER_ERRORS else None,
                              voicebot=extra or None)]
-        reply_id = event.get("reply_id")
-        if reply_id and event["code"] == "engine_error":  # the reply ended with it (reply_failed: a fallback line follows)
+        reply_id = extra.get("reply_id")
+        if reply_id and event.code == "engine_error":  # the reply ended with it (reply_failed: a fallback line follows)
             created, response = self._response(reply_id)
             events = created + events
             if response is not self._playing:  # no audio.end follows a reply that sent no frame
@@ -500,19 +462,21 @@ class RealtimeTranslator:
         return events
 
     _SERVER_EVENTS = {
-        "session.ready": _ready,
-        "session.updated": _updated,
-        "speech.started": _speech_started,
-        "asr.partial": _partial,
-        "asr.final": _final,
-        "turn.end": _turn_end,
-        "input.cleared": _cleared,
-        "reply.delta": _reply_delta,
-        "reply.done": _reply_done,
-        "audio.start": _audio_start,
-        "audio.end": _audio_end,
-        "audio.interrupted": _interrupted,
-        "error": _error,
+        said.SessionReady: _ready,
+        said.SessionUpdated: _updated,
+        said.SpeechStarted: _speech_started,
+        said.AsrPartial: _partial,
+        said.AsrFinal: _final,
+        said.TurnEnd: _turn_end,
+        said.InputCleared: _cleared,
+        said.ReplyDelta: _reply_delta,
+        said.ReplyDone: _reply_done,
+        said.AudioStart: _audio_start,
+        said.AudioEnd: _audio_end,
+        said.AudioInterrupted: _interrupted,
+        said.ReplyTruncated: _truncated,
+        said.TruncateRefused: _truncate_refused,
+        said.Error: _error,
     }
 
     # ---- responses -----------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 The session owns the tasks and the queues between the stages and decides what happens next;
 the stages do the work (voicebot/session/listening.py, replying.py; the path and every bound:
-docs/architecture.md). Input: `on_message` from the socket's receive loop. Output:
-the outbox, drained to the socket by `run_sender`.
+docs/architecture.md). Input: typed commands through `handle` (voicebot.session.commands), each
+wire message counted first by `arrived`. Output: typed events (voicebot.session.events) and
+reply frames on the outbox, handed to the front end's `deliver` by `run_sender`. The session knows
+no wire format: its front end (voicebot/frontends/) translates both ways.
 """
 
 from __future__ import annotations
@@ -17,19 +19,22 @@ import uuid
 from enum import Enum
 from typing import Awaitable, Callable
 
-from voicebot import protocol
+from voicebot import PROTOCOL_VERSION, protocol
 from voicebot.asr.base import RecognizerStream
 from voicebot.audio.echo import EchoCanceller
 from voicebot.audio.loudness import OutputLevel
 from voicebot.audio.rates import LISTEN_RATE, SPEAK_RATE
 from voicebot.audio.resample import pcm16_to_float
 from voicebot.channels import ChannelRefused
-from voicebot.messages import AudioFrame, AudioIn, ClearInput, Event, Inbound, InputEnd, Turn
-from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
+from voicebot.messages import AudioFrame, AudioIn, DropUtterance, Inbound, InputEnd, Turn
+from voicebot.protocol import FRAME_MS, OUTPUT_SAMPLE_RATE, CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
 from voicebot.serving.vad import VadOverloaded
+from voicebot.session import commands, events
 from voicebot.session.choices import Choices
+from voicebot.session.commands import Command
+from voicebot.session.events import Outbound
 from voicebot.session.flood import FloodGuard
 from voicebot.session.idle import IdleWatch
 from voicebot.session.listening import FrontEnd, Listening
@@ -67,12 +72,15 @@ TRANSITIONS: dict[State, set[State]] = {
 }
 
 
+# The front end's side of the outbox: puts one event or frame on its wire (voicebot/frontends/).
+Deliver = Callable[[Outbound], Awaitable[None]]
+
+
 class Session:
-    def __init__(self, runtime: Runtime, send_text: Callable[[str], Awaitable], send_bytes: Callable[[bytes], Awaitable]) -> None:
+    def __init__(self, runtime: Runtime, deliver: Deliver) -> None:
         self.rt = runtime
         self.settings = runtime.settings
-        self._send_text = send_text
-        self._send_bytes = send_bytes
+        self._deliver = deliver
         self.id = uuid.uuid4().hex
         # The key of this session's conversation in the resume store: sent only to this client (in
         # session.ready, never to a channel's listeners), so no one else can take the conversation.
@@ -118,16 +126,11 @@ class Session:
         return self._reply is not None or not self.turns.empty()
 
     async def run_sender(self) -> None:
-        """Drain the outbox to the socket; a None entry ends it."""
+        """Hand the outbox to the front end, in order; a None entry ends it."""
         while (message := await self.outbox.get()) is not None:
-            wire = message.wire
-            self.rt.channels.mirror(self.id, _for_listeners(message))  # never waits: listeners can't slow the session
             if self.echo is not None and isinstance(message, AudioFrame):
-                self.echo.play(pcm16_to_float(wire))  # the far end: what the client is about to play
-            if isinstance(wire, bytes):
-                await self._send_bytes(wire)
-            else:
-                await self._send_text(wire)
+                self.echo.play(pcm16_to_float(message.pcm))  # the far end: what the client is about to play
+            await self._deliver(message)
 
     async def close(self) -> None:
         """Release every task, queue and engine state of this session (idempotent)."""
@@ -159,36 +162,19 @@ class Session:
 
     # ---- input ----------------------------------------------------------------------------
 
-    async def on_message(self, message: str | bytes) -> None:
-        """One message from the socket's receive loop (voicebot.transport.receive_loop)."""
+    def arrived(self, audio_bytes: int = 0) -> bool:
+        """One message came from the client, holding `audio_bytes` of audio: every front end calls
+        this once per wire message, before handing its commands (or answering it itself). It counts
+        for the idle timeout and the flood guard. False: drop the message (it floods, or the session
+        is closing); its audio is counted as dropped."""
         self.idle.heard()
-        if isinstance(message, str):
-            await self.on_text(message)
-        else:
-            await self.on_bytes(message)
-
-    def heard_unforwarded(self) -> bool:
-        """A client message a protocol adapter answered itself (voicebot.realtime): it counts for the
-        idle timeout and the flood guard like any message; False once the session closes for flooding."""
-        self.idle.heard()
-        return not self._flooding(0)
-
-    async def on_text(self, raw: str) -> None:
-        if self._flooding(0):
-            return
-        try:
-            message = protocol.parse_text(raw)
-        except ProtocolError as exc:
-            await self.outbox.error(exc.code, exc.message)
-            return
-        await self.handle(message)
-
-    async def on_bytes(self, data: bytes) -> None:
         # A frame over the frame limit counts as that limit for the flood guard: it is refused with
-        # frame_too_large below, not taken for a flood (a 256 KB frame at 16 kHz would empty the
+        # frame_too_large (_hear), not taken for a flood (a 256 KB frame at 16 kHz would empty the
         # audio allowance at once); frames that keep coming still flood it.
-        if self._flooding(min(len(data), protocol.audio_frame_limit(self.sample_rate))):
-            return
+        return not self._flooding(min(audio_bytes, protocol.audio_frame_limit(self.sample_rate)))
+
+    async def _hear(self, data: bytes) -> None:
+        """An AudioChunk: checked, recorded if recording is on, queued for the listen task."""
         if self.state is State.STARTING:
             await self.outbox.error(ErrorCode.NOT_STARTED, "audio before session.start: send session.start first")
             return
@@ -236,28 +222,42 @@ class Session:
         """From session.start on: close the session once its client has gone quiet (session/idle.py)."""
         self.request_close(CloseCode.POLICY, ErrorCode.IDLE_TIMEOUT, await self.idle.expire())
 
-    async def handle(self, message) -> None:
+    async def handle(self, message: Command) -> None:
         """The session's typed door in: one command (a parsed /v1/voice message, or one a front end
-        built), in the order the client sent it."""
-        if isinstance(message, protocol.SessionStart):
+        built: voicebot.session.commands), in the order the client sent it."""
+        if isinstance(message, commands.AudioChunk):
+            await self._hear(message.pcm)
+        elif isinstance(message, protocol.SessionStart):
             if self.state is not State.STARTING:
                 await self.outbox.error(ErrorCode.ALREADY_STARTED, "session.start was already received")
                 return
             await self._start(message)
         elif self.state is State.STARTING and not isinstance(message, protocol.Ping):
-            await self.outbox.error(ErrorCode.NOT_STARTED, f"{message.type} before session.start: send session.start first")
+            await self.outbox.error(ErrorCode.NOT_STARTED, f"{_name(message)} before session.start: send session.start first")
         elif isinstance(message, protocol.SessionUpdate):
             await self._update(message)
-        elif isinstance(message, protocol.InputEnd):
+        elif isinstance(message, protocol.EndInput):
             await self.audio_in.put(InputEnd(time.monotonic()))  # in order with the audio before it
+        elif isinstance(message, commands.ClearInput):
+            await self.audio_in.put(DropUtterance())  # in order with the audio before it: answered by input.cleared
         elif isinstance(message, protocol.Say):
             if message.interrupt:
                 await self.interrupt("say")
             await self._queue_turn(Turn(message.text, say=True))
+        elif isinstance(message, commands.AnswerText):
+            await self._queue_turn(Turn(message.text, say=False))
         elif isinstance(message, protocol.Interrupt):
             await self.interrupt("client")
+        elif isinstance(message, commands.TruncateReply):
+            await self._truncate(message)
+        elif isinstance(message, commands.SetInstructions):
+            self.conversation.instructions = message.text
+        elif isinstance(message, commands.SetVadThreshold):
+            self._set_vad_threshold(message.threshold)
         elif isinstance(message, protocol.Ping):
-            await self.outbox.emit(protocol.event("pong", id=message.id))
+            await self.outbox.emit(events.Pong(message.id))
+        else:
+            raise TypeError(f"not a session command: {message!r}")
 
     async def _start(self, message: protocol.SessionStart) -> None:
         try:
@@ -284,8 +284,8 @@ class Session:
                                  self.settings.reply, self.settings.pacing,
                                  level=OutputLevel(SPEAK_RATE, self.settings.output))
         self.engine_reset = EngineReset(self.settings.reset.interval_s, self.asr, self.tts, self.rt.metrics, self.outbox)
-        await self.outbox.emit(protocol.session_ready(self.id, self.resume_token, self.sample_rate, self.tts.voice, self.choices.responder,
-                                                             resumed=resumed))
+        await self.outbox.emit(events.SessionReady(self.id, self.resume_token, PROTOCOL_VERSION, self.sample_rate, OUTPUT_SAMPLE_RATE,
+                                                   FRAME_MS, self.tts.voice, self.choices.responder, resumed))
         if refused is not None:
             await self.outbox.error(refused.code, refused.message)
         self._tasks = [
@@ -341,17 +341,14 @@ class Session:
         if message.voice is not None:
             self.tts.set_voice(message.voice)
         self._set_turn(message.endpointing)
-        await self.outbox.emit(
-            protocol.event(
-                "session.updated",
-                voice=self.tts.voice,
-                responder=self.choices.responder,
-                language=self.choices.language,
-                turn="smart" if self.turn_taking.smart else "silence",
-                endpoint_silence_ms=self._silence_ms,
-                barge_in_min_ms=self.choices.barge_in_min_ms,
-            )
-        )
+        await self.outbox.emit(events.SessionUpdated(
+            voice=self.tts.voice,
+            responder=self.choices.responder,
+            language=self.choices.language,
+            turn="smart" if self.turn_taking.smart else "silence",
+            endpoint_silence_ms=self._silence_ms,
+            barge_in_min_ms=self.choices.barge_in_min_ms,
+        ))
 
     def _set_turn(self, endpointing: protocol.EndpointingUpdate | None) -> None:
         """What ends this session's turns: the server's `endpoint.turn`, or the client's choice (an
@@ -367,6 +364,10 @@ class Session:
         pause_ms = self.settings.endpoint.smart_pause_ms if smart else self._silence_ms
         self.listening.front_end.endpointer.set_silence_ms(pause_ms)
 
+    def _set_vad_threshold(self, threshold: float) -> None:
+        endpointer = self.listening.front_end.endpointer  # the stage's config, set as _set_turn sets its pause
+        endpointer.config = endpointer.config.model_copy(update={"threshold": threshold})
+
     # ---- listen: audio in, utterances out, barge-in ------------------------------------------
 
     async def _listen(self) -> None:
@@ -381,10 +382,10 @@ class Session:
                 # VAD and the recognizer: a session that fell behind catches up at once, where one
                 # trip per chunk would keep it behind (docs/serving.md, capacity and admission).
                 item, held = await self._waiting_chunks(item)
-            if isinstance(item, ClearInput):
+            if isinstance(item, DropUtterance):
                 async with self._engine_lock:
                     utterance_id = await self.listening.clear()
-                await self.outbox.emit(protocol.event("input.cleared", utterance_id=utterance_id))
+                await self.outbox.emit(events.InputCleared(utterance_id))
                 continue
             async with self._engine_lock:
                 try:
@@ -438,11 +439,6 @@ class Session:
         else:
             await self.outbox.error(ErrorCode.ENGINE_ERROR, f"voice detection failed on a chunk of input{lost}: {exc}", **where)
 
-    async def clear_input(self) -> None:
-        """/v1/realtime's input_audio_buffer.clear: the utterance in progress dropped once the audio
-        sent before the clear is heard (in order, through audio_in); answered with `input.cleared`."""
-        await self.audio_in.put(ClearInput())
-
     def _prepare_reply(self, turn: Turn) -> Reply | None:
         """A reply started during a pause, held until the turn is decided (turn_taking.py); none
         while another reply is made or played (it would share the session's TTS)."""
@@ -452,10 +448,6 @@ class Session:
         reply = self.replies.reply(turn, name, self.rt.responders[name], on_speaking=lambda: self._enter(State.SPEAKING))
         reply.prepare()
         return reply
-
-    async def answer(self, text: str) -> None:
-        """Reply to `text` as to something the user said (a typed message: /v1/realtime)."""
-        await self._queue_turn(Turn(text, say=False))
 
     async def _queue_turn(self, turn: Turn) -> None:
         if self.turns.full():
@@ -502,6 +494,15 @@ class Session:
             self.echo.stop()  # the client drops what it has not played
         await reply.cancel(reason, played_ms)
 
+    async def _truncate(self, message: commands.TruncateReply) -> None:
+        reply = self.last_reply
+        if reply is None or reply.id != message.reply_id:
+            await self.outbox.emit(events.TruncateRefused(message.reply_id))
+            return
+        # A no-op if it has ended; otherwise it stops here, its audio.interrupted reporting what was played.
+        await self.interrupt("client", played_ms=message.audio_end_ms)
+        await self.outbox.emit(events.ReplyTruncated(reply.id, message.audio_end_ms, reply.truncate(message.audio_end_ms)))
+
     # ---- periodic reset ---------------------------------------------------------------------
 
     async def _reset_timer(self) -> None:
@@ -521,12 +522,8 @@ CONVERSATION_LOST_MESSAGE = (
     "on with an empty conversation that cannot be resumed. If the other session is your own client, close this "
     "one; if not, your resume token is known to someone else: start a new session without it")
 
-PRIVATE_FIELDS = {"session_id", "resume_token"}
 
 
-def _for_listeners(message) -> str | bytes:
-    """What a channel's listeners get of an outbound message: all of it but the session's identity
-    (session.ready's session_id and resume_token)."""
-    if isinstance(message, Event) and PRIVATE_FIELDS & message.payload.keys():
-        return Event({k: v for k, v in message.payload.items() if k not in PRIVATE_FIELDS}).wire
-    return message.wire
+def _name(command: Command) -> str:
+    """A command as an error message names it: its /v1/voice type, else its class."""
+    return command.type if isinstance(command, protocol.ClientCommand) else type(command).__name__

@@ -30,12 +30,12 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from voicebot import protocol
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.turn import Action, Answer, SmartTurn, TurnPolicy, with_silence
 from voicebot.config import EndpointConfig
 from voicebot.messages import AudioIn, Inbound, InputEnd, Turn, Utterance
 from voicebot.metrics import Metrics
+from voicebot.session.events import TurnEnd
 from voicebot.session.listening import FrontEnd
 from voicebot.session.outbox import Outbox
 from voicebot.session.replying import Reply
@@ -301,8 +301,7 @@ class TurnTaking:
         decided = self.policy.end(by, pause_ms)
         self._metrics.turn_ends.labels(by).inc()
         last = self._segments[-1]
-        await self._outbox.emit(protocol.event(
-            "turn.end",
+        await self._outbox.emit(TurnEnd(
             utterance_id=last.id,
             by=by,
             probability=None if decided.probability is None else round(decided.probability, 3),
