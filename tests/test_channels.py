@@ -134,7 +134,7 @@ def test_a_speaker_that_loses_its_channel_is_told_and_no_longer_heard():
 def test_listener_over_the_socket(server):
     async def scenario():
         url = f"{server.ws_url}?role=listener&channel=lobby"
-        async with websockets.connect(url, max_queue=None) as listener:  # see test_obs_plugin.py
+        async with websockets.connect(url, max_queue=None) as listener:  # see frontends/test_obs_plugin.py
             ready = json.loads(await listener.recv())
             await listener.send(json.dumps({"type": "say", "text": "hi"}))  # listeners cannot speak
             refused = json.loads(await listener.recv())

@@ -26,12 +26,12 @@ from voicebot.config import Settings, load_settings
 from voicebot.loop_watch import LoopWatch
 from voicebot.frontends.run import run_session
 from voicebot.frontends.voice import VoiceFrontEnd
-from voicebot.obs_plugin import ObsFrontEnd
+from voicebot.frontends.obs_plugin import ObsFrontEnd
 from voicebot.protocol import CloseCode, ErrorCode
-from voicebot.realtime import RealtimeFrontEnd, RefusingInOpenAIShape
-from voicebot.realtime_events import RealtimeTranslator
+from voicebot.frontends.realtime import RealtimeFrontEnd, RefusingInOpenAIShape
+from voicebot.frontends.realtime_events import RealtimeTranslator
 from voicebot.runtime import Runtime
-from voicebot.transport import one_line_for_invalid_utf8
+from voicebot.frontends.transport import one_line_for_invalid_utf8
 
 log = logging.getLogger("voicebot")
 

@@ -268,7 +268,7 @@ class Session:
             return
         self.sample_rate = message.sample_rate
         self.asr = self.rt.recognizer.open(self.choices.language)
-        if message.echo_cancellation:  # /obs/audio asks for it (voicebot/obs_plugin.py)
+        if message.echo_cancellation:  # /obs/audio asks for it (voicebot/frontends/obs_plugin.py)
             self.echo = EchoCanceller()
         front_end = FrontEnd(self.sample_rate, self.settings.gate, self.settings.endpoint, self.echo, vad=self.rt.vad)
         self.listening = Listening(front_end, self.asr, self.rt.audio_worker, self.rt.metrics, self.outbox, self.id,

@@ -5,7 +5,7 @@ typed commands (voicebot.protocol's and voicebot.session.commands': audio, input
 message answered, a reply truncated at the audio the client played, the responder's instructions,
 the VAD threshold, ...) and events for the client (`Send`). `server_event(message)` turns what the
 session says (its typed events, its 24 kHz frames) into Realtime server events.
-voicebot/realtime.py does the I/O; docs/realtime.md lists every event, what voicebot adds and what
+voicebot/frontends/realtime.py does the I/O; docs/realtime.md lists every event, what voicebot adds and what
 it does not do.
 
 Ids: a user audio item is `item_<utterance id>`, a typed one `item_t<n>` unless the client named

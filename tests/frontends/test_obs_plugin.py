@@ -13,7 +13,7 @@ import websockets
 from tests.browser.support import obs_audio_message, speech
 from voicebot.audio.resample import StreamResampler
 from voicebot.metrics import Metrics
-from voicebot.obs_plugin import HEADER, BadChunk, ObsAudio, ObsFrontEnd, parse_chunk
+from voicebot.frontends.obs_plugin import HEADER, BadChunk, ObsAudio, ObsFrontEnd, parse_chunk
 from voicebot.protocol import EndInput
 from voicebot.session.commands import AudioChunk
 

@@ -18,7 +18,7 @@ from typing import Any
 from openai import AsyncOpenAI
 
 from tests.conftest import TEST_PHRASES, RunningServer, speech_pcm
-from voicebot.realtime_events import RealtimeTranslator
+from voicebot.frontends.realtime_events import RealtimeTranslator
 from voicebot.session import events as said
 from voicebot.session.commands import ClearInput
 

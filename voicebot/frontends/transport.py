@@ -28,7 +28,7 @@ MessageHandler = Callable[[Wire], Awaitable[None]]
 
 
 class Socket(Protocol):
-    """What the loop uses of a starlette WebSocket (voicebot.obs_plugin.ObsSocket is one too)."""
+    """What the loop uses of a starlette WebSocket (voicebot.frontends.obs_plugin.ObsSocket is one too)."""
 
     client_state: WebSocketState
     application_state: WebSocketState

@@ -1,6 +1,6 @@
 """/v1/realtime: an OpenAI Realtime connection, translated for `run_session`.
 
-The translation is voicebot.realtime_events (no I/O): each client event becomes the session's typed
+The translation is voicebot.frontends.realtime_events (no I/O): each client event becomes the session's typed
 commands (a `session.start` at 24 kHz opens it) and events of the translator's own for the client;
 each of the session's typed events and frames becomes Realtime server events. Here it meets the
 socket. Every message is JSON text: a binary message gets an `error` and the connection goes on.
@@ -14,11 +14,11 @@ import json
 from starlette.websockets import WebSocket
 
 from voicebot.metrics import Metrics
-from voicebot.realtime_events import RealtimeTranslator, Send
+from voicebot.frontends.realtime_events import RealtimeTranslator, Send
 from voicebot.session import Session
 from voicebot.session.commands import AudioChunk
 from voicebot.session.events import Error, Outbound, TruncateRefused
-from voicebot.transport import Wire
+from voicebot.frontends.transport import Wire
 
 
 class RealtimeFrontEnd:

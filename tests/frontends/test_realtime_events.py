@@ -10,7 +10,7 @@ import pytest
 
 from voicebot.messages import AudioFrame
 from voicebot.protocol import EndInput, EndpointingUpdate, Interrupt, SessionUpdate
-from voicebot.realtime_events import CHUNK_BYTES, MANUAL_SILENCE_MS, RealtimeTranslator, Send
+from voicebot.frontends.realtime_events import CHUNK_BYTES, MANUAL_SILENCE_MS, RealtimeTranslator, Send
 from voicebot.session import events as said
 from voicebot.session.commands import AnswerText, ClearInput, SetInstructions, SetVadThreshold, TruncateReply
 
