@@ -23,7 +23,6 @@ from typing import Annotated, Any, Literal, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from voicebot.audio.rates import SPEAK_RATE as OUTPUT_SAMPLE_RATE
 
 MIN_SAMPLE_RATE = 8000
 MAX_SAMPLE_RATE = 48000

@@ -57,7 +57,7 @@ async def run_session(ws: Socket, front_end: FrontEnd, rt: Runtime) -> None:
     rt.metrics.active_sessions.inc()
     rt.metrics.sessions_total.inc()
     sender = asyncio.create_task(session.run_sender())
-    close_requested = asyncio.create_task(session.close_requested.wait())
+    close_requested = asyncio.create_task(session.watch.close_requested.wait())
     start_deadline = asyncio.create_task(session.expect_start(rt.settings.server.start_timeout_s))
     try:
         await front_end.start(session)
@@ -67,8 +67,8 @@ async def run_session(ws: Socket, front_end: FrontEnd, rt: Runtime) -> None:
 
         # Also ended by the sender (the socket failed while sending) and by a close request (flooding).
         await receive_loop(ws, on_message, until=(sender, close_requested))
-        if session.close_request is not None:
-            code, error_code, reason = session.close_request
+        if session.watch.close_request is not None:
+            code, error_code, reason = session.watch.close_request
             await session.outbox.error(error_code, reason)
             await session.close()
             await session.outbox.put(None)

@@ -16,7 +16,6 @@ import logging
 import secrets
 import time
 import uuid
-from enum import Enum
 from typing import Awaitable, Callable
 
 from voicebot import PROTOCOL_VERSION, protocol
@@ -25,22 +24,23 @@ from voicebot.audio.echo import EchoCanceller
 from voicebot.audio.loudness import OutputLevel
 from voicebot.audio.rates import LISTEN_RATE, SPEAK_RATE
 from voicebot.audio.resample import pcm16_to_float
-from voicebot.channels import ChannelRefused
 from voicebot.messages import AudioFrame, AudioIn, DropUtterance, Inbound, InputEnd, Turn
-from voicebot.protocol import FRAME_MS, OUTPUT_SAMPLE_RATE, CloseCode, ErrorCode, ProtocolError
+from voicebot.protocol import FRAME_MS, CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
-from voicebot.serving.vad import VadOverloaded
 from voicebot.session import commands, events
 from voicebot.session.choices import Choices
+from voicebot.session.client_watch import ClientWatch
 from voicebot.session.commands import Command
 from voicebot.session.events import Outbound
-from voicebot.session.flood import FloodGuard
-from voicebot.session.idle import IdleWatch
+from voicebot.session.input_loss import lose_chunks
 from voicebot.session.listening import FrontEnd, Listening
 from voicebot.session.outbox import Outbox
+from voicebot.session.ownership import CONVERSATION_LOST_MESSAGE, claim_channel, resume
 from voicebot.session.replying import Reply, Replying
 from voicebot.session.reset import EngineReset
+from voicebot.session.states import State, moved
+from voicebot.session.turn_mode import TurnMode
 from voicebot.session.turn_taking import TurnTaking
 from voicebot.tts.base import SynthesisContext
 
@@ -52,24 +52,6 @@ AUDIO_IN_MAX = 64
 TURNS_MAX = 8
 # The VAD batcher full: it drains in steps of milliseconds, so the client may send again soon.
 VAD_RETRY_AFTER_S = 1
-
-
-class State(Enum):
-    STARTING = "starting"  # connected, waiting for session.start
-    LISTENING = "listening"
-    THINKING = "thinking"  # a reply is being prepared, no audio sent yet
-    SPEAKING = "speaking"
-    CLOSING = "closing"
-
-
-# Every move the session may make; any other is a bug and raises.
-TRANSITIONS: dict[State, set[State]] = {
-    State.STARTING: {State.LISTENING, State.CLOSING},
-    State.LISTENING: {State.THINKING, State.CLOSING},
-    State.THINKING: {State.SPEAKING, State.LISTENING, State.CLOSING},
-    State.SPEAKING: {State.LISTENING, State.CLOSING},
-    State.CLOSING: set(),
-}
 
 
 # The front end's side of the outbox: puts one event or frame on its wire (voicebot/frontends/).
@@ -89,11 +71,7 @@ class Session:
         self.sample_rate = LISTEN_RATE
         self.choices = Choices(runtime.default_responder, self.settings.pacing.barge_in_min_ms)
         self.conversation = Conversation(self.settings.reply.max_history_turns, self.settings.reply.max_history_tokens)
-        limits = self.settings.limits
-        self.flood = FloodGuard(limits.max_messages_per_s, limits.max_audio_realtime_factor, limits.window_s)
-        self.close_request: tuple[int, str, str] | None = None  # (close code, error code, reason)
-        self.close_requested = asyncio.Event()
-        self.idle = IdleWatch(self.settings.server.idle_timeout_s, busy=lambda: self.replying)
+        self.watch = ClientWatch(self.settings, runtime.metrics, busy=lambda: self.replying)
 
         self.outbox = Outbox(runtime.metrics)
         self.audio_in: asyncio.Queue[Inbound] = asyncio.Queue(AUDIO_IN_MAX)
@@ -109,14 +87,11 @@ class Session:
         self.replies: Replying | None = None
         self.turn_taking: TurnTaking | None = None
         self.echo: EchoCanceller | None = None
-        self._wants_smart = self.settings.endpoint.turn == "smart"
-        self._silence_ms = self.settings.endpoint.endpoint_silence_ms  # the silence rule's wait
+        self.turn_mode: TurnMode | None = None
         self.engine_reset: EngineReset | None = None
 
     def _enter(self, state: State) -> None:
-        if state not in TRANSITIONS[self.state]:
-            raise RuntimeError(f"session {self.id[:8]}: no transition from {self.state.value} to {state.value}")
-        self.state = state
+        self.state = moved(self.state, state)  # any move session/states.py does not list raises
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -167,11 +142,7 @@ class Session:
         this once per wire message, before handing its commands (or answering it itself). It counts
         for the idle timeout and the flood guard. False: drop the message (it floods, or the session
         is closing); its audio is counted as dropped."""
-        self.idle.heard()
-        # A frame over the frame limit counts as that limit for the flood guard: it is refused with
-        # frame_too_large (_hear), not taken for a flood (a 256 KB frame at 16 kHz would empty the
-        # audio allowance at once); frames that keep coming still flood it.
-        return not self._flooding(min(audio_bytes, protocol.audio_frame_limit(self.sample_rate)))
+        return self.watch.arrived(audio_bytes, self.sample_rate)
 
     async def _hear(self, data: bytes) -> None:
         """An AudioChunk: checked, recorded if recording is on, queued for the listen task."""
@@ -183,33 +154,15 @@ class Session:
         try:
             protocol.check_audio(len(data), self.sample_rate)
         except ProtocolError as exc:
-            self._drop_input(len(data) & ~1, exc.code)  # not heard: counted, as all dropped input is
+            self.watch.dropped(len(data) & ~1, self.sample_rate, exc.code)  # not heard: counted, as all dropped input is
             await self.outbox.error(exc.code, exc.message)
             return
         self.rt.input_recorder.record(self.id, self.sample_rate, data)
         await self.audio_in.put(AudioIn(data, time.monotonic()))
 
-    def _flooding(self, audio_bytes: int) -> bool:
-        """True: this message is refused (it floods, or the session is closing). Its audio is
-        counted as dropped, as every piece of input the server does not hear is."""
-        if self.close_request:
-            self._drop_input(audio_bytes, "closing")
-            return True
-        reason = self.flood.check(audio_bytes, self.sample_rate)
-        if reason:
-            self._drop_input(audio_bytes, "flooding")
-            self.request_close(CloseCode.FLOODING, ErrorCode.FLOODING, f"flooding: {reason}")
-        return reason is not None
-
-    def _drop_input(self, audio_bytes: int, reason: str) -> None:
-        if audio_bytes:
-            self.rt.metrics.input_dropped.labels(reason).inc(audio_bytes / (2 * self.sample_rate))
-
     def request_close(self, close_code: int, error_code: str, reason: str) -> None:
-        """Ask the connection's owner (voicebot.app.run_session) to send the error and close."""
-        if self.close_request is None:
-            self.close_request = (close_code, error_code, reason)
-            self.close_requested.set()
+        """Ask the connection's owner (voicebot.frontends.run.run_session) to send the error and close."""
+        self.watch.request_close(close_code, error_code, reason)
 
     async def expect_start(self, timeout_s: float) -> None:
         """Close a connection that has not sent session.start within `timeout_s`: an idle one
@@ -217,10 +170,6 @@ class Session:
         await asyncio.sleep(timeout_s)
         if self.state is State.STARTING:
             self.request_close(CloseCode.POLICY, ErrorCode.START_TIMEOUT, f"no session.start within {timeout_s:g} s")
-
-    async def _close_when_idle(self) -> None:
-        """From session.start on: close the session once its client has gone quiet (session/idle.py)."""
-        self.request_close(CloseCode.POLICY, ErrorCode.IDLE_TIMEOUT, await self.idle.expire())
 
     async def handle(self, message: Command) -> None:
         """The session's typed door in: one command (a parsed /v1/voice message, or one a front end
@@ -253,7 +202,7 @@ class Session:
         elif isinstance(message, commands.SetInstructions):
             self.conversation.instructions = message.text
         elif isinstance(message, commands.SetVadThreshold):
-            self._set_vad_threshold(message.threshold)
+            self.turn_mode.set_vad_threshold(message.threshold)
         elif isinstance(message, protocol.Ping):
             await self.outbox.emit(events.Pong(message.id))
         else:
@@ -276,15 +225,16 @@ class Session:
         self.turn_taking = TurnTaking(self.settings.endpoint, None, front_end, self.outbox, self.rt.metrics,
                                       self._queue_turn, self._prepare_reply)
         self.listening.on_endpoint = self.turn_taking.on_endpoint
-        self._set_turn(message.endpointing)
+        self.turn_mode = TurnMode(self.settings.endpoint, self.rt.smart_turn, self.turn_taking, front_end.endpointer)
+        self.turn_mode.apply(message.endpointing)
         self._enter(State.LISTENING)
-        resumed = await self._resume(message.resume)
-        refused = await self._claim(message.channel, message.resume if resumed else None)
+        resumed = await resume(self.rt, self, message.resume)
+        refused = await claim_channel(self.rt, self, message.channel, message.resume if resumed else None)
         self.replies = Replying(self.tts, self.conversation, self.outbox, self.rt.metrics, self.rt.speech_filter,
                                  self.settings.reply, self.settings.pacing,
                                  level=OutputLevel(SPEAK_RATE, self.settings.output))
         self.engine_reset = EngineReset(self.settings.reset.interval_s, self.asr, self.tts, self.rt.metrics, self.outbox)
-        await self.outbox.emit(events.SessionReady(self.id, self.resume_token, PROTOCOL_VERSION, self.sample_rate, OUTPUT_SAMPLE_RATE,
+        await self.outbox.emit(events.SessionReady(self.id, self.resume_token, PROTOCOL_VERSION, self.sample_rate, SPEAK_RATE,
                                                    FRAME_MS, self.tts.voice, self.choices.responder, resumed))
         if refused is not None:
             await self.outbox.error(refused.code, refused.message)
@@ -292,22 +242,8 @@ class Session:
             asyncio.create_task(self._listen(), name=f"listen-{self.id[:8]}"),
             asyncio.create_task(self._speak(), name=f"speak-{self.id[:8]}"),
             asyncio.create_task(self._reset_timer(), name=f"reset-{self.id[:8]}"),
-            asyncio.create_task(self._close_when_idle(), name=f"idle-{self.id[:8]}"),
+            asyncio.create_task(self.watch.close_when_idle(), name=f"idle-{self.id[:8]}"),
         ]
-
-    async def _resume(self, resume_token: str | None) -> bool:
-        """Take over the conversation a previous session's resume token names, if the store still has
-        it (a client back before its old socket was seen closed takes it from the live session: only
-        that client was ever told the token); register ours under our own token."""
-        conversation = await self.rt.conversations.take(resume_token) if resume_token else None
-        if conversation is not None:
-            holder = next((s for s in self.rt.sessions.values() if s is not self and s.resume_token == resume_token), None)
-            if holder is not None:  # taken from a session still live here: one conversation, one live session
-                conversation = conversation.copy()
-                holder.lose_conversation()
-            self.conversation = conversation
-        self.rt.conversations.register(self.resume_token, self.conversation)
-        return conversation is not None
 
     def lose_conversation(self) -> None:
         """Another session resumed this one's conversation with its resume token and took a copy:
@@ -316,17 +252,6 @@ class Session:
         self.conversation.clear()
         # Told from its own task: the resuming session does not wait on this one's outbox.
         self._tasks.append(asyncio.create_task(self.outbox.error(ErrorCode.CONVERSATION_LOST, CONVERSATION_LOST_MESSAGE)))
-
-    async def _claim(self, channel: str | None, resumed_from: str | None) -> ChannelRefused | None:
-        """Speak on the channel named in session.start, if any; why not, when the session may not."""
-        if not channel:
-            return None
-        try:
-            await self.rt.channels.claim(channel, self.id, owner=self.resume_token, resumed_from=resumed_from,
-                                         tell=self.outbox.error)
-        except ChannelRefused as exc:
-            return exc
-        return None
 
     def _apply_choices(self, message: protocol.SessionStart | protocol.SessionUpdate) -> None:
         self.choices.apply(message.voice, message.responder, message.language, message.endpointing,
@@ -340,48 +265,22 @@ class Session:
             return
         if message.voice is not None:
             self.tts.set_voice(message.voice)
-        self._set_turn(message.endpointing)
+        self.turn_mode.apply(message.endpointing)
         await self.outbox.emit(events.SessionUpdated(
             voice=self.tts.voice,
             responder=self.choices.responder,
             language=self.choices.language,
-            turn="smart" if self.turn_taking.smart else "silence",
-            endpoint_silence_ms=self._silence_ms,
+            turn=self.turn_mode.name,
+            endpoint_silence_ms=self.turn_mode.silence_ms,
             barge_in_min_ms=self.choices.barge_in_min_ms,
         ))
-
-    def _set_turn(self, endpointing: protocol.EndpointingUpdate | None) -> None:
-        """What ends this session's turns: the server's `endpoint.turn`, or the client's choice (an
-        endpoint_silence_ms alone asks for the silence rule with that wait)."""
-        if endpointing is not None and endpointing.endpoint_silence_ms:
-            self._silence_ms = endpointing.endpoint_silence_ms
-            self._wants_smart = False
-        if endpointing is not None and endpointing.turn:
-            self._wants_smart = endpointing.turn == "smart"
-        smart = self.rt.smart_turn if self._wants_smart else None  # None too where the model did not load
-        self.turn_taking.use(smart)
-        # smart: the endpointer ends a segment at the short pause where the model is asked.
-        pause_ms = self.settings.endpoint.smart_pause_ms if smart else self._silence_ms
-        self.listening.front_end.endpointer.set_silence_ms(pause_ms)
-
-    def _set_vad_threshold(self, threshold: float) -> None:
-        endpointer = self.listening.front_end.endpointer  # the stage's config, set as _set_turn sets its pause
-        endpointer.config = endpointer.config.model_copy(update={"threshold": threshold})
 
     # ---- listen: audio in, utterances out, barge-in ------------------------------------------
 
     async def _listen(self) -> None:
-        held: Inbound | None = None  # taken from the queue behind a run of chunks: the next item
         while True:
-            if held is not None:
-                item, held = held, None
-            else:
-                item = await self.turn_taking.next_input(self.audio_in)  # a stalled client: an InputEnd of its own
-            if isinstance(item, AudioIn):
-                # Every chunk already waiting goes with it, in one trip through the front end, the
-                # VAD and the recognizer: a session that fell behind catches up at once, where one
-                # trip per chunk would keep it behind (docs/serving.md, capacity and admission).
-                item, held = await self._waiting_chunks(item)
+            # The chunks waiting, together; a stalled client: an InputEnd of its own.
+            item = await self.turn_taking.next_batch(self.audio_in)
             if isinstance(item, DropUtterance):
                 async with self._engine_lock:
                     utterance_id = await self.listening.clear()
@@ -391,7 +290,8 @@ class Session:
                 try:
                     utterances = await self.listening.hear(item)
                 except Exception as exc:  # the front end or the VAD batcher (VadFault, JobAborted) broke on this chunk
-                    await self._front_end_failed(item, exc)
+                    await lose_chunks(item, exc, self.listening, self.outbox, self.rt.metrics, self.id, self.sample_rate,
+                                      retry_after_s=VAD_RETRY_AFTER_S)
                     continue
                 for utterance in utterances:
                     await self.turn_taking.on_utterance(utterance, input_end=isinstance(item, InputEnd))
@@ -402,42 +302,6 @@ class Session:
             # While the reply is still being prepared too: the user has more to say.
             if self.state in (State.THINKING, State.SPEAKING) and self.listening.speech_run_ms >= self.choices.barge_in_min_ms:
                 await self.interrupt("barge_in")
-
-    async def _waiting_chunks(self, first: AudioIn) -> tuple[list[AudioIn], Inbound | None]:
-        """`first` and the chunks queued after it, up to the first other input (returned apart).
-        Taken through next_input, which notes each chunk's arrival, and which never waits on a
-        queue that holds something."""
-        chunks: list[AudioIn] = [first]
-        while not self.audio_in.empty():
-            item = await self.turn_taking.next_input(self.audio_in)
-            if not isinstance(item, AudioIn):
-                return chunks, item
-            chunks.append(item)
-        return chunks, None
-
-    async def _front_end_failed(self, item: Inbound | list[AudioIn], exc: Exception) -> None:
-        """A chunk the front end failed on, or the VAD batcher had no room for, is lost, and so is
-        the utterance it was part of: the client is told, both are counted as dropped input, and the
-        next utterance is heard afresh. An overload is the server's capacity, not a broken engine:
-        `busy` with a retry-after, as admission answers, counted apart."""
-        overloaded = isinstance(exc, VadOverloaded)
-        reason = "overload" if overloaded else "engine_error"
-        if overloaded:
-            log.warning("the VAD batcher is full; a chunk of session %s is dropped: %s", self.id, exc)
-            self.rt.metrics.engine_overloads.labels("vad").inc()
-        else:
-            log.error("the front end failed on a chunk in session %s", self.id, exc_info=exc)
-            self.rt.metrics.engine_failures.labels("vad", "chunk").inc()
-        utterance_id = await self.listening.lose_open(reason)
-        chunk_s = sum(len(c.pcm) for c in item) / (2 * self.sample_rate) if isinstance(item, list) else 0.0
-        self.rt.metrics.input_dropped.labels(reason).inc(chunk_s)
-        lost = f"; utterance {utterance_id} is lost" if utterance_id else ""
-        where = {"engine": "vad", "stage": "chunk", **({"utterance_id": utterance_id} if utterance_id else {})}
-        if overloaded:
-            await self.outbox.error(ErrorCode.BUSY, f"voice detection is at capacity; a chunk of input was dropped{lost}",
-                                    retry_after_s=VAD_RETRY_AFTER_S, overloaded="vad", **where)
-        else:
-            await self.outbox.error(ErrorCode.ENGINE_ERROR, f"voice detection failed on a chunk of input{lost}: {exc}", **where)
 
     def _prepare_reply(self, turn: Turn) -> Reply | None:
         """A reply started during a pause, held until the turn is decided (turn_taking.py); none
@@ -516,11 +380,6 @@ class Session:
                 if self._reply is None and not self.listening.in_utterance and not self.turn_taking.open:
                     await self.engine_reset.run("periodic")
 
-
-CONVERSATION_LOST_MESSAGE = (
-    "another session resumed this conversation with this session's resume token and holds it now; this session goes "
-    "on with an empty conversation that cannot be resumed. If the other session is your own client, close this "
-    "one; if not, your resume token is known to someone else: start a new session without it")
 
 
 
