@@ -3,13 +3,12 @@ under its resume token, and the channel it speaks on."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from voicebot.channels import ChannelRefused
-
-if TYPE_CHECKING:
-    from voicebot.runtime import Runtime
-    from voicebot.session.machine import Session
+from voicebot.reply.history import Conversation
+from voicebot.runtime import Runtime
+from voicebot.session.outbox import Outbox
 
 CONVERSATION_LOST_MESSAGE = (
     "another session resumed this conversation with this session's resume token and holds it now; this session goes "
@@ -17,7 +16,18 @@ CONVERSATION_LOST_MESSAGE = (
     "one; if not, your resume token is known to someone else: start a new session without it")
 
 
-async def resume(rt: Runtime, session: Session, resume_token: str | None) -> bool:
+class Holder(Protocol):
+    """What is used here of a session (voicebot.session.Session)."""
+
+    id: str
+    resume_token: str
+    conversation: Conversation
+    outbox: Outbox
+
+    def lose_conversation(self) -> None: ...
+
+
+async def resume(rt: Runtime, session: Holder, resume_token: str | None) -> bool:
     """Give `session` the conversation a previous session's resume token names, if the store still
     has it (a client back before its old socket was seen closed takes it from the live session: only
     that client was ever told the token); register the session's own under its own token. True:
@@ -33,7 +43,7 @@ async def resume(rt: Runtime, session: Session, resume_token: str | None) -> boo
     return conversation is not None
 
 
-async def claim_channel(rt: Runtime, session: Session, channel: str | None, resumed_from: str | None) -> ChannelRefused | None:
+async def claim_channel(rt: Runtime, session: Holder, channel: str | None, resumed_from: str | None) -> ChannelRefused | None:
     """Make `session` the speaker of `channel`, if it named one; why not, when it may not."""
     if not channel:
         return None
