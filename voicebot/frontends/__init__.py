@@ -3,7 +3,8 @@
 (voicebot.session.events) to that wire. None pretends to be a socket, none reaches into a stage.
 
 - voice.py: /v1/voice (its JSON and binary PCM; also what a channel's listeners get)
-- realtime_events.py (no I/O) and realtime.py: /v1/realtime, OpenAI's Realtime protocol
+- realtime_events.py (no I/O; with realtime_session.py, realtime_items.py) and realtime.py: /v1/realtime,
+  OpenAI's Realtime protocol
 - obs_plugin.py: /obs/audio, the obs-audio-to-websocket plugin
 - run.py: one speaking session served on one WebSocket, whatever its front end
 - transport.py: the receive loop every WebSocket route runs; handshake.py: the HTTP head deadline

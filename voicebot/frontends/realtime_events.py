@@ -17,42 +17,34 @@ from __future__ import annotations
 import base64
 import binascii
 import itertools
-import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from voicebot.audio.rates import SPEAK_RATE
+from voicebot.frontends.realtime_items import Response, assistant_item, content_part, response_object, where
+from voicebot.frontends.realtime_session import (
+    DEFAULT_TURN_DETECTION,
+    INPUT_RATE,
+    MANUAL_SILENCE_MS,
+    PCM_FORMAT,
+    RealtimeError,
+    object_at,
+    parse_update,
+)
 from voicebot.messages import AudioFrame
-from voicebot.protocol import MAX_CHUNK_SECONDS, EndInput, EndpointingUpdate, Interrupt, ProtocolError, SessionStart, SessionUpdate, load_json
+from voicebot.protocol import MAX_CHUNK_SECONDS, EndInput, Interrupt, ProtocolError, SessionStart, SessionUpdate, load_json
 from voicebot.session import events as said
 from voicebot.session.commands import AnswerText, AudioChunk, ClearInput, Command, SetInstructions, SetVadThreshold, TruncateReply
 from voicebot.session.events import Outbound
 
-INPUT_RATE = 24000  # the only input rate of the Realtime protocol's audio/pcm
-PCM_FORMAT = {"type": "audio/pcm", "rate": INPUT_RATE}
 # The largest binary message the session takes: 1 s at the input rate. An append of more is split.
 CHUNK_BYTES = int(INPUT_RATE * MAX_CHUNK_SECONDS) * 2
-# Range of the session's endpoint_silence_ms (voicebot.protocol.EndpointingUpdate).
-SILENCE_MS = (100, 5000)
-# turn_detection null (manual commits): the VAD still cuts an utterance, after this much silence.
-MANUAL_SILENCE_MS = SILENCE_MS[1]
-DEFAULT_TURN_DETECTION = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
-                          "create_response": True, "interrupt_response": True, "idle_timeout_ms": None}
 # Bounds of what the translator keeps: typed messages waiting for response.create, and the
 # responses a client may still truncate (older ones are forgotten, oldest first).
 PENDING_TEXTS_MAX = 16
 RESPONSES_KEPT = 8
 # voicebot error codes that are the server's fault; the rest are the client's.
 SERVER_ERRORS = {"engine_error", "reply_failed", "shutting_down", "busy"}
-
-
-class RealtimeError(Exception):
-    """A client event refused; the connection goes on."""
-
-    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.code, self.param = message, code, param
 
 
 # ---- actions: what one client event asks of the session and the socket -----------------------
@@ -69,26 +61,6 @@ Action = Command | Send  # a command for Session.handle, or an event for the cli
 
 
 # ---- state ----------------------------------------------------------------------------------
-
-
-@dataclass
-class _Response:
-    reply_id: str
-    audio_bytes: int = 0
-    transcript: str = ""
-    done: bool = False
-
-    @property
-    def id(self) -> str:
-        return f"resp_{self.reply_id}"
-
-    @property
-    def item_id(self) -> str:
-        return f"item_{self.reply_id}"
-
-    @property
-    def audio_ms(self) -> int:
-        return self.audio_bytes * 1000 // (2 * SPEAK_RATE)
 
 
 @dataclass
@@ -120,8 +92,8 @@ class RealtimeTranslator:
     # A response.create that came while the commit's turn was still being recognised: answered at
     # that turn's end (its reply, or the error), so that it never overtakes `committed`. Its event_id.
     _create_held: str | None = None
-    _responses: dict[str, _Response] = field(default_factory=dict)  # by reply id, the last RESPONSES_KEPT
-    _playing: _Response | None = None  # the response whose frames are arriving
+    _responses: dict[str, Response] = field(default_factory=dict)  # by reply id, the last RESPONSES_KEPT
+    _playing: Response | None = None  # the response whose frames are arriving
     _in_force: dict = field(default_factory=dict)  # voicebot's own view of the settings (its session.updated)
     _items: itertools.count = field(default_factory=lambda: itertools.count(1))
     _events: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -153,82 +125,21 @@ class RealtimeTranslator:
             return [Send(self.error(exc.message, exc.code, exc.param, event_id=event_id))]
 
     def _session_update(self, event: dict) -> list[Action]:
-        session = self._ga_shaped(_object(event, "session", "session"))
-        if session.get("type", "realtime") != "realtime":
-            raise RealtimeError("only realtime sessions are served here (not transcription)", param="session.type")
-        if session.get("output_modalities") not in (None, ["audio"]):
-            raise RealtimeError("output_modalities must be [\"audio\"]: voicebot always speaks its replies",
-                                "unsupported_value", "session.output_modalities")
-        if session.get("tools"):
-            raise RealtimeError("tools are not supported", "unsupported_value", "session.tools")
-        audio = _object(session, "audio", "session.audio", required=False)
-        audio_in = _object(audio, "input", "session.audio.input", required=False)
-        audio_out = _object(audio, "output", "session.audio.output", required=False)
-        for where, config in (("input", audio_in), ("output", audio_out)):
-            if "format" in config and config["format"] != PCM_FORMAT and config["format"] != {"type": "audio/pcm"}:
-                raise RealtimeError(f"audio {where} format must be {json.dumps(PCM_FORMAT)}", "unsupported_value",
-                                    f"session.audio.{where}.format")
-        if audio_out.get("speed", 1.0) != 1.0:
-            raise RealtimeError("speed is not supported", "unsupported_value", "session.audio.output.speed")
-        in_force = self.session()
-        _only_in_force(session, in_force, _SESSION_FIELDS, "session")
-        _only_in_force(audio_in, in_force["audio"]["input"], ("format", "turn_detection", "transcription"), "session.audio.input")
-        _only_in_force(audio_out, in_force["audio"]["output"], ("format", "voice", "speed"), "session.audio.output")
-        voice = audio_out.get("voice")
-        if voice is not None and (not isinstance(voice, str) or voice not in self.voices):
-            raise RealtimeError(f"unknown voice {str(voice)[:64]!r}; available: {', '.join(self.voices)}", param="session.audio.output.voice")
-        instructions = session.get("instructions")
-        if instructions is not None and not isinstance(instructions, str):
-            raise RealtimeError("instructions must be a string", param="session.instructions")
-        turn_detection = _turn_detection(audio_in["turn_detection"]) if "turn_detection" in audio_in else self.turn_detection
-        transcription = _transcription(audio_in["transcription"]) if "transcription" in audio_in else self.transcription
+        change = parse_update(object_at(event, "session", "session"), self.session(), self.voices)
         # Checked in full: now take it all.
         actions: list[Action] = []
-        if instructions is not None:
-            self.instructions = instructions
-            actions.append(SetInstructions(instructions or None))
-        self.turn_detection, self.transcription = turn_detection, transcription
-        if transcription is not None and transcription.get("language"):
-            self.language = transcription["language"]
-        if turn_detection is not None and turn_detection.get("threshold") is not None:
-            actions.append(SetVadThreshold(turn_detection["threshold"]))
+        if change.instructions is not None:
+            self.instructions = change.instructions
+            actions.append(SetInstructions(change.instructions or None))
+        self.turn_detection, self.transcription = change.turn_detection, change.transcription
+        if change.transcription is not None and change.transcription.get("language"):
+            self.language = change.transcription["language"]
+        if change.turn_detection is not None and change.turn_detection.get("threshold") is not None:
+            actions.append(SetVadThreshold(change.turn_detection["threshold"]))
         # Answered by session.updated.
-        actions.append(SessionUpdate(type="session.update", endpointing=self._endpointing(), voice=voice, language=self.language or None))
+        actions.append(SessionUpdate(type="session.update", endpointing=self._endpointing(), voice=change.voice,
+                                     language=self.language or None))
         return actions
-
-    def _ga_shaped(self, session: dict) -> dict:
-        """A session.update in the beta API's shape (`modalities`, `voice`, `input_audio_format`,
-        `output_audio_format`, `turn_detection`, `input_audio_transcription` at the top) mapped to
-        the GA fields it stands for; what has no GA field here is refused by the checks that follow."""
-        session = dict(session)
-        audio = dict(_object(session, "audio", "session.audio", required=False))
-        audio_in = dict(_object(audio, "input", "session.audio.input", required=False))
-        audio_out = dict(_object(audio, "output", "session.audio.output", required=False))
-        for beta, (where, name) in _BETA_FIELDS.items():
-            if beta not in session:
-                continue
-            value = session.pop(beta)
-            target = {"session": session, "input": audio_in, "output": audio_out}[where]
-            if beta == "modalities":
-                if not isinstance(value, list) or "audio" not in value:
-                    raise RealtimeError("modalities must include \"audio\": voicebot always speaks its replies (their "
-                                        "transcript comes with the audio)", "unsupported_value", "session.modalities")
-                value = ["audio"]
-            elif beta.endswith("_audio_format"):
-                if value != "pcm16":
-                    raise RealtimeError(f"{beta} {str(value)[:32]!r} is not served: audio is pcm16 at 24 kHz "
-                                        f"({json.dumps(PCM_FORMAT)})", "unsupported_value", f"session.{beta}")
-                value = PCM_FORMAT
-            if name in target and target[name] != value:
-                raise RealtimeError(f"session.{beta} and its GA field disagree: send one", param=f"session.{beta}")
-            target[name] = value
-        if audio_in:
-            audio["input"] = audio_in
-        if audio_out:
-            audio["output"] = audio_out
-        if audio:
-            session["audio"] = audio
-        return session
 
     def _append(self, event: dict) -> list[Action]:
         audio = event.get("audio")
@@ -258,7 +169,7 @@ class RealtimeTranslator:
         return [ClearInput()]  # `cleared` when the session has dropped it (_cleared)
 
     def _item_create(self, event: dict) -> list[Action]:
-        item = _object(event, "item", "item")
+        item = object_at(event, "item", "item")
         if item.get("type") != "message" or item.get("role") != "user":
             raise RealtimeError("only user messages can be added (type message, role user)", "unsupported_value", "item")
         content = item.get("content")
@@ -340,7 +251,7 @@ class RealtimeTranslator:
         if response is None or response.done:
             return []  # not reachable: frames come between audio.start and its end
         response.audio_bytes += len(pcm)
-        return [self._event("response.output_audio.delta", **self._where(response), delta=base64.b64encode(pcm).decode())]
+        return [self._event("response.output_audio.delta", **where(response), delta=base64.b64encode(pcm).decode())]
 
     def _ready(self, event: said.SessionReady) -> list[dict]:
         self.session_id = event.session_id
@@ -417,7 +328,7 @@ class RealtimeTranslator:
     def _reply_delta(self, event: said.ReplyDelta) -> list[dict]:
         events, response = self._response(event.reply_id)
         response.transcript += event.text
-        events.append(self._event("response.output_audio_transcript.delta", **self._where(response), delta=event.text))
+        events.append(self._event("response.output_audio_transcript.delta", **where(response), delta=event.text))
         return events
 
     def _reply_done(self, event: said.ReplyDone) -> list[dict]:
@@ -481,57 +392,38 @@ class RealtimeTranslator:
 
     # ---- responses -----------------------------------------------------------------------
 
-    def _response(self, reply_id: str) -> tuple[list[dict], _Response]:
+    def _response(self, reply_id: str) -> tuple[list[dict], Response]:
         """The response of a voicebot reply, and the events that open it if it is new."""
         if (response := self._responses.get(reply_id)) is not None:
             return [], response
-        response = self._responses[reply_id] = _Response(reply_id)
+        response = self._responses[reply_id] = Response(reply_id)
         while len(self._responses) > RESPONSES_KEPT:
             del self._responses[next(iter(self._responses))]
         previous, self._last_item = self._last_item, response.item_id
         return [
-            self._event("response.created", response=self._response_object(response, "in_progress")),
+            self._event("response.created", response=response_object(response, self.voice, "in_progress")),
             self._event("response.output_item.added", response_id=response.id, output_index=0,
-                        item=self._item(response, "in_progress")),
-            self._event("conversation.item.added", previous_item_id=previous, item=self._item(response, "in_progress")),
-            self._event("response.content_part.added", **self._where(response), part=self._part(response)),
+                        item=assistant_item(response, "in_progress")),
+            self._event("conversation.item.added", previous_item_id=previous, item=assistant_item(response, "in_progress")),
+            self._event("response.content_part.added", **where(response), part=content_part(response)),
         ], response
 
-    def _finish(self, response: _Response, status: str, details: dict | None = None, extra: dict | None = None) -> list[dict]:
+    def _finish(self, response: Response, status: str, details: dict | None = None, extra: dict | None = None) -> list[dict]:
         if response.done:
             return []
         response.done = True
         if self._playing is response:
             self._playing = None
         item_status = "completed" if status == "completed" else "incomplete"
-        where = self._where(response)
+        at = where(response)
         return [
-            self._event("response.output_audio.done", **where),
-            self._event("response.output_audio_transcript.done", **where, transcript=response.transcript),
-            self._event("response.content_part.done", **where, part=self._part(response)),
-            self._event("response.output_item.done", response_id=response.id, output_index=0, item=self._item(response, item_status)),
-            self._event("conversation.item.done", previous_item_id=None, item=self._item(response, item_status)),
-            self._event("response.done", response=self._response_object(response, status, details, extra)),
+            self._event("response.output_audio.done", **at),
+            self._event("response.output_audio_transcript.done", **at, transcript=response.transcript),
+            self._event("response.content_part.done", **at, part=content_part(response)),
+            self._event("response.output_item.done", response_id=response.id, output_index=0, item=assistant_item(response, item_status)),
+            self._event("conversation.item.done", previous_item_id=None, item=assistant_item(response, item_status)),
+            self._event("response.done", response=response_object(response, self.voice, status, details, extra)),
         ]
-
-    def _where(self, response: _Response) -> dict:
-        return {"response_id": response.id, "item_id": response.item_id, "output_index": 0, "content_index": 0}
-
-    def _part(self, response: _Response) -> dict:
-        return {"type": "audio", "transcript": response.transcript}
-
-    def _item(self, response: _Response, status: str) -> dict:
-        return {"id": response.item_id, "object": "realtime.item", "type": "message", "status": status, "role": "assistant",
-                "content": [{"type": "output_audio", "transcript": response.transcript}]}
-
-    def _response_object(self, response: _Response, status: str, details: dict | None = None, extra: dict | None = None) -> dict:
-        body = {"object": "realtime.response", "id": response.id, "status": status, "status_details": details,
-                "output": [] if status == "in_progress" else [self._item(response, "completed" if status == "completed" else "incomplete")],
-                "conversation_id": None, "output_modalities": ["audio"], "max_output_tokens": "inf",
-                "audio": {"output": {"format": PCM_FORMAT, "voice": self.voice}}, "usage": None, "metadata": None}
-        if extra:
-            body["voicebot"] = extra
-        return body
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -569,84 +461,3 @@ class RealtimeTranslator:
 
     def _event(self, kind: str, **fields: Any) -> dict:
         return {"type": kind, "event_id": f"event_{next(self._events)}", **fields}
-
-
-# The beta API's session fields: where each goes in the GA shape (session, audio.input or audio.output).
-_BETA_FIELDS = {
-    "modalities": ("session", "output_modalities"),
-    "voice": ("output", "voice"),
-    "input_audio_format": ("input", "format"),
-    "output_audio_format": ("output", "format"),
-    "turn_detection": ("input", "turn_detection"),
-    "input_audio_transcription": ("input", "transcription"),
-}
-# The session fields session.update applies or checks itself; any other is taken only with the
-# value in force (a client may send back the session it was given), else refused by name.
-_SESSION_FIELDS = ("type", "instructions", "audio", "output_modalities", "tools")
-
-
-def _only_in_force(update: dict, in_force: dict, handled: Collection[str], param: str) -> None:
-    """Refuse every field of `update` not in `handled` whose value is not the one in force: a field
-    this server cannot apply is never dropped unsaid."""
-    for name, value in update.items():
-        if name in handled:
-            continue
-        if name not in in_force:
-            raise RealtimeError(f"{param}.{name[:64]} is not a setting here (settings: {', '.join(sorted(in_force))})",
-                                "unknown_parameter", f"{param}.{name[:64]}")
-        if value != in_force[name]:
-            raise RealtimeError(f"{param}.{name} cannot be changed here; in force: {json.dumps(in_force[name])[:200]}",
-                                "unsupported_value", f"{param}.{name}")
-
-
-def _object(parent: dict, key: str, param: str, required: bool = True) -> dict:
-    value = parent.get(key)
-    if value is None and not required:
-        return {}
-    if not isinstance(value, dict):
-        raise RealtimeError(f"{param} must be an object", param=param)
-    return value
-
-
-def _turn_detection(value: Any) -> dict | None:
-    """A client's turn_detection, completed with the defaults; None: manual commits."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or value.get("type") not in ("server_vad", "semantic_vad"):
-        raise RealtimeError("turn_detection must be null or of type server_vad or semantic_vad",
-                            param="session.audio.input.turn_detection")
-    param = "session.audio.input.turn_detection"
-    for flag in ("create_response", "interrupt_response"):
-        if value.get(flag) is False:
-            raise RealtimeError(f"{flag}: false is not supported: voicebot answers every turn and yields to the user",
-                                "unsupported_value", f"{param}.{flag}")
-    if value["type"] == "semantic_vad":
-        return {"type": "semantic_vad", "eagerness": value.get("eagerness", "auto"), "create_response": True,
-                "interrupt_response": True}
-    # Not applied here (the endpointer keeps its own pre-roll; an idle turn is the client's to end):
-    # taken only as they are in force, as session.update takes every field it cannot apply.
-    for name in ("prefix_padding_ms", "idle_timeout_ms"):
-        if value.get(name, DEFAULT_TURN_DETECTION[name]) != DEFAULT_TURN_DETECTION[name]:
-            raise RealtimeError(f"{name} cannot be changed here; in force: {json.dumps(DEFAULT_TURN_DETECTION[name])}",
-                                "unsupported_value", f"{param}.{name}")
-    detection = {**DEFAULT_TURN_DETECTION, **{k: v for k, v in value.items() if k in DEFAULT_TURN_DETECTION and v is not None}}
-    silence = detection["silence_duration_ms"]
-    if not isinstance(silence, int) or isinstance(silence, bool) or not SILENCE_MS[0] <= silence <= SILENCE_MS[1]:
-        raise RealtimeError(f"silence_duration_ms must be an integer in {SILENCE_MS[0]}-{SILENCE_MS[1]}",
-                            param=f"{param}.silence_duration_ms")
-    threshold = detection["threshold"]
-    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0 < threshold < 1:
-        raise RealtimeError("threshold must be a number between 0 and 1", param=f"{param}.threshold")
-    return detection
-
-
-def _transcription(value: Any) -> dict | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise RealtimeError("transcription must be null or an object", param="session.audio.input.transcription")
-    language = value.get("language")
-    if language is not None and (not isinstance(language, str) or not 1 <= len(language) <= 64):
-        raise RealtimeError("language must be a name of 1-64 characters", param="session.audio.input.transcription.language")
-    # The model is the server's recognizer, whatever the client names; the prompt is not used.
-    return {"model": value.get("model") or "voicebot", "language": language, "prompt": value.get("prompt")}
