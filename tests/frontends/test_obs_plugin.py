@@ -11,6 +11,7 @@ import pytest
 import websockets
 
 from tests.browser.support import obs_audio_message, speech
+from tests.frontends.fakes import RecordingSession
 from voicebot.audio.resample import StreamResampler
 from voicebot.metrics import Metrics
 from voicebot.frontends.obs_plugin import HEADER, BadChunk, ObsAudio, ObsFrontEnd, parse_chunk
@@ -66,19 +67,6 @@ def test_downmix_and_resample_to_16_khz_mono():
     whole = StreamResampler(48000, 16000).process(np.round(mono * 32767) / 32768)
     assert len(got) == len(whole)
     assert np.abs(got - whole).max() < 3 / 32768  # rounding to s16 on both sides
-
-
-class RecordingSession:
-    """What the front end uses of a session: arrived, then handle."""
-
-    def __init__(self) -> None:
-        self.commands: list = []
-
-    def arrived(self, audio_bytes: int = 0) -> bool:
-        return True
-
-    async def handle(self, command) -> None:
-        self.commands.append(command)
 
 
 def test_the_plugin_as_a_voice_session():

@@ -3,12 +3,16 @@ session's typed events to Realtime server events."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 
 import pytest
 
+from tests.frontends.fakes import RecordingSession
+from voicebot.frontends.realtime import RealtimeFrontEnd
 from voicebot.messages import AudioFrame
+from voicebot.metrics import Metrics
 from voicebot.protocol import EndInput, EndpointingUpdate, Interrupt, SessionUpdate
 from voicebot.frontends.realtime_events import CHUNK_BYTES, MANUAL_SILENCE_MS, RealtimeTranslator, Send
 from voicebot.session import events as said
@@ -349,3 +353,30 @@ def test_beta_session_fields_are_mapped_to_what_they_stand_for():
     assert session["audio"]["input"]["transcription"]["language"] == "zh"
     # The session a client was given, sent back as it is, changes nothing and is not refused.
     assert not any(isinstance(a, Send) for a in client(t, {"type": "session.update", "session": t.session()}))
+
+
+class TextSink:
+    """The socket as RealtimeFrontEnd uses it: send_text only."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    async def send_text(self, text: str) -> None:
+        self.sent.append(json.loads(text))
+
+
+def test_the_front_end_counts_one_client_event_once_with_all_its_audio():
+    async def scenario():
+        sink, session, metrics = TextSink(), RecordingSession(), Metrics()
+        front_end = RealtimeFrontEnd(sink, translator(), metrics)
+        pcm = bytes(CHUNK_BYTES + 100)
+        await front_end.on_message(session, json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()}))
+        await front_end.on_message(session, b"\x00\x00")  # not part of the protocol: answered, counted
+        await front_end.on_message(session, json.dumps({"type": "response.create"}))  # nothing new: answered here
+        return sink.sent, session, metrics
+
+    sent, session, metrics = asyncio.run(scenario())
+    assert session.arrivals == [CHUNK_BYTES + 100, 0, 0]
+    assert [len(c.pcm) for c in session.commands] == [CHUNK_BYTES, 100]
+    assert [e["error"]["code"] for e in sent] == ["invalid_event", "response_create_nothing_new"]
+    assert metrics.errors.labels("invalid_event")._value.get() == 1

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from voicebot.frontends.voice import listener_wire, parse, payload, wire
+from tests.frontends.fakes import RecordingSession
+from voicebot.frontends.voice import VoiceFrontEnd, listener_wire, parse, payload, wire
 from voicebot.messages import AudioFrame
 from voicebot.protocol import EndInput, ErrorCode, ProtocolError, Say
 from voicebot.session import events
@@ -60,3 +62,23 @@ def test_audio_is_a_binary_frame_and_listeners_never_get_the_speakers_identity()
 def test_every_event_kind_has_one_class():
     kinds = [cls.kind for cls in events.BY_KIND.values()]
     assert len(kinds) == len(set(kinds)) == len(events.ServerEvent.__args__)
+
+
+def test_the_front_end_counts_each_message_then_hands_its_command_or_refuses_it():
+    async def scenario(session: RecordingSession) -> list[dict]:
+        front_end = VoiceFrontEnd(ws=None)  # no socket: on_message never sends
+        for message in ('{"type": "say", "text": "hi"}', b"\x00\x00" * 10, '{"type": "say"}'):
+            await front_end.on_message(session, message)
+        out = []
+        while not session.outbox.empty():
+            out.append(payload(await session.outbox.get()))
+        return out
+
+    session = RecordingSession()
+    told = asyncio.run(scenario(session))
+    assert session.arrivals == [0, 20, 0]  # every message counted, with its audio
+    assert session.commands == [Say(type="say", text="hi"), AudioChunk(b"\x00\x00" * 10)]
+    assert [e["code"] for e in told] == [ErrorCode.INVALID_MESSAGE]  # the bad say, told in order on the outbox
+
+    flooded = RecordingSession(flooding=True)
+    assert asyncio.run(scenario(flooded)) == [] and flooded.commands == []  # refused: not parsed, not answered
