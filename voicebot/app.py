@@ -31,7 +31,7 @@ from voicebot.protocol import CloseCode, ErrorCode
 from voicebot.frontends.realtime import RealtimeFrontEnd, RefusingInOpenAIShape
 from voicebot.frontends.realtime_events import RealtimeTranslator
 from voicebot.runtime import Runtime
-from voicebot.frontends.transport import one_line_for_invalid_utf8
+from voicebot.transport import one_line_for_invalid_utf8
 
 log = logging.getLogger("voicebot")
 

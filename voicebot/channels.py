@@ -33,7 +33,7 @@ from starlette.websockets import WebSocket
 from voicebot import PROTOCOL_VERSION, protocol
 from voicebot.metrics import Metrics
 from voicebot.protocol import CloseCode, ErrorCode
-from voicebot.frontends.transport import Wire, receive_loop
+from voicebot.transport import Wire, receive_loop
 
 log = logging.getLogger("voicebot.channels")
 

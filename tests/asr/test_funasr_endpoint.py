@@ -229,7 +229,7 @@ def test_the_batched_engine_serves_the_same_transcript(tiny_models, audio_file, 
 
 
 def test_a_client_that_ends_twice_and_closes_leaves_no_traceback(server_url, caplog):
-    # Every way a socket ends is handled by the one receive loop (voicebot/frontends/transport.py); a client
+    # Every way a socket ends is handled by the one receive loop (voicebot/transport.py); a client
     # that sends its end twice and closes at once must not show up as an error in the server log.
     import websockets
 

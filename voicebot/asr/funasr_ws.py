@@ -27,7 +27,7 @@ from voicebot.protocol import MAX_CHUNK_SECONDS, CloseCode, ErrorCode
 from voicebot.serving.vad import VadBatcher
 from voicebot.session.flood import FloodGuard
 from voicebot.session.idle import IdleWatch
-from voicebot.frontends.transport import Wire, receive_loop
+from voicebot.transport import Wire, receive_loop
 
 log = logging.getLogger(__name__)
 

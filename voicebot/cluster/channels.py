@@ -42,7 +42,7 @@ from voicebot.channels import ChannelHub, ChannelRefused, Tell, taken_message
 from voicebot.cluster.link import CLUSTER_UNAVAILABLE, RedisLink, RedisLost
 from voicebot.metrics import Metrics
 from voicebot.protocol import ErrorCode
-from voicebot.frontends.transport import Wire
+from voicebot.transport import Wire
 
 log = logging.getLogger("voicebot.cluster")
 

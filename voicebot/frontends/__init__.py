@@ -7,5 +7,6 @@
   OpenAI's Realtime protocol
 - obs_plugin.py: /obs/audio, the obs-audio-to-websocket plugin
 - run.py: one speaking session served on one WebSocket, whatever its front end
-- transport.py: the receive loop every WebSocket route runs; handshake.py: the HTTP head deadline
+- handshake.py: the HTTP head deadline (voicebot/transport.py, the receive loop, stays at the root: the
+  channel listeners and the cluster use it too, and frontends/ imports session/, which they must not reach)
 """

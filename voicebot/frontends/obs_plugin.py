@@ -32,7 +32,7 @@ from voicebot.protocol import EndInput, ProtocolError, SessionStart, load_json
 from voicebot.session import Session
 from voicebot.session.commands import AudioChunk, Command
 from voicebot.session.events import Outbound
-from voicebot.frontends.transport import Wire
+from voicebot.transport import Wire
 
 log = logging.getLogger("voicebot.obs")
 

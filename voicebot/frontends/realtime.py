@@ -18,7 +18,7 @@ from voicebot.frontends.realtime_events import RealtimeTranslator, Send
 from voicebot.session import Session
 from voicebot.session.commands import AudioChunk
 from voicebot.session.events import Error, Outbound, TruncateRefused
-from voicebot.frontends.transport import Wire
+from voicebot.transport import Wire
 
 
 class RealtimeFrontEnd:

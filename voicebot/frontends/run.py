@@ -18,7 +18,7 @@ from voicebot.runtime import Runtime
 from voicebot.session import Session
 from voicebot.session.events import Outbound
 from voicebot.session.machine import Deliver
-from voicebot.frontends.transport import Socket, Wire, receive_loop
+from voicebot.transport import Socket, Wire, receive_loop
 
 
 class FrontEnd(Protocol):

@@ -17,7 +17,7 @@ from dataclasses import fields
 from typing import Any
 
 from voicebot import protocol
-from voicebot.frontends.transport import Socket, Wire
+from voicebot.transport import Socket, Wire
 from voicebot.messages import AudioFrame
 from voicebot.protocol import ProtocolError
 from voicebot.session import Session
