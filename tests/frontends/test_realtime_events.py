@@ -14,7 +14,8 @@ from voicebot.frontends.realtime import RealtimeFrontEnd
 from voicebot.messages import AudioFrame
 from voicebot.metrics import Metrics
 from voicebot.protocol import EndInput, EndpointingUpdate, Interrupt, SessionUpdate
-from voicebot.frontends.realtime_events import CHUNK_BYTES, MANUAL_SILENCE_MS, RealtimeTranslator, Send
+from voicebot.frontends.realtime_events import CHUNK_BYTES, RealtimeTranslator, Send
+from voicebot.frontends.realtime_session import MANUAL_SILENCE_MS
 from voicebot.session import events as said
 from voicebot.session.commands import AnswerText, ClearInput, SetInstructions, SetVadThreshold, TruncateReply
 

@@ -7,29 +7,27 @@ the VAD threshold, ...) and events for the client (`Send`). `server_event(messag
 session says (its typed events, its 24 kHz frames) into Realtime server events.
 voicebot/frontends/realtime.py does the I/O; docs/realtime.md lists every event, what voicebot adds and what
 it does not do.
-
-Ids: a user audio item is `item_<utterance id>`, a typed one `item_t<n>` unless the client named
-it, a response `resp_<reply id>` and its assistant item `item_<reply id>`.
+Ids: voicebot/frontends/realtime_items.py.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import itertools
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from voicebot.frontends.realtime_items import Response, assistant_item, content_part, response_object, where
+from voicebot.frontends.realtime_items import Response, finished, opened, truncation, user_item, user_text, where
 from voicebot.frontends.realtime_session import (
     DEFAULT_TURN_DETECTION,
     INPUT_RATE,
-    MANUAL_SILENCE_MS,
-    PCM_FORMAT,
     RealtimeError,
+    decode_audio,
+    endpointing,
     object_at,
     parse_update,
+    session_object,
 )
 from voicebot.messages import AudioFrame
 from voicebot.protocol import MAX_CHUNK_SECONDS, EndInput, Interrupt, ProtocolError, SessionStart, SessionUpdate, load_json
@@ -102,7 +100,7 @@ class RealtimeTranslator:
 
     def start(self) -> SessionStart:
         """The session's first command: Realtime audio is 24 kHz."""
-        return SessionStart(type="session.start", sample_rate=INPUT_RATE, endpointing=self._endpointing())
+        return SessionStart(type="session.start", sample_rate=INPUT_RATE, endpointing=endpointing(self.turn_detection))
 
     # ---- client events --------------------------------------------------------------------
 
@@ -137,20 +135,12 @@ class RealtimeTranslator:
         if change.turn_detection is not None and change.turn_detection.get("threshold") is not None:
             actions.append(SetVadThreshold(change.turn_detection["threshold"]))
         # Answered by session.updated.
-        actions.append(SessionUpdate(type="session.update", endpointing=self._endpointing(), voice=change.voice,
+        actions.append(SessionUpdate(type="session.update", endpointing=endpointing(self.turn_detection), voice=change.voice,
                                      language=self.language or None))
         return actions
 
     def _append(self, event: dict) -> list[Action]:
-        audio = event.get("audio")
-        if not isinstance(audio, str):
-            raise RealtimeError("audio must be a base64 string of pcm16 at 24 kHz", param="audio")
-        try:
-            pcm = base64.b64decode(audio, validate=True)
-        except (binascii.Error, ValueError):
-            raise RealtimeError("audio is not valid base64", param="audio") from None
-        if len(pcm) % 2:
-            raise RealtimeError(f"audio holds {len(pcm)} bytes; pcm16 needs an even count", param="audio")
+        pcm = decode_audio(event)
         self.input_bytes += len(pcm)
         self.uncommitted_bytes += len(pcm)
         return [AudioChunk(pcm[i : i + CHUNK_BYTES]) for i in range(0, len(pcm), CHUNK_BYTES)]
@@ -170,39 +160,18 @@ class RealtimeTranslator:
 
     def _item_create(self, event: dict) -> list[Action]:
         item = object_at(event, "item", "item")
-        if item.get("type") != "message" or item.get("role") != "user":
-            raise RealtimeError("only user messages can be added (type message, role user)", "unsupported_value", "item")
-        content = item.get("content")
-        if not isinstance(content, list) or not content or not all(
-                isinstance(part, dict) and part.get("type") == "input_text" and isinstance(part.get("text"), str) for part in content):
-            raise RealtimeError("a user message's content must be input_text parts", "unsupported_value", "item.content")
-        text = " ".join(part["text"] for part in content).strip()
-        if not text:
-            raise RealtimeError("the message has no text", param="item.content")
+        text = user_text(item)
         if len(self._pending_texts) >= PENDING_TEXTS_MAX:
             raise RealtimeError(f"{PENDING_TEXTS_MAX} messages already wait for response.create", "too_many_items", "item")
         self._pending_texts.append(text)
         item_id = item["id"] if isinstance(item.get("id"), str) and item["id"] else f"item_t{next(self._items)}"
-        stored = {"id": item_id, "object": "realtime.item", "type": "message", "status": "completed", "role": "user",
-                  "content": [{"type": "input_text", "text": text}]}
+        stored = user_item(item_id, {"type": "input_text", "text": text})
         previous, self._last_item = self._last_item, item_id
         return [Send(self._event("conversation.item.added", previous_item_id=previous, item=stored)),
                 Send(self._event("conversation.item.done", previous_item_id=previous, item=stored))]
 
     def _item_truncate(self, event: dict) -> list[Action]:
-        item_id = event.get("item_id")
-        audio_end_ms = event.get("audio_end_ms")
-        content_index = event.get("content_index", 0)
-        response = next((r for r in self._responses.values() if r.item_id == item_id), None)
-        if response is None:
-            raise RealtimeError(f"no assistant item {str(item_id)[:64]!r} to truncate", "item_truncate_invalid_item_id", "item_id")
-        if not isinstance(audio_end_ms, int) or isinstance(audio_end_ms, bool) or audio_end_ms < 0:
-            raise RealtimeError("audio_end_ms must be a non-negative integer", param="audio_end_ms")
-        if content_index != 0:
-            raise RealtimeError("an assistant item here has one content part: content_index 0", param="content_index")
-        if audio_end_ms > response.audio_ms:
-            raise RealtimeError(f"audio_end_ms {audio_end_ms} is past the {response.audio_ms} ms of audio sent",
-                                "audio_end_ms_out_of_range", "audio_end_ms")
+        response, audio_end_ms = truncation(event, self._responses.values())
         return [TruncateReply(response.reply_id, audio_end_ms)]  # answered by reply.truncated (_truncated)
 
     def _response_create(self, event: dict) -> list[Action]:
@@ -290,8 +259,7 @@ class RealtimeTranslator:
         hypothesis = event.hypothesis
         text = hypothesis["text"]
         previous, self._last_item = self._last_item, item_id
-        item = {"id": item_id, "object": "realtime.item", "type": "message", "status": "completed", "role": "user",
-                "content": [{"type": "input_audio", "transcript": text if self.transcription is not None else None}]}
+        item = user_item(item_id, {"type": "input_audio", "transcript": text if self.transcription is not None else None})
         stopped = [] if self.turn_detection is None else [
             self._event("input_audio_buffer.speech_stopped", audio_end_ms=end_ms, item_id=item_id)]
         events = [
@@ -400,13 +368,7 @@ class RealtimeTranslator:
         while len(self._responses) > RESPONSES_KEPT:
             del self._responses[next(iter(self._responses))]
         previous, self._last_item = self._last_item, response.item_id
-        return [
-            self._event("response.created", response=response_object(response, self.voice, "in_progress")),
-            self._event("response.output_item.added", response_id=response.id, output_index=0,
-                        item=assistant_item(response, "in_progress")),
-            self._event("conversation.item.added", previous_item_id=previous, item=assistant_item(response, "in_progress")),
-            self._event("response.content_part.added", **where(response), part=content_part(response)),
-        ], response
+        return opened(response, previous, self.voice, self._event), response
 
     def _finish(self, response: Response, status: str, details: dict | None = None, extra: dict | None = None) -> list[dict]:
         if response.done:
@@ -414,47 +376,20 @@ class RealtimeTranslator:
         response.done = True
         if self._playing is response:
             self._playing = None
-        item_status = "completed" if status == "completed" else "incomplete"
-        at = where(response)
-        return [
-            self._event("response.output_audio.done", **at),
-            self._event("response.output_audio_transcript.done", **at, transcript=response.transcript),
-            self._event("response.content_part.done", **at, part=content_part(response)),
-            self._event("response.output_item.done", response_id=response.id, output_index=0, item=assistant_item(response, item_status)),
-            self._event("conversation.item.done", previous_item_id=None, item=assistant_item(response, item_status)),
-            self._event("response.done", response=response_object(response, self.voice, status, details, extra)),
-        ]
+        return finished(response, self.voice, status, details, extra, self._event)
 
     # ---- helpers -------------------------------------------------------------------------
 
     def session(self) -> dict:
         """The session object of session.created and session.updated: what is in force."""
-        return {
-            "type": "realtime", "object": "realtime.session", "id": f"sess_{self.session_id}", "model": self.model,
-            "output_modalities": ["audio"], "instructions": self.instructions, "tools": [], "tool_choice": "auto",
-            "max_output_tokens": "inf", "tracing": None, "prompt": None, "expires_at": 0, "include": None,
-            "audio": {
-                "input": {"format": PCM_FORMAT, "transcription": self.transcription, "noise_reduction": None,
-                          "turn_detection": self.turn_detection},
-                "output": {"format": PCM_FORMAT, "voice": self.voice, "speed": 1.0},
-            },
-            # What decides a turn here: `turn` smart or silence (silence where the end-of-turn model did not load).
-            "voicebot": self._in_force or None,
-        }
+        return session_object(self.session_id, self.model, self.instructions, self.transcription, self.turn_detection,
+                              self.voice, self._in_force)
 
     def error(self, message: str, code: str, param: str | None = None, *, kind: str | None = None,
               event_id: str | None = None, voicebot: dict | None = None) -> dict:
         """An `error` event in OpenAI's shape; `voicebot` holds what voicebot's own error adds."""
         body = {"type": kind or "invalid_request_error", "code": code, "message": message, "param": param, "event_id": event_id}
         return self._event("error", error=body, **({"voicebot": voicebot} if voicebot else {}))
-
-    def _endpointing(self) -> dict:
-        detection = self.turn_detection
-        if detection is None:
-            return {"turn": "silence", "endpoint_silence_ms": MANUAL_SILENCE_MS}
-        if detection["type"] == "semantic_vad":
-            return {"turn": "smart"}
-        return {"turn": "silence", "endpoint_silence_ms": detection["silence_duration_ms"]}
 
     def _input_ms(self) -> int:
         return self.input_bytes * 1000 // (2 * INPUT_RATE)

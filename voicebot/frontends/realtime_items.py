@@ -1,15 +1,19 @@
 """The shapes of a Realtime response and its assistant item, as the server events carry them.
 
-Ids: a response is `resp_<reply id>`, its assistant item `item_<reply id>`; each has one audio
-content part (index 0) whose transcript is what the reply said.
+Ids: a user audio item is `item_<utterance id>`, a typed one `item_t<n>` unless the client named it,
+a response `resp_<reply id>` and its assistant item `item_<reply id>`, which has one audio content
+part (index 0) whose transcript is what the reply said.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from voicebot.audio.rates import SPEAK_RATE
-from voicebot.frontends.realtime_session import PCM_FORMAT
+from voicebot.frontends.realtime_session import PCM_FORMAT, RealtimeError
+
+Event = Callable[..., dict]  # the translator's event maker: a kind and fields, numbered with an event_id
 
 
 @dataclass
@@ -56,3 +60,65 @@ def response_object(response: Response, voice: str | None, status: str, details:
     if extra:
         body["voicebot"] = extra
     return body
+
+
+def opened(response: Response, previous_item: str | None, voice: str | None, event: Event) -> list[dict]:
+    """The events that open a response: it is created, its item added, its content part begun."""
+    return [
+        event("response.created", response=response_object(response, voice, "in_progress")),
+        event("response.output_item.added", response_id=response.id, output_index=0, item=assistant_item(response, "in_progress")),
+        event("conversation.item.added", previous_item_id=previous_item, item=assistant_item(response, "in_progress")),
+        event("response.content_part.added", **where(response), part=content_part(response)),
+    ]
+
+
+def finished(response: Response, voice: str | None, status: str, details: dict | None, extra: dict | None,
+             event: Event) -> list[dict]:
+    """The events that end a response with `status` (completed, cancelled, failed)."""
+    item_status = "completed" if status == "completed" else "incomplete"
+    at = where(response)
+    return [
+        event("response.output_audio.done", **at),
+        event("response.output_audio_transcript.done", **at, transcript=response.transcript),
+        event("response.content_part.done", **at, part=content_part(response)),
+        event("response.output_item.done", response_id=response.id, output_index=0, item=assistant_item(response, item_status)),
+        event("conversation.item.done", previous_item_id=None, item=assistant_item(response, item_status)),
+        event("response.done", response=response_object(response, voice, status, details, extra)),
+    ]
+
+
+def user_item(item_id: str, content: dict) -> dict:
+    return {"id": item_id, "object": "realtime.item", "type": "message", "status": "completed", "role": "user",
+            "content": [content]}
+
+
+def user_text(item: dict) -> str:
+    """The text of a conversation.item.create's item: a user message of input_text parts."""
+    if item.get("type") != "message" or item.get("role") != "user":
+        raise RealtimeError("only user messages can be added (type message, role user)", "unsupported_value", "item")
+    content = item.get("content")
+    if not isinstance(content, list) or not content or not all(
+            isinstance(piece, dict) and piece.get("type") == "input_text" and isinstance(piece.get("text"), str) for piece in content):
+        raise RealtimeError("a user message's content must be input_text parts", "unsupported_value", "item.content")
+    text = " ".join(piece["text"] for piece in content).strip()
+    if not text:
+        raise RealtimeError("the message has no text", param="item.content")
+    return text
+
+
+def truncation(event: dict, responses: Iterable[Response]) -> tuple[Response, int]:
+    """A conversation.item.truncate, checked against the responses a client may still truncate:
+    the response of its item, and the audio_end_ms it played of it."""
+    item_id = event.get("item_id")
+    audio_end_ms = event.get("audio_end_ms")
+    response = next((r for r in responses if r.item_id == item_id), None)
+    if response is None:
+        raise RealtimeError(f"no assistant item {str(item_id)[:64]!r} to truncate", "item_truncate_invalid_item_id", "item_id")
+    if not isinstance(audio_end_ms, int) or isinstance(audio_end_ms, bool) or audio_end_ms < 0:
+        raise RealtimeError("audio_end_ms must be a non-negative integer", param="audio_end_ms")
+    if event.get("content_index", 0) != 0:
+        raise RealtimeError("an assistant item here has one content part: content_index 0", param="content_index")
+    if audio_end_ms > response.audio_ms:
+        raise RealtimeError(f"audio_end_ms {audio_end_ms} is past the {response.audio_ms} ms of audio sent",
+                            "audio_end_ms_out_of_range", "audio_end_ms")
+    return response, audio_end_ms

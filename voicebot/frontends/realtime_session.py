@@ -4,6 +4,8 @@ translator (realtime_events.py) keeps what is in force and applies a `SessionCha
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -187,3 +189,44 @@ def _transcription(value: Any) -> dict | None:
         raise RealtimeError("language must be a name of 1-64 characters", param="session.audio.input.transcription.language")
     # The model is the server's recognizer, whatever the client names; the prompt is not used.
     return {"model": value.get("model") or "voicebot", "language": language, "prompt": value.get("prompt")}
+
+
+def session_object(session_id: str | None, model: str, instructions: str, transcription: dict | None,
+                   turn_detection: dict | None, voice: str | None, in_force: dict) -> dict:
+    """The session object of session.created and session.updated: what is in force. `in_force`:
+    what decides a turn here, as voicebot reported it (`turn` smart or silence: silence where the
+    end-of-turn model did not load)."""
+    return {
+        "type": "realtime", "object": "realtime.session", "id": f"sess_{session_id}", "model": model,
+        "output_modalities": ["audio"], "instructions": instructions, "tools": [], "tool_choice": "auto",
+        "max_output_tokens": "inf", "tracing": None, "prompt": None, "expires_at": 0, "include": None,
+        "audio": {
+            "input": {"format": PCM_FORMAT, "transcription": transcription, "noise_reduction": None,
+                      "turn_detection": turn_detection},
+            "output": {"format": PCM_FORMAT, "voice": voice, "speed": 1.0},
+        },
+        "voicebot": in_force or None,
+    }
+
+
+def endpointing(turn_detection: dict | None) -> dict:
+    """A turn_detection as the session's endpointing (voicebot.protocol.EndpointingUpdate's fields)."""
+    if turn_detection is None:
+        return {"turn": "silence", "endpoint_silence_ms": MANUAL_SILENCE_MS}
+    if turn_detection["type"] == "semantic_vad":
+        return {"turn": "smart"}
+    return {"turn": "silence", "endpoint_silence_ms": turn_detection["silence_duration_ms"]}
+
+
+def decode_audio(event: dict) -> bytes:
+    """input_audio_buffer.append's audio: base64 pcm16 at 24 kHz, an even number of bytes."""
+    audio = event.get("audio")
+    if not isinstance(audio, str):
+        raise RealtimeError("audio must be a base64 string of pcm16 at 24 kHz", param="audio")
+    try:
+        pcm = base64.b64decode(audio, validate=True)
+    except (binascii.Error, ValueError):
+        raise RealtimeError("audio is not valid base64", param="audio") from None
+    if len(pcm) % 2:
+        raise RealtimeError(f"audio holds {len(pcm)} bytes; pcm16 needs an even count", param="audio")
+    return pcm
