@@ -10,7 +10,7 @@ import sys
 import uvicorn
 
 from voicebot.config import DEFAULT_CONFIG, ConfigError, load_settings
-from voicebot.handshake import with_deadline
+from voicebot.frontends.handshake import with_deadline
 from voicebot.protocol import MAX_MESSAGE_BYTES
 
 

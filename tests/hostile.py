@@ -4,7 +4,7 @@ client (bench/soak.py)."""
 
 from __future__ import annotations
 
-from voicebot.obs_plugin import HEADER
+from voicebot.frontends.obs_plugin import HEADER
 
 # Each of these killed a session with 1006 on every route and no error event: RecursionError,
 # int()'s digit limit (a ValueError with a traceback), events echoing a lone surrogate that could

@@ -18,10 +18,11 @@ import websockets
 from tests.conftest import make_settings, speech_pcm
 from voicebot import channels
 from voicebot.channels import LISTENER_QUEUE_MAX, ChannelRefused, Listener
+from voicebot.frontends.run import open_session
+from voicebot.frontends.voice import payload, wire
 from voicebot.messages import AudioFrame
 from voicebot.protocol import CloseCode
 from voicebot.runtime import Runtime
-from voicebot.session import Session
 
 
 class Sink:
@@ -51,7 +52,7 @@ def test_a_stalled_listener_is_dropped_and_the_speaker_gets_every_frame():
     async def scenario():
         rt = Runtime(make_settings())
         speaker = Sink()
-        session = Session(rt, speaker.send, speaker.send)
+        session = open_session(rt, lambda message: speaker.send(wire(message)))
         rt.channels.speak("main", session.id)
         healthy_sink = Sink()
         healthy, stalled = Listener(healthy_sink.send, healthy_sink.send), Listener(never, never)
@@ -110,7 +111,7 @@ def test_a_speaker_that_loses_its_channel_is_told_and_no_longer_heard():
         rt = Runtime(make_settings())
         hub, sink = rt.channels, Sink()
         listener = Listener(sink.send, sink.send)
-        host, back = Session(rt, sink.send, sink.send), Session(rt, sink.send, sink.send)
+        host, back = open_session(rt, never), open_session(rt, never)  # their clients get nothing here
         assert hub.add_listener("show", listener)
         await hub.claim("show", host.id, owner="host-token", tell=host.outbox.error)
         hub.mirror(host.id, b"host before")
@@ -123,7 +124,7 @@ def test_a_speaker_that_loses_its_channel_is_told_and_no_longer_heard():
             await hub.claim("show", host.id, owner="host-token", tell=host.outbox.error)
         while not listener.queue.empty():
             await sink.send(listener.queue.get_nowait())
-        return rt, told.payload, back.outbox, sink
+        return rt, payload(told), back.outbox, sink
 
     rt, told, back_outbox, sink = asyncio.run(scenario())
     assert told["type"] == "error" and told["code"] == "channel_lost"
@@ -131,7 +132,7 @@ def test_a_speaker_that_loses_its_channel_is_told_and_no_longer_heard():
     assert "resume token" in told["message"] and "close this one" in told["message"]
     assert sink.frames == [b"host before", b"back"]
     assert [e["speaking"] for e in sink.events("channel.speaker")] == [True, True]  # no "gone" while back speaks
-    assert back_outbox._queue.empty()  # the winner is told nothing
+    assert back_outbox.empty()  # the winner is told nothing
     assert rt.metrics.registry.get_sample_value("voicebot_channel_speakers_lost_total", {"reason": "resumed"}) == 1
     assert rt.metrics.registry.get_sample_value("voicebot_errors_total", {"code": "channel_lost"}) == 1
 
@@ -139,7 +140,7 @@ def test_a_speaker_that_loses_its_channel_is_told_and_no_longer_heard():
 def test_listener_over_the_socket(server):
     async def scenario():
         url = f"{server.ws_url}?role=listener&channel=lobby"
-        async with websockets.connect(url, max_queue=None) as listener:  # see test_obs_plugin.py
+        async with websockets.connect(url, max_queue=None) as listener:  # see frontends/test_obs_plugin.py
             ready = json.loads(await listener.recv())
             await listener.send(json.dumps({"type": "say", "text": "hi"}))  # listeners cannot speak
             refused = json.loads(await listener.recv())

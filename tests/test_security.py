@@ -412,14 +412,14 @@ def test_a_percent_encoded_token_parameter_is_hidden_in_the_logs_too():
 
 def test_a_keep_alive_connections_next_request_head_has_the_deadline_too():
     """After a first request, the second head could come a byte at a time for over 40 s. uvicorn
-    with run_server.py's protocol class (voicebot/handshake.py) and a deadline of 1 s, on an app
+    with run_server.py's protocol class (voicebot/frontends/handshake.py) and a deadline of 1 s, on an app
     that answers 200: the protocol is what is tested, not the engines."""
     import threading
 
     import uvicorn
 
     from tests.conftest import bound_port
-    from voicebot.handshake import with_deadline
+    from voicebot.frontends.handshake import with_deadline
 
     async def ok(scope, receive, send):
         if scope["type"] == "http":

@@ -12,10 +12,9 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -26,13 +25,14 @@ from voicebot.config import Settings, load_settings
 from voicebot.frontends import openai_audio
 from voicebot.frontends.funasr_ws import RefusingInFunasrShape, funasr_segmenter, serve_funasr
 from voicebot.loop_watch import LoopWatch
-from voicebot.obs_plugin import ObsSocket
+from voicebot.frontends.run import run_session
+from voicebot.frontends.voice import VoiceFrontEnd
+from voicebot.frontends.obs_plugin import ObsFrontEnd
 from voicebot.protocol import CloseCode, ErrorCode
-from voicebot.realtime import RealtimeSocket, RefusingInOpenAIShape
-from voicebot.realtime_events import RealtimeTranslator
+from voicebot.frontends.realtime import RealtimeFrontEnd, RefusingInOpenAIShape
+from voicebot.frontends.realtime_events import RealtimeTranslator
 from voicebot.runtime import Runtime
-from voicebot.session import Session
-from voicebot.transport import Socket, one_line_for_invalid_utf8, receive_loop
+from voicebot.transport import one_line_for_invalid_utf8
 
 log = logging.getLogger("voicebot")
 
@@ -164,7 +164,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if await admit(ws, listener=True, channel=channel):
                 await run_listener(ws, rt.channels, channel)
         elif await admit(ws):
-            await run_session(ws, rt)
+            await run_session(ws, VoiceFrontEnd(ws), rt)
 
     @app.websocket("/funasr")
     @app.websocket("/")  # the runtime's C++/Java/Python clients connect to ws://host:port/ only
@@ -183,15 +183,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """The obs-audio-to-websocket plugin, as the speaking session of ?channel= (default main)."""
         channel = ws.query_params.get("channel", "main")
         if await admit(ws, channel=channel):
-            await run_session(ObsSocket(ws, channel, rt.metrics), rt)
+            await run_session(ws, ObsFrontEnd(channel, rt.metrics), rt)
 
     @app.websocket("/v1/realtime")
     async def realtime(ws: WebSocket) -> None:
         """The OpenAI Realtime protocol (docs/realtime.md), over the same session pipeline."""
         translator = RealtimeTranslator(ws.query_params.get("model", "voicebot"), [v.name for v in rt.synthesizer.voices()])
         if await admit(RefusingInOpenAIShape(ws, translator)):
-            socket = RealtimeSocket(ws, translator, rt.metrics)
-            await run_session(socket, rt, on_session=socket.attach)
+            await run_session(ws, RealtimeFrontEnd(ws, translator, rt.metrics), rt)
 
     # The FunASR C++ server answers on any path (its HTML5 client suggests /wss/): every WebSocket
     # path not served above is the FunASR runtime too. Registered last, so it shadows nothing.
@@ -212,42 +211,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.mount("/static", StaticFiles(directory=settings.server.static_dir), name="static")
     return app
-
-
-async def run_session(ws: Socket, rt: Runtime, on_session: Callable[[Session], None] | None = None) -> None:
-    """Serve one speaking session on `ws`; `on_session` gets the session first (an adapter that
-    uses its hooks: voicebot.realtime)."""
-    session = Session(rt, ws.send_text, ws.send_bytes)
-    if on_session is not None:
-        on_session(session)
-    rt.sessions[session.id] = session
-    rt.metrics.active_sessions.inc()
-    rt.metrics.sessions_total.inc()
-    sender = asyncio.create_task(session.run_sender())
-    close_requested = asyncio.create_task(session.close_requested.wait())
-    start_deadline = asyncio.create_task(session.expect_start(rt.settings.server.start_timeout_s))
-    try:
-        # Also ended by the sender (the socket failed while sending) and by a close request (flooding).
-        await receive_loop(ws, session.on_message, until=(sender, close_requested))
-        if session.close_request is not None:
-            code, error_code, reason = session.close_request
-            await session.outbox.error(error_code, reason)
-            await session.close()
-            await session.outbox.put(None)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(sender, 2)
-            # Its place is free before the client hears the close: a client that connects again at
-            # once (or the next in line, at max_sessions) must not find it still taken.
-            rt.session_left(session.id)
-            with contextlib.suppress(WebSocketDisconnect, RuntimeError):  # the client may be gone already
-                await ws.close(code, reason)
-    finally:
-        await session.close()
-        for task in (sender, close_requested, start_deadline):
-            task.cancel()
-        await asyncio.gather(sender, close_requested, start_deadline, return_exceptions=True)
-        rt.session_left(session.id)
-        rt.metrics.active_sessions.dec()
 
 
 async def _refuse(ws: WebSocket, rt: Runtime, code: str, message: str, close_code: int, reason: str, refusal: str | None = None,

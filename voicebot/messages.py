@@ -2,7 +2,7 @@
 
     socket ─► AudioIn / InputEnd ─► listening ─► Utterance ─► Turn ─► replying
         replying: responder ─► text deltas (str) ─► TTS ─► SpeechChunk ─► framer ─► AudioFrame
-    socket ◄── Event / AudioFrame (the outbox)
+    socket ◄── front end ◄── session.events (typed events) / AudioFrame (the outbox)
 
 Each is a small frozen value: a stage hands it on and keeps no reference to it. What a stage
 keeps between messages (resampler state, the open utterance, a reply's pacer) lives in the stage.
@@ -10,14 +10,12 @@ keeps between messages (resampler state, the open utterance, a reply's pacer) li
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
 
 from voicebot.asr.base import Hypothesis
 from voicebot.tts.base import SpeechChunk
 
-__all__ = ["AudioIn", "InputEnd", "ClearInput", "Inbound", "Utterance", "Turn", "SpeechChunk", "Event", "AudioFrame", "Outbound"]
+__all__ = ["AudioIn", "InputEnd", "DropUtterance", "Inbound", "Utterance", "Turn", "SpeechChunk", "AudioFrame"]
 
 
 @dataclass(frozen=True)
@@ -36,12 +34,12 @@ class InputEnd:
 
 
 @dataclass(frozen=True)
-class ClearInput:
-    """The client cleared its input (/v1/realtime's input_audio_buffer.clear), queued in order with
-    the audio before it: drop the utterance in progress."""
+class DropUtterance:
+    """The client cleared its input (the ClearInput command), queued in order with the audio before
+    it: drop the utterance in progress."""
 
 
-Inbound = AudioIn | InputEnd | ClearInput
+Inbound = AudioIn | InputEnd | DropUtterance
 
 
 @dataclass(frozen=True)
@@ -70,31 +68,9 @@ class Turn:
     speech_end: float | None = None  # monotonic time the user stopped talking
     utterance_id: str | None = None
 
-    @classmethod
-    def answering(cls, utterance: Utterance) -> "Turn":
-        return cls(utterance.text, say=False, speech_end=utterance.speech_end, utterance_id=utterance.id)
-
-
-@dataclass(frozen=True)
-class Event:
-    """A JSON event for the client (protocol.event / protocol.error build the payload)."""
-
-    payload: dict[str, Any]
-
-    @property
-    def wire(self) -> str:
-        return json.dumps(self.payload, ensure_ascii=False)
-
 
 @dataclass(frozen=True)
 class AudioFrame:
     """One 200 ms frame of reply audio, s16le mono at SPEAK_RATE (the last of a reply may be shorter)."""
 
     pcm: bytes
-
-    @property
-    def wire(self) -> bytes:
-        return self.pcm
-
-
-Outbound = Event | AudioFrame

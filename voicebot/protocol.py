@@ -23,8 +23,6 @@ from typing import Annotated, Any, Literal, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from voicebot import PROTOCOL_VERSION
-from voicebot.audio.rates import SPEAK_RATE as OUTPUT_SAMPLE_RATE
 
 MIN_SAMPLE_RATE = 8000
 MAX_SAMPLE_RATE = 48000
@@ -137,7 +135,9 @@ class SessionUpdate(_Message):
     endpointing: EndpointingUpdate | None = None
 
 
-class InputEnd(_Message):
+class EndInput(_Message):
+    """input.end: end the utterance in progress now (the session queues a messages.InputEnd)."""
+
     type: Literal["input.end"]
 
 
@@ -157,9 +157,10 @@ class Ping(_Message):
 
 
 ClientMessage = Annotated[
-    Union[SessionStart, SessionUpdate, InputEnd, Say, Interrupt, Ping], Field(discriminator="type")
+    Union[SessionStart, SessionUpdate, EndInput, Say, Interrupt, Ping], Field(discriminator="type")
 ]
 _client_message = TypeAdapter(ClientMessage)
+ClientCommand = _Message  # every client message above: a command as Session.handle takes it
 CLIENT_TYPES = ("session.start", "session.update", "input.end", "say", "interrupt", "ping")
 
 
@@ -179,7 +180,7 @@ def load_json(raw: str) -> Any:
     return data
 
 
-def parse_text(raw: str) -> SessionStart | SessionUpdate | InputEnd | Say | Interrupt | Ping:
+def parse_text(raw: str) -> SessionStart | SessionUpdate | EndInput | Say | Interrupt | Ping:
     """Parse one /v1/voice text frame; raise ProtocolError with a code a client can switch on."""
     data = load_json(raw)
     if not isinstance(data, dict):
@@ -281,25 +282,13 @@ def check_audio(nbytes: int, sample_rate: int) -> None:
 # ---- server -> client -------------------------------------------------------------------------
 
 
+# A session's events are typed (voicebot.session.events) and written by voicebot.frontends.voice.wire;
+# these build what is sent outside a session: refusals before one starts, a channel's notices.
+
+
 def event(kind: str, **fields: Any) -> dict[str, Any]:
     """A server event; `kind` is one of the types documented in docs/protocol.md."""
     return {"type": kind, **fields}
-
-
-def session_ready(session_id: str, resume_token: str, input_sample_rate: int, voice: str, responder: str,
-                  resumed: bool) -> dict:
-    return event(
-        "session.ready",
-        session_id=session_id,
-        resume_token=resume_token,
-        protocol_version=PROTOCOL_VERSION,
-        input_sample_rate=input_sample_rate,
-        output_sample_rate=OUTPUT_SAMPLE_RATE,
-        frame_ms=FRAME_MS,
-        voice=voice,
-        responder=responder,
-        resumed=resumed,
-    )
 
 
 def error(code: str, message: str, **extra: Any) -> dict:

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from voicebot import memory
 from voicebot.asr.base import Recognizer
@@ -34,17 +34,22 @@ from voicebot.serving.vad import VadBatcher
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import Synthesizer
 
-if TYPE_CHECKING:
-    from voicebot.session.outbox import Outbox
 
 log = logging.getLogger("voicebot")
+
+
+class Tells(Protocol):
+    """Where a session's errors go (voicebot.session.outbox.Outbox), typed here so that runtime.py
+    does not import session/, which imports it."""
+
+    async def error(self, code: str, message: str, **details) -> None: ...
 
 
 class LiveSession(Protocol):
     """What the runtime needs of a connected session (voicebot.session.Session)."""
 
     id: str
-    outbox: "Outbox"
+    outbox: Tells
 
     @property
     def replying(self) -> bool: ...

@@ -1,4 +1,4 @@
-"""The socket code, in one place: the receive loop every WebSocket endpoint runs, and the send.
+"""The socket code, in one place: the receive loop every WebSocket endpoint runs.
 
 A client goes away in one of three ways, and each endpoint used to catch a different subset:
 the ASGI disconnect message, `WebSocketDisconnect` (raised by starlette's receive, or by a send
@@ -28,7 +28,7 @@ MessageHandler = Callable[[Wire], Awaitable[None]]
 
 
 class Socket(Protocol):
-    """What the loop uses of a starlette WebSocket (voicebot.obs_plugin.ObsSocket is one too)."""
+    """What the loop and the front ends use of a starlette WebSocket."""
 
     client_state: WebSocketState
     application_state: WebSocketState
@@ -76,13 +76,6 @@ async def _next(ws: Socket, until: Collection[asyncio.Future]) -> dict | None:
     with contextlib.suppress(asyncio.CancelledError):
         await receive
     return None
-
-
-async def send(ws: Socket, message: Wire) -> None:
-    if isinstance(message, bytes):
-        await ws.send_bytes(message)
-    else:
-        await ws.send_text(message)
 
 
 class _OneLineForInvalidUtf8(logging.Filter):

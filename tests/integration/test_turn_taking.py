@@ -220,7 +220,7 @@ def test_obs_audio_cancels_echo_by_default(server):
 
     import websockets
 
-    from voicebot.obs_plugin import HEADER
+    from voicebot.frontends.obs_plugin import HEADER
 
     before = set(server.on_loop(lambda: list(server.runtime.sessions)))
 

@@ -141,7 +141,7 @@ def test_every_message_that_parses_can_be_echoed():
 
 
 def test_the_largest_valid_messages_fit_the_socket_limit():
-    from voicebot import obs_plugin
+    from voicebot.frontends import obs_plugin
 
     largest_obs = obs_plugin.HEADER.size + 2 * obs_plugin.MAX_NAME_BYTES + int(
         obs_plugin.MAX_CHUNK_SECONDS * obs_plugin.MAX_RATE * obs_plugin.MAX_CHANNELS * 2

@@ -14,11 +14,13 @@ from voicebot.audio.rates import SPEAK_RATE
 from voicebot.audio.resample import float_to_pcm16
 from voicebot.config import PacingConfig, ReplyConfig
 from voicebot.engine_reports import ResetReport
-from voicebot.messages import AudioFrame, Event, Turn
+from voicebot.frontends.voice import payload
+from voicebot.messages import AudioFrame, Turn
 from voicebot.metrics import Metrics
 from voicebot.reply.history import Conversation
 from voicebot.reply.repeat import RepeatResponder
 from voicebot.reply.safety import SpeechFilter
+from voicebot.session.events import AudioEnd
 from voicebot.session.outbox import Outbox
 from voicebot.session.replying import FRAMES_MAX, Replying
 from voicebot.tts.base import SpeechChunk, SynthesisContext
@@ -97,8 +99,7 @@ def play_reply(realtime_factor: float) -> tuple[list[bytes], list[dict], float, 
             if isinstance(message, AudioFrame):
                 frames.append(message.pcm)
             else:
-                assert isinstance(message, Event)
-                events.append(message.payload)
+                events.append(payload(message))  # as /v1/voice writes it
         await player
         return frames, events, loop.time()
 
@@ -146,7 +147,7 @@ def test_a_started_reply_holds_its_audio_until_play_and_a_cancel_counts_it():
         sent = []
         while not sent or sent[-1] != "audio.interrupted":
             message = await asyncio.wait_for(outbox.get(), 1)
-            sent.append("frame" if isinstance(message, AudioFrame) else message.payload["type"])
+            sent.append("frame" if isinstance(message, AudioFrame) else message.kind)
         return reply, held, sent
 
     try:
@@ -184,7 +185,7 @@ def test_the_clients_instructions_lead_the_history_and_a_truncate_keeps_what_was
                          PacingConfig(), clock=loop.time)
         reply = stage.reply(Turn("tell me a long story", say=False), "echo", responder, on_speaking=lambda: None)
         player = asyncio.create_task(reply.run())
-        while not (isinstance(message := await outbox.get(), Event) and message.payload["type"] == "audio.end"):
+        while not isinstance(await outbox.get(), AudioEnd):
             pass  # the whole reply is sent (virtual time)
         await player
         return reply.truncate(REPLY_S * 1000 / 2)  # but the client played only half of the 60 s

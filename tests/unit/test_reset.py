@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from voicebot.engine_reports import ResetReport
-from voicebot.messages import Event
+from voicebot.frontends.voice import payload
 from voicebot.metrics import Metrics
 from voicebot.session.outbox import Outbox
 from voicebot.session.reset import EngineReset
@@ -33,10 +33,8 @@ def run_reset(*engines: Engine) -> tuple[list[dict], Metrics, EngineReset]:
         reset = EngineReset(60.0, *engines, metrics, outbox)
         await reset.run("periodic")
         sent = []
-        while not outbox._queue.empty():
-            message = await outbox.get()
-            assert isinstance(message, Event)
-            sent.append(message.payload)
+        while not outbox.empty():
+            sent.append(payload(await outbox.get()))  # as /v1/voice writes it
         return sent, reset
 
     sent, reset = asyncio.run(scenario())

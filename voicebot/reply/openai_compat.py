@@ -194,7 +194,7 @@ def chat_messages(system: str | None, history: list[Message], text: str) -> list
     """System prompt, history and the new user text, with consecutive same-role messages merged:
     a reply interrupted before anything was heard leaves two user turns in a row, and strict chat
     templates (Gemma, Mistral) reject roles that do not alternate. A system message heading the
-    history (a client's own instructions, voicebot/realtime.py) takes the persona's place."""
+    history (a client's own instructions, voicebot/frontends/realtime.py) takes the persona's place."""
     if history and history[0]["role"] == "system":
         system, history = history[0]["content"], history[1:]
     messages: list[Message] = [{"role": "system", "content": system}] if system else []

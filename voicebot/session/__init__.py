@@ -1,12 +1,14 @@
-"""A /v1/voice session: the state machine (machine.py) and the two stages it runs.
+"""A speaking session, whatever its front end: the state machine (machine.py) and its stages.
 
-    socket ─► transport.receive_loop ─► Session.on_message ─► audio_in (AudioIn)
+    front end ─► Session.handle(command) ─► audio_in (AudioIn, InputEnd, DropUtterance)
       ─► listening.Listening: FrontEnd (resample ─► gate ─► endpoint) ─► recognizer ─► Utterance
-      ─► Session._on_utterance ─► turns (Turn)
+      ─► turn_taking.TurnTaking (silence rule or end-of-turn model) ─► turns (Turn)
       ─► replying.Reply: responder ─► TTS (SpeechChunk) ─► Framer ─► Pacer ─► outbox (AudioFrame)
-    socket ◄── Session.run_sender ◄──┘
+    front end ◄── Session.run_sender ◄── outbox (events.* and AudioFrame)
 
-docs/architecture.md walks one chunk through it and lists every bound.
+Commands in: commands.Command; events out: events.ServerEvent. No wire format here: the front
+ends (voicebot/frontends/) translate. docs/architecture.md walks one chunk through it and lists
+every bound.
 """
 
 from voicebot.session.machine import State, Session

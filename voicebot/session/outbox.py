@@ -1,17 +1,19 @@
-"""The outbox: every message a session sends, in order, on its way to the socket.
+"""The outbox: every message a session sends, in order, on its way to its front end.
 
 Bound: OUTBOX_MAX messages, at most 64 frames of 9600 bytes (600 KB); the pacer keeps reply audio
 only `pacing.lead_ms` ahead of playback, so in practice it holds a few frames and events. The
-stages put typed messages (voicebot.messages.Event / AudioFrame); the sender puts them on the wire.
+stages put typed messages (voicebot.session.events, voicebot.messages.AudioFrame); the session's
+sender hands them to its front end, which writes its own wire.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from voicebot import protocol
-from voicebot.messages import AudioFrame, Event, Outbound
+from voicebot.messages import AudioFrame
 from voicebot.metrics import Metrics
+from voicebot.session import events
+from voicebot.session.events import Outbound, ServerEvent
 
 OUTBOX_MAX = 64
 
@@ -21,12 +23,15 @@ class Outbox:
         self._metrics = metrics
         self._queue: asyncio.Queue[Outbound | None] = asyncio.Queue(OUTBOX_MAX)
 
-    async def emit(self, payload: dict) -> None:
-        await self._queue.put(Event(payload))
+    async def emit(self, event: ServerEvent | dict) -> None:
+        """Queue an event. A dict in the /v1/voice shape is taken too, for session/listening.py's
+        emits until they build typed events (events.from_payload); any other kind raises."""
+        await self._queue.put(events.from_payload(event) if isinstance(event, dict) else event)
 
-    async def error(self, code: str, message: str, **extra) -> None:
+    async def error(self, code: str, message: str, **details) -> None:
+        """Queue an `error` event, counted in voicebot_errors_total by its code."""
         self._metrics.errors.labels(code).inc()
-        await self.emit(protocol.error(code, message, **extra))
+        await self._queue.put(events.Error(code, message, details))
 
     async def frame(self, pcm: bytes) -> None:
         await self._queue.put(AudioFrame(pcm))
@@ -37,3 +42,6 @@ class Outbox:
 
     async def get(self) -> Outbound | None:
         return await self._queue.get()
+
+    def empty(self) -> bool:
+        return self._queue.empty()

@@ -39,6 +39,8 @@ from voicebot.reply.deadline import within_deadline
 from voicebot.reply.history import Conversation
 from voicebot.reply.safety import SpeechFilter
 from voicebot.reply.spoken import spoken
+from voicebot.session import events
+from voicebot.session.events import ServerEvent
 from voicebot.session.outbox import Outbox
 from voicebot.tts.base import SynthesisContext
 
@@ -95,7 +97,7 @@ class Reply:
         self._producer: asyncio.Task | None = None
         # A prepared reply's events (reply.delta, reply.done, a responder error) until play():
         # bounded by reply.max_reply_chars of text. None: emitted as they come.
-        self._held: list[dict] | None = None
+        self._held: list[ServerEvent] | None = None
         self._history: list[dict] = []  # the conversation before this turn, as the responder gets it
         self._scrubber = stage.speech_filter.scrubber()  # its blocklist and length limit, and what the limit cut
 
@@ -167,17 +169,8 @@ class Reply:
         played_ms = self.pacer.played_ms() if played_ms is None else played_ms
         heard = self.remember_heard(played_ms)
         self.stage.metrics.underruns.inc(self.pacer.underruns)
-        await self.stage.outbox.emit(
-            protocol.event(
-                "audio.interrupted",
-                reply_id=self.id,
-                reason=reason,
-                frames_sent=self.pacer.frames_sent,
-                frames_dropped=dropped,
-                played_ms=round(played_ms),
-                heard_text=heard,
-            )
-        )
+        await self.stage.outbox.emit(events.AudioInterrupted(self.id, reason, self.pacer.frames_sent, dropped, round(played_ms),
+                                                             heard))
 
     def drop_pending(self, reason: str) -> int:
         """Count (and drop) every frame produced but not sent."""
@@ -232,8 +225,8 @@ class Reply:
         self.stage.metrics.reply_errors.labels(exc.kind).inc()
         self.stage.metrics.engine_failures.labels("responder", "stream").inc()
         log.warning("responder %s failed (%s): %s", self.responder_name, exc.kind, exc)
-        await self._emit(protocol.error(ErrorCode.REPLY_FAILED, f"the responder failed ({exc.kind}): {exc}",
-                                        reply_id=self.id, failure=exc.kind))
+        await self._emit(events.Error(ErrorCode.REPLY_FAILED, f"the responder failed ({exc.kind}): {exc}",
+                                      {"reply_id": self.id, "failure": exc.kind}))
 
     async def _text_deltas(self) -> AsyncIterator[str]:
         metrics = self.stage.metrics
@@ -244,26 +237,26 @@ class Reply:
                     if not (self.turn.say or self.failed):  # responder latency only
                         metrics.reply_first_text.observe(self.first_text_at - self.started)
                 self.text += delta
-                await self._emit(protocol.event("reply.delta", reply_id=self.id, text=delta))
+                await self._emit(events.ReplyDelta(self.id, delta))
                 yield delta
         if not (self.turn.say or self.failed):
             metrics.reply_total.observe(time.monotonic() - self.started)
         if cut := self._scrubber.cut:  # reply.max_reply_chars reached: what was not spoken, said and counted
-            await self._emit(protocol.error(
+            await self._emit(events.Error(
                 ErrorCode.REPLY_CUT, f"the reply reached reply.max_reply_chars ({self.stage.speech_filter.max_chars} "
                 f"characters): {len(cut)} characters{' of the say' if self.turn.say else ''} were not spoken",
-                reply_id=self.id, cut_text=cut, cut_chars=len(cut)))
-        await self._emit(protocol.event("reply.done", reply_id=self.id, text=self.text))
+                {"reply_id": self.id, "cut_text": cut, "cut_chars": len(cut)}))
+        await self._emit(events.ReplyDone(self.id, self.text))
 
-    async def _emit(self, event: dict) -> None:
+    async def _emit(self, event: ServerEvent) -> None:
         if self._held is not None:
             self._held.append(event)
         else:
             await self._send_event(event)
 
-    async def _send_event(self, event: dict) -> None:
-        if event["type"] == "error":
-            self.stage.metrics.errors.labels(event["code"]).inc()
+    async def _send_event(self, event: ServerEvent) -> None:
+        if isinstance(event, events.Error):
+            self.stage.metrics.errors.labels(event.code).inc()
         await self.stage.outbox.emit(event)
 
     async def _produce(self) -> None:
@@ -316,7 +309,7 @@ class Reply:
         async for frame in self._frames_prebuffered():
             if self.pacer.frames_sent == 0:
                 self._on_speaking()
-                await stage.outbox.emit(protocol.event("audio.start", reply_id=self.id, sample_rate=SPEAK_RATE, frame_ms=protocol.FRAME_MS))
+                await stage.outbox.emit(events.AudioStart(self.id, SPEAK_RATE, protocol.FRAME_MS))
             await self.pacer.wait_turn()
             await stage.outbox.frame(frame)
             self.pacer.sent(len(frame) // 2, SPEAK_RATE)
@@ -356,15 +349,7 @@ class Reply:
         self.stage.metrics.underruns.inc(self.pacer.underruns)
         self._remember(self.text)
         if self.pacer.frames_sent:
-            await self.stage.outbox.emit(
-                protocol.event(
-                    "audio.end",
-                    reply_id=self.id,
-                    frames=self.pacer.frames_sent,
-                    samples=self.pacer.samples_sent,
-                    timings=self.timings(),
-                )
-            )
+            await self.stage.outbox.emit(events.AudioEnd(self.id, self.pacer.frames_sent, self.pacer.samples_sent, self.timings()))
 
     def _remember(self, text: str) -> None:
         if self._remembered is None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 
-from voicebot import protocol
 from voicebot.asr.base import RecognizerStream
 from voicebot.metrics import Metrics
+from voicebot.session.events import StateReset
 from voicebot.session.outbox import Outbox
 from voicebot.tts.base import SynthesisContext
 
@@ -49,12 +49,9 @@ class EngineReset:
         self.count += 1
         self._metrics.resets.inc()
         self._metrics.reset_duration.observe(duration)
-        await self._outbox.emit(
-            protocol.event(
-                "state.reset",
-                reason=reason,
-                duration_ms=round(duration * 1000, 2),
-                engines=[{"engine": r.engine, "generation": r.generation, "bytes_freed": r.bytes_freed} for r in renewed],
-                skipped=skipped,
-            )
-        )
+        await self._outbox.emit(StateReset(
+            reason,
+            duration_ms=round(duration * 1000, 2),
+            engines=[{"engine": r.engine, "generation": r.generation, "bytes_freed": r.bytes_freed} for r in renewed],
+            skipped=skipped,
+        ))

@@ -30,12 +30,12 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from voicebot import protocol
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.turn import Action, Answer, SmartTurn, TurnPolicy, with_silence
 from voicebot.config import EndpointConfig
 from voicebot.messages import AudioIn, Inbound, InputEnd, Turn, Utterance
 from voicebot.metrics import Metrics
+from voicebot.session.events import TurnEnd
 from voicebot.session.listening import FrontEnd
 from voicebot.session.outbox import Outbox
 from voicebot.session.replying import Reply
@@ -81,6 +81,7 @@ class TurnTaking:
         # (next_input), from the last chunk: (when it arrived, how long it was).
         self._last_chunk: tuple[float, float] | None = None
         self._stalled = False  # the InputEnd being handled is next_input's, not the client's
+        self._held: Inbound | None = None  # taken from the queue behind a run of chunks: the next input
         self._answered: tuple[float, float, Answer] | None = None  # this pause's last answer: (asked at, answered at, it)
         self._prepared: Reply | None = None
         self._prepared_text = ""
@@ -172,6 +173,28 @@ class TurnTaking:
             if isinstance(item, AudioIn):
                 self._last_chunk = (item.arrived, len(item.pcm) / 2 / self._front_end.resampler.in_rate)
             return item
+
+    async def next_batch(self, queue: asyncio.Queue[Inbound]) -> Inbound | list[AudioIn]:
+        """The session's next input, as next_input gives it; a chunk with every chunk already
+        waiting behind it, for one trip through the front end, the VAD and the recognizer: a session
+        that fell behind catches up at once, where one trip per chunk would keep it behind
+        (docs/serving.md, capacity and admission). The first other input behind them is held for
+        the next call. next_input notes each chunk's arrival, and never waits on a queue that holds
+        something."""
+        if self._held is not None:
+            item, self._held = self._held, None
+        else:
+            item = await self.next_input(queue)
+        if not isinstance(item, AudioIn):
+            return item
+        chunks: list[AudioIn] = [item]
+        while not queue.empty():
+            item = await self.next_input(queue)
+            if not isinstance(item, AudioIn):
+                self._held = item
+                break
+            chunks.append(item)
+        return chunks
 
     def _stall_deadline(self) -> float | None:
         """When no input means the client has stopped and the silence limit is reached (monotonic)."""
@@ -288,8 +311,7 @@ class TurnTaking:
         decided = self.policy.end(by, pause_ms)
         self._metrics.turn_ends.labels(by).inc()
         last = self._segments[-1]
-        await self._outbox.emit(protocol.event(
-            "turn.end",
+        await self._outbox.emit(TurnEnd(
             utterance_id=last.id,
             by=by,
             probability=None if decided.probability is None else round(decided.probability, 3),

@@ -8,29 +8,31 @@ WebSocket URL and ignores whatever the server sends back. Its messages, read fro
   (timestamp u64 ns, sample rate u32, channels u32, bit depth u32, source-id length u32,
   source-name length u32), the two UTF-8 strings, then interleaved s16le PCM.
 
-`ObsSocket` wraps such a connection so that it looks like a /v1/voice client to `run_session`:
-it opens with `session.start {channel, echo_cancellation: true}` at 16 kHz (OBS may mix the
-bot's reply back into the source it streams, and nothing on that path cancels it), turns each
-audio message into 16 kHz mono PCM (downmix here, resampling in voicebot.audio.resample), `stop` into `input.end`, and drops what the
-session sends (the plugin would discard it; the channel's listeners, e.g. the overlay, get it).
-Parsing is kept apart from I/O in `parse_chunk` and `ObsAudio`. A message that cannot be used is
-counted (voicebot_obs_bad_chunks_total{reason}), logged once per reason per connection, and skipped.
+`ObsFrontEnd` translates such a connection for `run_session`: it opens the session with
+`SessionStart {channel, echo_cancellation: true}` at 16 kHz (OBS may mix the bot's reply back into
+the source it streams, and nothing on that path cancels it), turns each audio message into an
+AudioChunk of 16 kHz mono PCM (downmix here, resampling in voicebot.audio.resample), `stop` into
+EndInput, and drops what the session sends (the plugin would discard it; the channel's listeners,
+e.g. the overlay, get it). `translate` is the whole translation in, with no I/O. A message that
+cannot be used is counted (voicebot_obs_bad_chunks_total{reason}), logged once per reason per
+connection, and skipped; like a start, it never reaches the session.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import struct
 from dataclasses import dataclass
 
 import numpy as np
-from starlette.websockets import WebSocket, WebSocketState
-
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import StreamResampler, float_to_pcm16
 from voicebot.metrics import Metrics
-from voicebot.protocol import ProtocolError, load_json
+from voicebot.protocol import EndInput, ProtocolError, SessionStart, load_json
+from voicebot.session import Session
+from voicebot.session.commands import AudioChunk, Command
+from voicebot.session.events import Outbound
+from voicebot.transport import Wire
 
 log = logging.getLogger("voicebot.obs")
 
@@ -102,46 +104,44 @@ class ObsAudio:
         return float_to_pcm16(self._resampler.process(mono))
 
 
-class ObsSocket:
-    """An obs-audio-to-websocket connection presented as a /v1/voice client (see module doc)."""
+class ObsFrontEnd:
+    """One obs-audio-to-websocket connection, as a channel's speaking session (see module doc)."""
 
-    def __init__(self, ws: WebSocket, channel: str, metrics: Metrics) -> None:
-        self._ws = ws
+    def __init__(self, channel: str, metrics: Metrics) -> None:
         self._channel = channel
         self._metrics = metrics
         self._audio = ObsAudio()
-        self._started = False
         self._bad: dict[str, int] = {}  # reason -> count, for this connection
         self.source: str | None = None
 
-    async def receive(self) -> dict:
-        if not self._started:
-            self._started = True
-            start = {"type": "session.start", "sample_rate": LISTEN_RATE, "channel": self._channel, "echo_cancellation": True}
-            return {"type": "websocket.receive", "text": json.dumps(start)}
-        while True:
-            message = await self._ws.receive()
-            if message["type"] == "websocket.disconnect":
-                self._log_summary()
-                return message
-            translated = self.translate(message)
-            if translated is not None:
-                return translated
+    async def start(self, session: Session) -> None:
+        await session.handle(SessionStart(type="session.start", sample_rate=LISTEN_RATE, channel=self._channel,
+                                          echo_cancellation=True))
 
-    def translate(self, message: dict) -> dict | None:
-        """One plugin message as the /v1/voice message it stands for; None to skip it."""
+    async def on_message(self, session: Session, message: Wire) -> None:
+        command = self.translate(message)
+        if command is not None and session.arrived(len(command.pcm) if isinstance(command, AudioChunk) else 0):
+            await session.handle(command)
+
+    async def deliver(self, message: Outbound) -> None:
+        """Dropped: the plugin ignores what the server sends (listeners on the channel get it)."""
+
+    def ended(self) -> None:
+        if self._bad:
+            log.warning("obs plugin on channel %r disconnected; messages skipped: %s", self._channel, self._bad)
+
+    def translate(self, message: Wire) -> Command | None:
+        """One plugin message as the command it stands for; None to skip it."""
         try:
-            if message.get("text") is not None:
-                return self._control(message["text"])
-            if message.get("bytes") is not None:
-                pcm = self._audio.convert(self._chunk(message["bytes"]))
-                # b"" would mean input.end to the session; a resampler still filling gives that.
-                return {"type": "websocket.receive", "bytes": pcm} if pcm else None
+            if isinstance(message, str):
+                return self._control(message)
+            pcm = self._audio.convert(self._chunk(message))
+            return AudioChunk(pcm) if pcm else None  # a resampler still filling gives nothing yet
         except BadChunk as exc:
             self._count_bad(exc)
         return None
 
-    def _control(self, text: str) -> dict | None:
+    def _control(self, text: str) -> Command | None:
         try:
             message = load_json(text)  # the input policy of every route (voicebot.protocol)
         except ProtocolError as exc:
@@ -151,7 +151,7 @@ class ObsSocket:
         kind = message.get("type")
         if kind == "stop":
             # Whatever was being said when the streamer pressed stop still gets transcribed.
-            return {"type": "websocket.receive", "text": json.dumps({"type": "input.end"})}
+            return EndInput(type="input.end")
         if kind != "start":
             raise BadChunk("bad_control", f"unknown control message type {str(kind)[:80]!r}")
         return None
@@ -169,23 +169,4 @@ class ObsSocket:
         if self._bad[exc.reason] == 1:  # once per reason: a broken sender repeats ~47 times a second
             log.warning("obs plugin on channel %r: skipped a message (%s): %s", self._channel, exc.reason, exc)
 
-    def _log_summary(self) -> None:
-        if self._bad:
-            log.warning("obs plugin on channel %r disconnected; messages skipped: %s", self._channel, self._bad)
 
-    @property
-    def client_state(self) -> WebSocketState:
-        return self._ws.client_state
-
-    @property
-    def application_state(self) -> WebSocketState:
-        return self._ws.application_state
-
-    async def send_text(self, _text: str) -> None:
-        """Dropped: the plugin ignores what the server sends (listeners on the channel get it)."""
-
-    async def send_bytes(self, _data: bytes) -> None:
-        """Dropped, as send_text."""
-
-    async def close(self, code: int, reason: str) -> None:
-        await self._ws.close(code, reason)

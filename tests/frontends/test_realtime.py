@@ -18,7 +18,9 @@ from typing import Any
 from openai import AsyncOpenAI
 
 from tests.conftest import TEST_PHRASES, RunningServer, speech_pcm
-from voicebot.realtime_events import Clear, RealtimeTranslator
+from voicebot.frontends.realtime_events import RealtimeTranslator
+from voicebot.session import events as said
+from voicebot.session.commands import ClearInput
 
 RATE = 24000
 CHUNK_BYTES = RATE // 10 * 2  # 100 ms of pcm16
@@ -342,22 +344,22 @@ def test_a_clear_after_a_commit_leaves_the_item_and_its_turn_to_be_answered():
     the turn it opened, answered by voicebot, is what the next response.create asks for."""
     t = RealtimeTranslator("gpt-realtime", ["en"])
 
-    def server(kind: str, **fields) -> list[str]:
-        return [e["type"] for e in t.server_text(json.dumps({"type": kind, **fields}))]
+    def server(event) -> list[str]:
+        return [e["type"] for e in t.server_event(event)]
 
     def client(kind: str, **fields) -> list:
         return t.client_event(json.dumps({"type": kind, **fields}))
 
-    server("session.ready", session_id="s", voice="en")
+    server(said.SessionReady("s", "token", 1, 24000, 24000, 200, "en", "echo", False))
     update = client("session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}})
-    assert json.loads(update[-1].wire)["endpointing"] == {"turn": "smart"}
-    server("speech.started", utterance_id="u1")
-    assert "input_audio_buffer.committed" in server("asr.final", utterance_id="u1", text="hello", confidence=None, model="m",
-                                                     fallback=None, gate_muted_ms=0)
-    server("speech.started", utterance_id="u2")
-    assert client("input_audio_buffer.clear") == [Clear()]
-    assert server("input.cleared", utterance_id="u2") == ["input_audio_buffer.cleared"]  # nothing of u1 retracted
-    assert server("turn.end", text="hello") == []
+    assert update[-1].endpointing.model_dump(exclude_none=True) == {"turn": "smart"}
+    server(said.SpeechStarted("u1"))
+    hello = {"text": "hello", "confidence": None, "model": "m", "fallback": None}
+    assert "input_audio_buffer.committed" in server(said.AsrFinal("u1", hello, 0, {}))
+    server(said.SpeechStarted("u2"))
+    assert client("input_audio_buffer.clear") == [ClearInput()]
+    assert server(said.InputCleared("u2")) == ["input_audio_buffer.cleared"]  # nothing of u1 retracted
+    assert server(said.TurnEnd("u2", "silence", None, "hello", {})) == []
     assert client("response.create") == []  # the reply to the kept turn is on its way: nothing to refuse
 
 

@@ -11,9 +11,12 @@ import pytest
 import websockets
 
 from tests.browser.support import obs_audio_message, speech
+from tests.frontends.fakes import RecordingSession
 from voicebot.audio.resample import StreamResampler
 from voicebot.metrics import Metrics
-from voicebot.obs_plugin import HEADER, BadChunk, ObsAudio, ObsSocket, parse_chunk
+from voicebot.frontends.obs_plugin import HEADER, BadChunk, ObsAudio, ObsFrontEnd, parse_chunk
+from voicebot.protocol import EndInput
+from voicebot.session.commands import AudioChunk
 
 
 def test_parse_a_message_as_the_plugin_sends_it():
@@ -66,42 +69,37 @@ def test_downmix_and_resample_to_16_khz_mono():
     assert np.abs(got - whole).max() < 3 / 32768  # rounding to s16 on both sides
 
 
-class FakeSocket:
-    def __init__(self, messages: list[dict]) -> None:
-        self.messages = messages
-
-    async def receive(self) -> dict:
-        return self.messages.pop(0) if self.messages else {"type": "websocket.disconnect", "code": 1000}
-
-
 def test_the_plugin_as_a_voice_session():
-    """start becomes session.start on the channel, audio becomes 16 kHz PCM, stop becomes input.end,
-    and a bad message is counted and skipped."""
+    """The session opens with session.start on the channel, audio becomes 16 kHz PCM, stop becomes
+    input.end, and a bad message (or a start) is counted and skipped without a socket."""
     quiet = np.full((1024, 2), 0.1, np.float32)
     incoming = [
-        {"type": "websocket.receive", "text": json.dumps({"type": "start", "timestamp": 1})},
-        {"type": "websocket.receive", "bytes": b"\x01\x02\x03"},
-        *({"type": "websocket.receive", "bytes": obs_audio_message(quiet)} for _ in range(3)),
-        {"type": "websocket.receive", "text": "not json"},
-        {"type": "websocket.receive", "text": json.dumps({"type": "stop", "timestamp": 2})},
+        json.dumps({"type": "start", "timestamp": 1}),
+        b"\x01\x02\x03",
+        *(obs_audio_message(quiet) for _ in range(3)),
+        "not json",
+        json.dumps({"type": "stop", "timestamp": 2}),
     ]
     metrics = Metrics()
-    socket = ObsSocket(FakeSocket(incoming), "main", metrics)
+    front_end = ObsFrontEnd("main", metrics)
+    session = RecordingSession()
 
-    async def drain() -> list[dict]:
-        out = []
-        while (message := await socket.receive())["type"] != "websocket.disconnect":
-            out.append(message)
-        return out
+    async def drain() -> None:
+        await front_end.start(session)
+        for message in incoming:
+            await front_end.on_message(session, message)
 
-    out = asyncio.run(drain())
-    assert json.loads(out[0]["text"]) == {"type": "session.start", "sample_rate": 16000, "channel": "main", "echo_cancellation": True}
-    audio = [m["bytes"] for m in out if "bytes" in m]
+    asyncio.run(drain())
+    out = session.commands
+    assert out[0].model_dump(exclude_none=True) == {"type": "session.start", "sample_rate": 16000, "channel": "main",
+                                                    "echo_cancellation": True}
+    audio = [c.pcm for c in out if isinstance(c, AudioChunk)]
     assert audio and all(audio) and sum(map(len, audio)) <= 3 * 1024 // 3 * 2
-    assert json.loads(out[-1]["text"]) == {"type": "input.end"}
+    assert out[-1] == EndInput(type="input.end")
+    assert len(out) == 2 + len(audio)
     assert metrics.obs_bad_chunks.labels("truncated_header")._value.get() == 1
     assert metrics.obs_bad_chunks.labels("bad_control")._value.get() == 1
-    assert socket.source == "Mic/Aux"
+    assert front_end.source == "Mic/Aux"
 
 
 def test_plugin_stream_is_transcribed_on_its_channel(server):
