@@ -1,7 +1,7 @@
 """pocketsphinx's decoders and the streams decoding on them: blocking code, run wherever the
 decoders live (a decoding process of voicebot/asr/pocketsphinx_process.py, or the server's own
-worker threads when `asr.pocketsphinx.processes` is 0). It imports no more than it needs: a
-decoding process imports this, pocketsphinx and nothing of the server.
+worker threads when `asr.pocketsphinx.processes` is 0), and `serve`, a decoding process's loop. It
+imports no more than it needs: a decoding process imports this, pocketsphinx and nothing of the server.
 
 A Decoder is the model: about 90 MB with the general English LM (27 MB with a grammar, which needs
 no LM) and 0.3 s of CPU to build, all of it holding the GIL. Building one per stream and freeing it
@@ -21,9 +21,15 @@ or one the caller sets (the server's last, whichever process finished it).
 
 from __future__ import annotations
 
+import json
 import re
+import signal
+import sys
 import threading
-from typing import Callable
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any, Callable
 
 from voicebot.memory import release_freed_memory
 
@@ -197,3 +203,63 @@ class Transcriber:
             self.decoder.end_utt()
             self._in_utterance = False
         self.pool.give_back(self)
+
+
+# ---- the decoding process's side (voicebot/asr/pocketsphinx_process.py spawns it) --------------------
+
+def _answer(pool: Decoders, streams: dict[int, Transcriber], request: tuple) -> Any:
+    op, stream_id, argument = request
+    if op == "batch":  # feeds of several streams: (partial, error) of each, in order
+        return [_answer_one(pool, streams, feed) for feed in argument]
+    if op == "feed":
+        return streams[stream_id].feed(argument)
+    if op == "finish":
+        return streams[stream_id].finish(), pool.cepstral_mean
+    if op in ("open", "renew") and argument:  # the server's last utterance's mean, whichever child
+        pool.cepstral_mean = argument
+    if op == "open":
+        streams[stream_id] = Transcriber(pool)
+    elif op == "renew":
+        streams[stream_id].renew()
+        return True
+    elif op == "close":
+        streams.pop(stream_id).close()
+    else:
+        raise ValueError(f"unknown request {op!r}")
+    return None
+
+
+def _answer_one(pool: Decoders, streams: dict[int, Transcriber], request: tuple) -> tuple[Any, str | None]:
+    try:
+        return _answer(pool, streams, request), None
+    except Exception as exc:  # noqa: BLE001 -- this feed's failure, its stream's to report
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def serve(conn: Connection, phrases: list[str], second_pass: bool, keep: int) -> None:
+    """The child's loop: answer the server's requests until its pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's to handle
+    later: deque = deque()  # builds for the pool, run while no request waits (at most one: Decoders)
+    pool = Decoders(phrases, second_pass, keep, later.append)
+    try:
+        pool.load()
+    except Exception as exc:  # noqa: BLE001 -- told to the server, which fails its start-up with it
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    streams: dict[int, Transcriber] = {}  # bound here; at most the server's sessions
+    while True:
+        while later and not conn.poll():
+            later.popleft()()
+        try:
+            request = conn.recv()
+        except EOFError:
+            return  # the server is gone
+        cpu = time.process_time()
+        result, error = _answer_one(pool, streams, request)
+        conn.send((result, error, time.process_time() - cpu))
+
+
+if __name__ == "__main__":
+    fd, options = sys.argv[1:3]
+    serve(Connection(int(fd)), **json.loads(options))

@@ -3,14 +3,14 @@
 pocketsphinx's binding keeps the GIL for a whole call (a thread decoding 10 s of audio in one call
 kept the event loop off for 2.4 s; building a Decoder, 0.2-0.6 s): on the server's worker threads,
 every session's audio pacing waits out every call, and two threads never decode at once. Here each
-`DecoderProcess` is one child interpreter holding a `Decoders` pool (voicebot/asr/pocketsphinx_decoders.py)
+`DecoderProcess` is one child interpreter holding a `Decoders` pool (voicebot/asr/pocketsphinx_decoders.py, whose `serve` is its loop)
 and the streams bound to it for their life; the server sends it one request at a time over a pipe
 (open, feed a chunk, finish, renew, close) and reads the answer, on a thread of its own (a `Worker`
 of one thread: the blocking send and recv release the GIL), so the event loop never waits for it.
 
 The child is spawned, never forked (a fork of a process with threads can inherit a lock another
-thread held), as `python -m voicebot.asr.pocketsphinx_process`: it imports this module, the
-decoders' and pocketsphinx, nothing of the server. (multiprocessing's spawn would also run the
+thread held), as `python -m voicebot.asr.pocketsphinx_decoders` (its `serve` is the child's loop): it
+imports that module and pocketsphinx, nothing of the server. (multiprocessing's spawn would also run the
 server's main script again in the child.) It exits when its pipe closes, so a server killed
 outright leaves no child behind.
 
@@ -43,17 +43,15 @@ import concurrent.futures
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
-from collections import Counter, deque
+from collections import Counter
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any
 
-from voicebot.asr.pocketsphinx_decoders import Decoders, Transcriber
+from voicebot.asr import pocketsphinx_decoders as decoders_module
 from voicebot.serving.worker import Worker
 
 log = logging.getLogger("voicebot.asr")
@@ -134,7 +132,7 @@ class DecoderProcess:
         source = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
         self._child = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(theirs.fileno()), json.dumps(self._options)],
+            [sys.executable, "-m", decoders_module.__name__, str(theirs.fileno()), json.dumps(self._options)],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         theirs.close()  # the child's now: its pipe closes when it dies, and ours reads EOF
         self._conn = ours
@@ -358,61 +356,3 @@ def start_all(processes: list[DecoderProcess]) -> None:
         for process in processes:
             process.close()
         raise
-
-
-def _answer(pool: Decoders, streams: dict[int, Transcriber], request: tuple) -> Any:
-    op, stream_id, argument = request
-    if op == "batch":  # feeds of several streams: (partial, error) of each, in order
-        return [_answer_one(pool, streams, feed) for feed in argument]
-    if op == "feed":
-        return streams[stream_id].feed(argument)
-    if op == "finish":
-        return streams[stream_id].finish(), pool.cepstral_mean
-    if op in ("open", "renew") and argument:  # the server's last utterance's mean, whichever child
-        pool.cepstral_mean = argument
-    if op == "open":
-        streams[stream_id] = Transcriber(pool)
-    elif op == "renew":
-        streams[stream_id].renew()
-        return True
-    elif op == "close":
-        streams.pop(stream_id).close()
-    else:
-        raise ValueError(f"unknown request {op!r}")
-    return None
-
-
-def _answer_one(pool: Decoders, streams: dict[int, Transcriber], request: tuple) -> tuple[Any, str | None]:
-    try:
-        return _answer(pool, streams, request), None
-    except Exception as exc:  # noqa: BLE001 -- this feed's failure, its stream's to report
-        return None, f"{type(exc).__name__}: {exc}"
-
-
-def serve(conn: Connection, phrases: list[str], second_pass: bool, keep: int) -> None:
-    """The child's loop: answer the server's requests until its pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's to handle
-    later: deque = deque()  # builds for the pool, run while no request waits (at most one: Decoders)
-    pool = Decoders(phrases, second_pass, keep, later.append)
-    try:
-        pool.load()
-    except Exception as exc:  # noqa: BLE001 -- told to the server, which fails its start-up with it
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready", None))
-    streams: dict[int, Transcriber] = {}  # bound here; at most the server's sessions
-    while True:
-        while later and not conn.poll():
-            later.popleft()()
-        try:
-            request = conn.recv()
-        except EOFError:
-            return  # the server is gone
-        cpu = time.process_time()
-        result, error = _answer_one(pool, streams, request)
-        conn.send((result, error, time.process_time() - cpu))
-
-
-if __name__ == "__main__":
-    fd, options = sys.argv[1:3]
-    serve(Connection(int(fd)), **json.loads(options))
