@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from voicebot.config import REPO_ROOT, Cosyvoice2Config
-from voicebot.serving.lm_pool import LMPool
+from voicebot.tts.cosyvoice2.lm_pool import LMPool
 from voicebot.serving.scheduler import Scheduler
 from voicebot.tts.cosyvoice2.synthesizer import PlaybackClock, Utterance, flow_prompt
 from voicebot.tts.cosyvoice2.flow import build_flow

@@ -187,7 +187,7 @@ def measure_window(fixtures: Path) -> dict:
 def measure_lm(hp: dict, device) -> dict:
     import torch
 
-    from voicebot.serving.lm_pool import LMPool
+    from voicebot.tts.cosyvoice2.lm_pool import LMPool
     from voicebot.tts.cosyvoice2.lm import build_lm, unistream
     from voicebot.tts.cosyvoice2.sampling import RasSampler
 

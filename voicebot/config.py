@@ -310,7 +310,7 @@ class Cosyvoice2Config(Section):
     # LM KV cache per session, in positions (prompt + text + speech tokens of one utterance).
     # Real model, fp32: 24 KiB per position, so 2048 positions = 48 MiB per session.
     kv_cache_tokens: int = Field(2048, ge=64, le=32768)
-    # LM KV slots: utterances decoding at once, in one batch (voicebot/serving/lm_pool.py). One slot is
+    # LM KV slots: utterances decoding at once, in one batch (voicebot/tts/cosyvoice2/lm_pool.py). One slot is
     # kv_cache_tokens positions: 16 x 48 MiB = 768 MiB fp32 at the default; a further utterance waits for a slot.
     batch_slots: int = Field(16, ge=1, le=64)
     # False: every LM row steps alone (batch 1), today's cost, for comparison (bench/serve.py).

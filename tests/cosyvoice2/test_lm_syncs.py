@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.gpu_counts import DeviceWork
-from voicebot.serving.lm_pool import LMPool
+from voicebot.tts.cosyvoice2.lm_pool import LMPool
 from voicebot.tts.cosyvoice2.bistream import Bistream
 from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Qwen2Config, unistream
 from voicebot.tts.cosyvoice2.sampling import RasSampler, greedy, sample_rows

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.serving.test_lm_pool import REQUESTS, alone, lm, ras  # noqa: F401 (lm is a fixture)
-from voicebot.serving.lm_pool import DECODE_BUCKETS, LMPool, decode_bucket
+from tests.cosyvoice2.test_lm_pool import REQUESTS, alone, lm, ras  # noqa: F401 (lm is a fixture)
+from voicebot.tts.cosyvoice2.lm_pool import DECODE_BUCKETS, LMPool, decode_bucket
 from voicebot.serving.scheduler import Overloaded, Render, Scheduler, SchedulerFault, StepCosts
 from voicebot.serving.worker import JobAborted
 from voicebot.tts.cosyvoice2.lm import unistream

@@ -51,20 +51,69 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-import torch
 
-from voicebot.serving.lm_pool import DECODE_BUCKETS, LMPool, LMRow, PoolFull
 from voicebot.serving.worker import JobAborted
-from voicebot.tts.cosyvoice2.lm import Program, PromptPrefix, Step
-from voicebot.tts.cosyvoice2.sampling import Sampler, greedy
 
 log = logging.getLogger(__name__)
 
 
 RENDER_MARGIN_S = 0.1  # slack a held render keeps beyond twice the render cost
+
+
+class PoolFull(RuntimeError):
+    """Every LM slot is in use."""
+
+
+class DecodeRow(Protocol):
+    """One utterance's slot in a `DecodePool`."""
+
+    closed: bool
+
+    @property
+    def waiting(self) -> int:
+        """Positions of its pending step not yet fed: 1, a decode step; more, prefill first; 0, none."""
+
+    @property
+    def step(self) -> object | None:
+        """What it waits for; None once its program has ended."""
+
+    def take(self) -> list[int]:
+        """The tokens emitted since the last take."""
+
+
+class DecodePool(Protocol):
+    """What the scheduler steps: an LM's rows, batched. A model implements it beside itself
+    (voicebot/tts/cosyvoice2/lm_pool.py); this package imports no model."""
+
+    slots: int
+
+    @property
+    def free(self) -> int: ...
+
+    def open(self, sampler: Any, prefix: Any = None) -> DecodeRow:
+        """A slot for a new utterance; raises PoolFull when none is free."""
+
+    def close(self, row: DecodeRow) -> None: ...
+
+    def decode(self, rows: list[DecodeRow]) -> None:
+        """One batched step of rows each waiting on one position."""
+
+    def prefill(self, row: DecodeRow) -> None:
+        """One chunk of the row's longer step."""
+
+    def step_sizes(self, top: int) -> list[int]:
+        """The batch sizes up to `top` calibration times (and captures graphs for)."""
+
+    def open_idle(self, steps: int, context: int) -> DecodeRow:
+        """A row fed throwaway one-position steps (calibration)."""
+
+    def synchronize(self) -> None:
+        """Wait for the device (timing)."""
+
+    def nbytes(self) -> int: ...
 
 
 class Overloaded(RuntimeError):
@@ -84,9 +133,9 @@ class Request:
 
 @dataclass(eq=False)
 class OpenRow(Request):
-    sampler: Sampler
-    prefix: PromptPrefix | None = None
-    row: LMRow | None = None  # the slot opened for it, once opened
+    sampler: Any  # the model's (a cosyvoice2 Sampler)
+    prefix: Any = None  # the model's prompt prefix, copied into the slot (a cosyvoice2 PromptPrefix)
+    row: DecodeRow | None = None  # the slot opened for it, once opened
 
 
 @dataclass(eq=False)
@@ -96,7 +145,7 @@ class Call(Request):
 
 @dataclass(eq=False)
 class Decode(Request):
-    row: LMRow
+    row: DecodeRow
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
 
@@ -160,7 +209,7 @@ class StepCosts:
 
 
 class Scheduler:
-    def __init__(self, name: str, pool: LMPool, render: Callable[[list[Any]], list[np.ndarray]], *,
+    def __init__(self, name: str, pool: DecodePool, render: Callable[[list[Any]], list[np.ndarray]], *,
                  max_batch: int | None = None, max_render_batch: int = 8, render_hold_steps: int = 2,
                  max_pending: int = 256,
                  sample_rate: int = 24000, tokens_per_s: float = 25.0, headroom: float = 0.8) -> None:
@@ -178,40 +227,32 @@ class Scheduler:
         self.thread_faults = 0  # BaseExceptions that were not Exceptions, and breaks of the loop, survived
         self._lock = threading.Condition()
         self._incoming: list[Request] = []
-        self._released: list[LMRow] = []
+        self._released: list[DecodeRow] = []
         self._stopping = False
         self._held: set[Request] = set()  # requests the thread has taken and not yet answered
         # thread-only state
         self._opening: list[OpenRow] = []
         self._calls: list[Call] = []
-        self._decoding: dict[LMRow, Decode] = {}
+        self._decoding: dict[DecodeRow, Decode] = {}
         self._renders: list[Render] = []
         self._thread = threading.Thread(target=self._run, name=f"scheduler-{name}", daemon=True)
 
     def calibrate(self, steps: int = 3, context: int = 200,
                   render_probe: Callable[[], list[Any]] | None = None) -> None:
         """Before start(): time the decode step at every batch size a step can take a CUDA graph
-        for (DECODE_BUCKETS up to max_batch, and max_batch; powers of two beyond the buckets), with
+        for (the pool's step_sizes up to max_batch), with
         throwaway rows at a typical context length, so admission has costs before the first reply
         and no graph is captured while sessions wait on a step; live steps keep the costs current.
         `render_probe()`: fresh chunks `render` takes, made and rendered twice (a warm-up, then
         timed) for the render cost; without one (or if the probe renders no audio), admission lets
         one session speak until a render is measured."""
-        lm, pool = self.pool.lm, self.pool
-        w = lm.llm_decoder.weight
-        x = torch.zeros(1, 1, w.shape[1], device=w.device, dtype=w.dtype)
-        start = max(0, min(context, pool.max_seq_len - steps - 2))
-        top = min(self.max_batch, pool.slots)
-        sizes = sorted({*(b for b in DECODE_BUCKETS if b < top), *(2**i for i in range(top.bit_length())), top})
-        for size in sizes:
-            rows = [pool.open(greedy) for _ in range(size)]
-            for row in rows:
-                pool.start(row, _idle(x, start, steps + 1))
+        pool = self.pool
+        for size in pool.step_sizes(min(self.max_batch, pool.slots)):
+            rows = [pool.open_idle(steps + 1, context) for _ in range(size)]
             for i in range(steps + 1):
                 began = time.perf_counter()
                 pool.decode(rows)
-                if w.device.type == "cuda":
-                    torch.cuda.synchronize()
+                pool.synchronize()
                 if i:  # the first is a warm-up (and, on CUDA, the graph's capture)
                     self.costs.add_decode(size, time.perf_counter() - began)
             for row in rows:
@@ -221,8 +262,7 @@ class Scheduler:
             chunks = render_probe()
             began = time.perf_counter()
             audio = self.render_chunks(chunks)
-            if w.device.type == "cuda":
-                torch.cuda.synchronize()
+            pool.synchronize()
             self.costs.add_render(time.perf_counter() - began, sum(map(len, audio)) / self.sample_rate)
 
     # --- the sessions' side (event loop)
@@ -255,20 +295,20 @@ class Scheduler:
             self._lock.notify()
         return await request.future
 
-    async def open_row(self, sampler: Sampler, prefix: PromptPrefix | None, deadline: float) -> LMRow:
+    async def open_row(self, sampler: Any, prefix: Any, deadline: float) -> DecodeRow:
         return await self.submit(OpenRow(deadline, sampler, prefix))
 
     async def call(self, fn: Callable[[], Any], deadline: float) -> Any:
         return await self.submit(Call(deadline, fn))
 
-    async def decode(self, row: LMRow, max_tokens: int, deadline: float) -> tuple[list[int], bool]:
+    async def decode(self, row: DecodeRow, max_tokens: int, deadline: float) -> tuple[list[int], bool]:
         """Up to max_tokens tokens of `row`, and whether its program has ended."""
         return await self.submit(Decode(deadline, row, max_tokens))
 
     async def render(self, chunk: Any, deadline: float) -> np.ndarray:
         return await self.submit(Render(deadline, chunk))
 
-    def release(self, row: LMRow) -> None:
+    def release(self, row: DecodeRow) -> None:
         """Give the row's slot back (any thread, never blocks): it leaves the batch at the next step."""
         with self._lock:
             self._released.append(row)
@@ -502,12 +542,6 @@ class Scheduler:
         for request in pending:
             self._answer(request, exc=exc)
         self._opening, self._calls, self._decoding, self._renders = [], [], {}, []
-
-
-def _idle(x: torch.Tensor, start: int, n: int) -> Program:
-    """A throwaway program: n one-position steps from `start` (calibration)."""
-    for i in range(n):
-        yield Step(x, start + i, ())
 
 
 def _resolve(future: asyncio.Future, result: Any, exc: BaseException | None, undo: Callable[[], None] | None) -> None:

@@ -38,7 +38,7 @@ import torch
 from voicebot.config import Cosyvoice2Config
 from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.metrics import register_voice_refreshes
-from voicebot.serving.lm_pool import LMPool, LMRow
+from voicebot.tts.cosyvoice2.lm_pool import LMPool, LMRow
 from voicebot.serving.scheduler import Scheduler
 from voicebot.serving.worker import Worker
 from voicebot.serving.metrics import register_scheduler_metrics
