@@ -187,7 +187,10 @@ def measure_window(fixtures: Path) -> dict:
 def measure_lm(hp: dict, device) -> dict:
     import torch
 
-    from voicebot.tts.cosyvoice2.lm_pool import LMPool
+    try:
+        from voicebot.tts.cosyvoice2.lm_pool import LMPool
+    except ModuleNotFoundError:  # a revision from before the pool moved beside the LM (--ref)
+        from voicebot.serving.lm_pool import LMPool
     from voicebot.tts.cosyvoice2.lm import build_lm, unistream
     from voicebot.tts.cosyvoice2.sampling import RasSampler
 
@@ -260,7 +263,10 @@ def main() -> None:
                "--threads", str(args.threads), "--fixtures", str(args.fixtures),
                "--only", ",".join(args.only - {"window"})]  # the window is this checkout's
         env = dict(os.environ, PYTHONPATH=str(ROOT))  # bench from here; voicebot from --code (_import_path)
-        ref = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        if done.returncode:
+            raise SystemExit(f"counting {args.ref} failed:\n{done.stderr}")
+        ref = done.stdout
         columns[f"ref {Path(args.ref).name}"] = json.loads(ref.strip().splitlines()[-1])
     columns["this"] = measure(args)
     names = list(dict.fromkeys(k for col in columns.values() for k in col))

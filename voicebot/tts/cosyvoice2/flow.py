@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from voicebot.tts.cosyvoice2.estimator import (
     CausalConditionalDecoder,
     EstimatorCache,
-    Segment,
+    RequestRows,
     attend,
     build_estimator,
     chunk_mask,
@@ -289,7 +289,7 @@ class CausalConditionalCFM(nn.Module):
         # t accumulates dt exactly as the official solver does, not read back from t_span
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, n_timesteps + 1):
-            segments = [Segment(n, None if r.cache is None else r.cache.steps[step - 1], r.streaming, r.left_chunks)
+            segments = [RequestRows(n, None if r.cache is None else r.cache.steps[step - 1], r.streaming, r.left_chunks)
                         for r, n in zip(requests, frames)]
             v = self.estimator(x[rows_of], mu, spks, cond, t, segments)
             x = x + dt * ((1.0 + self.cfg_rate) * v[conditioned] - self.cfg_rate * v[unconditioned])

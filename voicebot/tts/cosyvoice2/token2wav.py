@@ -120,19 +120,25 @@ class Token2Wav:
 
     def prompt_state(self, prompt: FlowPrompt) -> FlowCache:
         """The voice's cached flow prompt state, computed on first use. Requests `fork` it."""
-        key = prompt.key()
-        state = self._prompt_states.get(key)
+        state = self._prompt_states.get(prompt.key())
         if state is None:
-            state = self.flow.prompt_cache(prompt.token, prompt.feat, prompt.embedding, self.flow_left_chunks)
-            self._prompt_states[key] = state
-            while len(self._prompt_states) > self.max_prompt_states:
-                self._prompt_states.popitem(last=False)
-        self._prompt_states.move_to_end(key)
+            state = self.new_prompt_state(prompt)
+        self.put_prompt_state(prompt, state)
         return state
 
-    def evict_prompt_state(self, prompt: FlowPrompt) -> None:
-        """Forget a voice's prompt state, so the next use recomputes it (the periodic reset)."""
-        self._prompt_states.pop(prompt.key(), None)
+    def new_prompt_state(self, prompt: FlowPrompt) -> FlowCache:
+        """The voice's flow prompt state, computed and not cached: another thread may make it while
+        this one renders (the weights are only read), then `put_prompt_state` it between renders."""
+        return self.flow.prompt_cache(prompt.token, prompt.feat, prompt.embedding, self.flow_left_chunks)
+
+    def put_prompt_state(self, prompt: FlowPrompt, state: FlowCache) -> None:
+        """Cache `state` as the voice's, the most recently used; the least recently used past
+        max_prompt_states are dropped."""
+        key = prompt.key()
+        self._prompt_states[key] = state
+        self._prompt_states.move_to_end(key)
+        while len(self._prompt_states) > self.max_prompt_states:
+            self._prompt_states.popitem(last=False)
 
     def prompt_state_bytes(self) -> dict[str, int]:
         """Bytes held per cached voice prompt state (keyed by prompt content hash)."""
