@@ -66,6 +66,7 @@ def baseline_estimator_module():
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
+    module.RequestRows = module.Segment  # its name there (renamed since: issue 26)
     return module
 
 

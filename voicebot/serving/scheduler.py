@@ -13,7 +13,9 @@ Each loop iteration takes what has arrived, then runs: every ready `Call`; one L
 decoding row in one batched forward (at most `max_batch` rows, earliest deadline first) plus at most
 one prefill chunk (the most urgent), so a new prompt holds the others' decode for at most one chunk;
 then the most urgent `Render`s, at most `max_render_batch` of them, in one `render` call (one flow
-call and one vocoder call for all of them: Token2Wav.render). Sessions reach their chunk boundaries
+call and one vocoder call for all of them: Token2Wav.render). A render may answer with a
+`Rendering` still running on the device (CUDA: the model's side stream): the LM steps go on while it
+runs, its requests are answered once it is done, and the next render starts after it. Sessions reach their chunk boundaries
 at different steps, so a render whose listener still has audio to spare (more than twice the last
 render call's cost plus RENDER_MARGIN_S) waits while a more urgent row decodes, and up to
 `render_hold_steps` LM steps for others to join it; a new reply's first chunk never waits. A deadline is when that session's listener runs out of audio;
@@ -156,6 +158,23 @@ class Render(Request):
     held: int = 0  # LM steps it has waited for others to join it
 
 
+@dataclass(eq=False)
+class Rendering:
+    """A render call still running on the device: `ready()` says (never blocking) whether it is
+    done; `audio()` waits for it and gives each chunk's audio (24 kHz float32). A render that
+    returns a list has rendered already (CPU)."""
+
+    ready: Callable[[], bool]
+    audio: Callable[[], list[np.ndarray]]
+
+
+@dataclass(eq=False)
+class _InFlight:
+    batch: list[Render]
+    rendering: Rendering
+    started: float  # time.perf_counter() at its launch
+
+
 class StepCosts:
     """Exponential moving averages of what the device spends: seconds per LM decode step by batch
     size, and seconds of rendering per second of audio. Thread-safe reads (floats)."""
@@ -209,11 +228,12 @@ class StepCosts:
 
 
 class Scheduler:
-    def __init__(self, name: str, pool: DecodePool, render: Callable[[list[Any]], list[np.ndarray]], *,
+    def __init__(self, name: str, pool: DecodePool, render: Callable[[list[Any]], list[np.ndarray] | Rendering], *,
                  max_batch: int | None = None, max_render_batch: int = 8, render_hold_steps: int = 2,
                  max_pending: int = 256,
                  sample_rate: int = 24000, tokens_per_s: float = 25.0, headroom: float = 0.8) -> None:
-        """`render(chunks)`: the audio (24 kHz float32) of several sessions' chunks, in one call."""
+        """`render(chunks)`: the audio (24 kHz float32) of several sessions' chunks, in one call,
+        or a `Rendering` of it still running on the device."""
         self.name, self.pool, self.render_chunks = name, pool, render
         self.max_batch = max_batch or pool.slots  # 1: every row steps alone (no batching)
         self.max_render_batch, self.render_hold_steps = max_render_batch, render_hold_steps
@@ -235,6 +255,7 @@ class Scheduler:
         self._calls: list[Call] = []
         self._decoding: dict[DecodeRow, Decode] = {}
         self._renders: list[Render] = []
+        self._in_flight: _InFlight | None = None  # at most one render running on the device
         self._thread = threading.Thread(target=self._run, name=f"scheduler-{name}", daemon=True)
 
     def calibrate(self, steps: int = 3, context: int = 200,
@@ -258,11 +279,10 @@ class Scheduler:
             for row in rows:
                 pool.close(row)
         if render_probe is not None:
-            self.render_chunks(render_probe())  # warm-up: first calls allocate and pick kernels
+            _finished(self.render_chunks(render_probe()))  # warm-up: first calls allocate and pick kernels
             chunks = render_probe()
             began = time.perf_counter()
-            audio = self.render_chunks(chunks)
-            pool.synchronize()
+            audio = _finished(self.render_chunks(chunks))
             self.costs.add_render(time.perf_counter() - began, sum(map(len, audio)) / self.sample_rate)
 
     # --- the sessions' side (event loop)
@@ -376,11 +396,12 @@ class Scheduler:
         for request in held:
             row = request.row if isinstance(request, OpenRow) else None
             self._answer(request, exc=error, undo=None if row is None else functools.partial(self.release, row))
-        self._opening, self._calls, self._decoding, self._renders = [], [], {}, []
+        self._opening, self._calls, self._decoding, self._renders, self._in_flight = [], [], {}, [], None
 
     def _has_work(self) -> bool:
         # Rows that cannot run yet (OpenRow while the pool is full) are not work.
-        return bool(self._calls or self._decoding or self._renders or (self._opening and self.pool.free))
+        return bool(self._calls or self._decoding or self._renders or self._in_flight
+                    or (self._opening and self.pool.free))
 
     def _close_released(self) -> None:
         # Looked at, then taken: a row whose close is interrupted stays to be closed (closing is idempotent).
@@ -449,7 +470,14 @@ class Scheduler:
         self._answer_decodes()
 
     def _render_step(self) -> None:
-        """The most urgent renders, in one call; each answered with its audio."""
+        """The render on the device, answered once done (waited for when no LM row could step
+        meanwhile); then, none in flight, the most urgent renders in one call, answered with their
+        audio when it comes back rendered, else left in flight."""
+        if self._in_flight is not None:
+            if not (self._in_flight.rendering.ready() or not self._can_step()):
+                return
+            in_flight, self._in_flight = self._in_flight, None
+            self._finish_render(in_flight)
         self._renders.sort(key=lambda r: r.deadline)
         if self._renders and self._may_hold(self._renders[0]):
             for request in self._renders:
@@ -466,20 +494,42 @@ class Scheduler:
             return
         start = time.perf_counter()
         try:
-            audio = self.render_chunks([r.chunk for r in batch])
+            rendered = self.render_chunks([r.chunk for r in batch])
         except BaseException as exc:  # fails only this call's renders
-            log.exception("scheduler %s: render failed", self.name)
-            error = self._aborted(exc)
-            for request in batch:
-                self._answer(request, exc=error)
+            self._render_failed(batch, exc)
             return
-        self.costs.add_render(time.perf_counter() - start, sum(map(len, audio)) / self.sample_rate)
+        in_flight = _InFlight(batch, _as_rendering(rendered), start)
+        if isinstance(rendered, Rendering):
+            self._in_flight = in_flight
+        else:
+            self._finish_render(in_flight)
+
+    def _can_step(self) -> bool:
+        """Whether an LM step could run now (then a render in flight is not waited for)."""
+        return any(request.row.waiting for request in self._decoding.values())
+
+    def _finish_render(self, in_flight: _InFlight) -> None:
+        """Answer a render's requests with its audio (waiting for the device if it is still busy).
+        Its cost is from its launch until now: with LM steps run meanwhile, an upper bound."""
+        batch = in_flight.batch
+        try:
+            audio = in_flight.rendering.audio()
+        except BaseException as exc:  # fails only this call's renders
+            self._render_failed(batch, exc)
+            return
+        self.costs.add_render(time.perf_counter() - in_flight.started, sum(map(len, audio)) / self.sample_rate)
         self.render_sizes[len(batch)] += 1
         done = time.monotonic()
         for request, samples in zip(batch, audio, strict=True):
             if request.submitted < request.deadline < done:
                 self.deadline_misses += 1
             self._answer(request, samples)
+
+    def _render_failed(self, batch: list[Render], exc: BaseException) -> None:
+        log.error("scheduler %s: render failed", self.name, exc_info=exc)
+        error = self._aborted(exc)
+        for request in batch:
+            self._answer(request, exc=error)
 
     def _may_hold(self, urgent: Render) -> bool:
         """Hold the renders one more step, if the most urgent one's listener has audio to spare and
@@ -541,7 +591,17 @@ class Scheduler:
             self._incoming = []
         for request in pending:
             self._answer(request, exc=exc)
-        self._opening, self._calls, self._decoding, self._renders = [], [], {}, []
+        self._opening, self._calls, self._decoding, self._renders, self._in_flight = [], [], {}, [], None
+
+
+def _as_rendering(rendered: list[np.ndarray] | Rendering) -> Rendering:
+    if isinstance(rendered, Rendering):
+        return rendered
+    return Rendering(ready=lambda: True, audio=lambda: rendered)
+
+
+def _finished(rendered: list[np.ndarray] | Rendering) -> list[np.ndarray]:
+    return _as_rendering(rendered).audio()
 
 
 def _resolve(future: asyncio.Future, result: Any, exc: BaseException | None, undo: Callable[[], None] | None) -> None:

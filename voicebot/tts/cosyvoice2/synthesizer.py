@@ -39,7 +39,7 @@ from voicebot.config import Cosyvoice2Config
 from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.metrics import register_voice_refreshes
 from voicebot.serving.metrics import register_scheduler_metrics
-from voicebot.serving.scheduler import Scheduler
+from voicebot.serving.scheduler import Rendering, Scheduler
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import SAMPLE_RATE, SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
 from voicebot.tts.segmenter import CLAUSE_MARKS, SentenceSegmenter
@@ -73,6 +73,7 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.scheduler: Scheduler | None = None
+        self._render_stream: torch.cuda.Stream | None = None  # CUDA: renders run there, beside the LM
         self.library: VoiceLibrary | None = None
         self.contexts: set[CosyVoice2Context] = set()
         self.model_dir: Path | None = None
@@ -131,8 +132,31 @@ class CosyVoice2Synthesizer(Synthesizer):
         stream.add([0] * stream.tokens_for_next_chunk)
         return [stream.next_chunk()]
 
-    def _render(self, chunks: list[ChunkRequest]) -> list[np.ndarray]:
-        return [audio.reshape(-1).float().cpu().numpy() for audio in self.token2wav.render(chunks)]
+    def _render(self, chunks: list[ChunkRequest]) -> list[np.ndarray] | Rendering:
+        """The chunks' audio. On CUDA the render is launched on a side stream and handed back still
+        running: the scheduler steps the LM on the default stream meanwhile (the two share no
+        tensor: the side stream first waits for what the default one was given, such as the tokens).
+        Its device tensors may be freed at once: the caching allocator reuses their memory only for
+        later work on the same stream."""
+        if self.device.type != "cuda":
+            return [audio.reshape(-1).float().numpy() for audio in self.token2wav.render(chunks)]
+        if self._render_stream is None:
+            self._render_stream = torch.cuda.Stream(self.device)
+        side = self._render_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            audio = [a.reshape(-1).float() for a in self.token2wav.render(chunks)]
+            host = [torch.empty(a.shape, dtype=torch.float32, pin_memory=True) for a in audio]
+            for h, a in zip(host, audio, strict=True):
+                h.copy_(a, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+
+        def audio_when_done() -> list[np.ndarray]:
+            done.synchronize()
+            return [h.numpy() for h in host]
+
+        return Rendering(ready=done.query, audio=audio_when_done)
 
     def voices(self) -> list[VoiceInfo]:
         return self.library.list() if self.library else []

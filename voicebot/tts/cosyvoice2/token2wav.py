@@ -64,6 +64,7 @@ from torch import Tensor
 
 from voicebot.tts.cosyvoice2.flow import Flow, FlowCache, FlowRequest
 from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFT, HiFTStream, SourceNoise
+from voicebot.tts.cosyvoice2.sampling import host_to_device
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,8 @@ class Token2WavStream:
 
     def _flow_request(self, request: ChunkRequest) -> FlowRequest:
         p = self.prompt
-        token = torch.tensor(self.tokens[: request.n_tokens], dtype=torch.int32, device=p.token.device)[None]
+        # pinned and non-blocking on CUDA: a pageable copy would make the host wait for the device
+        token = host_to_device(self.tokens[: request.n_tokens], p.token.device, torch.int32)[None]
         window = self.t2w.flow_left_chunks
         if self._cached(request):  # chunk-causal, new frames only
             return FlowRequest(token, p.token, p.feat, p.embedding, True, request.finalize, self.flow_cache, window)
