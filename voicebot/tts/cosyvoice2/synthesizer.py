@@ -133,30 +133,13 @@ class CosyVoice2Synthesizer(Synthesizer):
         return [stream.next_chunk()]
 
     def _render(self, chunks: list[ChunkRequest]) -> list[np.ndarray] | Rendering:
-        """The chunks' audio. On CUDA the render is launched on a side stream and handed back still
-        running: the scheduler steps the LM on the default stream meanwhile (the two share no
-        tensor: the side stream first waits for what the default one was given, such as the tokens).
-        Its device tensors may be freed at once: the caching allocator reuses their memory only for
-        later work on the same stream."""
+        """The chunks' audio; on CUDA, launched on the render stream and handed back running (the
+        scheduler steps the LM meanwhile: Token2Wav.launch)."""
         if self.device.type != "cuda":
             return [audio.reshape(-1).float().numpy() for audio in self.token2wav.render(chunks)]
         if self._render_stream is None:
             self._render_stream = torch.cuda.Stream(self.device)
-        side = self._render_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            audio = [a.reshape(-1).float() for a in self.token2wav.render(chunks)]
-            host = [torch.empty(a.shape, dtype=torch.float32, pin_memory=True) for a in audio]
-            for h, a in zip(host, audio, strict=True):
-                h.copy_(a, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(side)
-
-        def audio_when_done() -> list[np.ndarray]:
-            done.synchronize()
-            return [h.numpy() for h in host]
-
-        return Rendering(ready=done.query, audio=audio_when_done)
+        return self.token2wav.launch(chunks, self._render_stream)
 
     def voices(self) -> list[VoiceInfo]:
         return self.library.list() if self.library else []

@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from voicebot.serving.scheduler import Rendering
 from voicebot.tts.cosyvoice2.flow import Flow, FlowCache, FlowRequest
 from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFT, HiFTStream, SourceNoise
 from voicebot.tts.cosyvoice2.sampling import host_to_device
@@ -162,6 +163,27 @@ class Token2Wav:
         decoded = iter(self.hift.decode_batch([j.mel for j in ready], [j.source for j in ready]) if ready else ())
         return [torch.zeros(1, 0) if job is None else r.stream.vocoder.complete(job, next(decoded))
                 for r, job in zip(requests, jobs)]
+
+    def launch(self, requests: list[ChunkRequest], side: torch.cuda.Stream) -> Rendering:
+        """`render` launched on the CUDA stream `side` and handed back still running: the caller
+        steps the LM on its own stream meanwhile (they share no tensor; `side` first waits for
+        what the caller's stream was given, such as the tokens). The audio comes back through
+        pinned memory. Its device tensors may be freed at once: the caching allocator reuses their
+        memory only for later work on `side`."""
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        with torch.cuda.stream(side):
+            audio = [a.reshape(-1).float() for a in self.render(requests)]
+            host = [torch.empty(a.shape, dtype=torch.float32, pin_memory=True) for a in audio]
+            for h, a in zip(host, audio, strict=True):
+                h.copy_(a, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+
+        def audio_when_done() -> list[np.ndarray]:
+            done.synchronize()
+            return [h.numpy() for h in host]
+
+        return Rendering(ready=done.query, audio=audio_when_done)
 
     @torch.inference_mode()
     def full(
