@@ -8,15 +8,17 @@ On CUDA the host waits for the device at
 - every op whose output size depends on values: `nonzero`, boolean-mask indexing (read or
   written), `masked_select`, `repeat_interleave` without an output size, `unique`;
 - every blocking copy between host and device: `torch.tensor(..., device=)` /
-  `torch.as_tensor(..., device=)` (a pageable host-to-device copy syncs the stream), and copies
+  `torch.as_tensor(..., device=)` and a host tensor's `.to(<a device or a tensor>)` without
+  non_blocking (a pageable host-to-device copy: torch waits for the stream after it), and copies
   from a device tensor to the CPU.
 
 The aten ops are seen through a TorchDispatchMode. The Python-level reads are not all seen there
 (under inference_mode a CPU tensor's `int()` and `item()` never reach the mode: a counter that
 watched only aten saw 1 sync per LM step on 77c2663, whose per-row `int(ids[...])` made 5 at one
 row and 20 at 16), so they and the tensor factories are patched while a count runs. On CPU the
-Python-level reads are counted whatever the tensor's device: an upper bound (a list read from a
-CPU-only tensor costs nothing on a GPU).
+Python-level reads and `.to(device)` copies are counted whatever the devices: an upper bound (a
+list read from a CPU-only tensor costs nothing on a GPU, nor does `.to(device)` of a tensor that
+would already be there; on CPU every device is the host, so a copy's destination cannot tell).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class DeviceWork(TorchDispatchMode):
         self._patches = contextlib.ExitStack()
         for method in READS:
             self._patch(torch.Tensor, method, self._read(f"Tensor.{method}", getattr(torch.Tensor, method)))
+        self._patch(torch.Tensor, "to", self._copy_to("Tensor.to(device) from the host", torch.Tensor.to))
         for factory in FACTORIES:
             self._patch(torch, factory, self._construct(f"torch.{factory}(..., device=)", getattr(torch, factory)))
         return super().__enter__()
@@ -82,6 +85,16 @@ class DeviceWork(TorchDispatchMode):
             finally:
                 self._reading -= 1
         return read
+
+    def _copy_to(self, name: str, original):
+        def to(tensor, *args, **kwargs):
+            names_device = kwargs.get("device") is not None or any(
+                isinstance(a, (torch.device, str, torch.Tensor)) for a in args)
+            if (not self._reading and names_device and tensor.device.type == "cpu"
+                    and not kwargs.get("non_blocking", False) and True not in args[1:]):
+                self.syncs[name] += 1
+            return original(tensor, *args, **kwargs)
+        return to
 
     def _construct(self, name: str, original):
         def construct(*args, **kwargs):

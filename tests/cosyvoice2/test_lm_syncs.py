@@ -72,11 +72,12 @@ def test_the_counter_sees_what_waits_for_the_device():
     with torch.inference_mode(), DeviceWork() as work:
         int(x.max()), x.tolist(), x[x > 2], x.nonzero(), torch.tensor([1, 2], device="cpu"), x[torch.tensor(2)].item()
         x.repeat_interleave(torch.tensor([1, 0, 2, 1, 0, 1])), bool(x[0]), x.cpu()
-        x.repeat_interleave(torch.tensor([1, 0, 2, 1, 0, 1]), output_size=5), x.to("cpu"), x.sum(), torch.tensor([3])
+        x.repeat_interleave(torch.tensor([1, 0, 2, 1, 0, 1]), output_size=5), x.sum(), torch.tensor([3])
+        x.to("cpu"), x.to(x), x.to("cpu", non_blocking=True), x.to(torch.float16)
     assert work.syncs == {"Tensor.__int__": 1, "Tensor.tolist": 1, "aten.index.Tensor (boolean mask)": 1,
                           "aten.nonzero.default": 1, "torch.tensor(..., device=)": 1, "Tensor.item": 1,
                           "aten.repeat_interleave.self_Tensor (no output_size)": 1, "Tensor.__bool__": 1,
-                          "Tensor.cpu": 1}, work.syncs
+                          "Tensor.cpu": 1, "Tensor.to(device) from the host": 2}, work.syncs
     assert work.calls > 9
     assert (torch.Tensor.tolist, torch.Tensor.__int__, torch.tensor) == originals  # unpatched after
 

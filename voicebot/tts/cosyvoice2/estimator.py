@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from voicebot.tts.cosyvoice2.sampling import host_to_device
+
 
 def chunk_mask(size: int, chunk_size: int, device: torch.device, start: int = 0, left_chunks: int = -1,
                key_start: int = 0) -> Tensor | None:
@@ -276,9 +278,9 @@ class PackedCall:
         if not self.padded and (chunks[0] == 0 or segs[0].start // chunks[0] == (self.ends[0] - 1) // chunks[0]):
             return None
         big = max(self.ends) + 1  # a chunk this long is full attention
-        params = torch.tensor([[seg.start, seg.n_new, k, e - k, c or big, seg.left_chunks]
-                               for seg, k, e, c in zip(segs, self.key_start, self.ends, chunks)], dtype=torch.long)
-        start, n_new, first, n_keys, chunk, left = params.to(like.device).unbind(1)
+        params = host_to_device([[seg.start, seg.n_new, k, e - k, c or big, seg.left_chunks]
+                                 for seg, k, e, c in zip(segs, self.key_start, self.ends, chunks)], like.device)
+        start, n_new, first, n_keys, chunk, left = params.unbind(1)
         t = torch.arange(self.q_max, device=like.device)
         j = torch.arange(self.k_max, device=like.device)
         q_pos = (start[:, None] + torch.minimum(t[None], n_new[:, None] - 1))  # (S, Q); padding repeats the last

@@ -232,7 +232,8 @@ class ChunkVocoder:
         self.hift, self.zero_noise, self.generator = hift, zero_noise, generator
         self.mel_cache_frames = schedule.mel_cache_frames
         self.overlap = schedule.mel_cache_frames * hift.samples_per_frame  # 3840 samples
-        self.window = torch.from_numpy(np.hamming(2 * self.overlap))  # float64, as the official blend
+        # float64, as the official blend; on the vocoder's device from the start (no copy per chunk)
+        self.window = host_to_device(np.hamming(2 * self.overlap).tolist(), hift.conv_pre.bias.device, torch.float64)
         self.mel_cache: Tensor | None = None  # (1, 80, 8) last mel frames of the previous HiFT input
         self.source_cache: Tensor | None = None  # (1, 1, 3840) source tail of the previous chunk
         self.speech_tail: Tensor | None = None  # (1, 3840) held back for the cross-fade
@@ -248,7 +249,7 @@ class ChunkVocoder:
 
     def complete(self, job: DecodeJob, speech: Tensor) -> Tensor:
         if self.speech_tail is not None:
-            n, w = self.overlap, self.window.to(speech.device)
+            n, w = self.overlap, self.window
             head = speech[:, :n] * w[:n] + self.speech_tail * w[n:]  # float64, then back, like the official code
             speech = torch.cat([head.to(speech.dtype), speech[:, n:]], dim=1)
         if job.final:
