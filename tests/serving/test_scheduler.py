@@ -211,7 +211,9 @@ def test_a_render_with_slack_waits_for_company_or_more_urgent_decoding_a_due_one
 
     async def run():
         text, prompt_text, prompt_speech, _ = REQUESTS[1]
-        row = await scheduler.open_row(lambda logp, history: int(logp[:60].argmax()), None, 0)
+        # 10 ms a token: the row is still decoding when the renders arrive, however loaded the box
+        # (at full speed its 60 tokens could be done first, and nothing would be there to hold for)
+        row = await scheduler.open_row(lambda logp, history: time.sleep(0.01) or int(logp[:60].argmax()), None, 0)
         await scheduler.call(lambda: scheduler.pool.start(row, unistream(lm, 256, text, prompt_text, prompt_speech,
                                                                          min_token_text_ratio=20)), 0)
         deadline = time.monotonic() + (600 if decode_deadline == "later" else 30)
