@@ -28,7 +28,7 @@ import torch._inductor.config
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from bench.cosyvoice2 import FIXTURES, released_hparams
 from bench.flow import Timing, alternate
-from voicebot.tts.cosyvoice2.estimator import Segment, build_estimator
+from voicebot.tts.cosyvoice2.estimator import RequestRows, build_estimator
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, build_lm, keys_to_attend
 from voicebot.tts.cosyvoice2.loader import cpu_weight_layout
@@ -98,7 +98,7 @@ def flow_estimator(hp: dict, reps: int) -> None:
     compiled = torch.compile(est, dynamic=False)
 
     def call(module):
-        return module(x, mu, spks, cond, t, [Segment(FLOW_FRAMES, None, streaming=False)])
+        return module(x, mu, spks, cond, t, [RequestRows(FLOW_FRAMES, None, streaming=False)])
 
     fns = {"eager": lambda: call(est), "compiled": lambda: call(compiled)}
     with torch.inference_mode():

@@ -35,9 +35,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from voicebot.config import REPO_ROOT, Cosyvoice2Config
-from voicebot.serving.lm_pool import LMPool
+from voicebot.tts.cosyvoice2.lm_pool import LMPool
 from voicebot.serving.scheduler import Scheduler
-from voicebot.tts.cosyvoice2.synthesizer import PlaybackClock, Utterance, flow_prompt
+from voicebot.tts.cosyvoice2.synthesizer import PlaybackClock, SpeechJob, flow_prompt
 from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.hift import build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
@@ -152,7 +152,7 @@ def timed_render(token2wav: Token2Wav):
 
 def stream_once(engine: SimpleNamespace, scheduler: Scheduler, voice: Voice, text: list[int],
                 prefix: PromptPrefix | None) -> tuple[float, float, float, list[int], np.ndarray]:
-    """One utterance through the engine's step loop (Utterance.chunks on the scheduler thread), from
+    """One utterance through the engine's step loop (SpeechJob.chunks on the scheduler thread), from
     the voice's LM prompt prefix (as the engine starts) or from nothing: (first chunk's flow + HiFT
     s, first 200 ms of audio s, RTF, tokens, the audio of the last chunk)."""
     generator = torch.Generator(engine.device).manual_seed(1)
@@ -167,7 +167,7 @@ def stream_once(engine: SimpleNamespace, scheduler: Scheduler, voice: Voice, tex
 
     async def run():
         row = await scheduler.open_row(sampler, prefix, 0)
-        utterance = Utterance(scheduler, row, await scheduler.call(lambda: start(row), 0), PlaybackClock())
+        utterance = SpeechJob(scheduler, row, await scheduler.call(lambda: start(row), 0), PlaybackClock())
         start_time, first_audio, audio, last = time.perf_counter(), None, 0, None
         try:
             async for piece in utterance.chunks(finish=True):

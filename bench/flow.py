@@ -66,6 +66,7 @@ def baseline_estimator_module():
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
+    module.RequestRows = module.Segment  # its name there (renamed since: issue 26)
     return module
 
 
@@ -165,14 +166,14 @@ def estimator_ab(est: packed.CausalConditionalDecoder, hp: dict, reps: int, prof
 
         def run() -> torch.Tensor:
             cache = None if prompt_cache is None else prompt_cache.fork()
-            return estimator(*args, t, [module.Segment(n, cache, streaming)])
+            return estimator(*args, t, [module.RequestRows(n, cache, streaming)])
 
         run.estimator = estimator
         return run
 
     def prompt_state(module, estimator):  # the voice's prompt frames, computed once; each timed call forks them
         cache = estimator.new_cache()
-        estimator(*inputs(prompt_frames), t, [module.Segment(prompt_frames, cache)])
+        estimator(*inputs(prompt_frames), t, [module.RequestRows(prompt_frames, cache)])
         return cache
 
     for label, n, streaming, cached in [

@@ -8,6 +8,9 @@ figures mean anything. Random weights (seeded) at released size on CUDA, tiny si
 3. Host syncs per decode step at 1 / 16 / 64 rows (torch.cuda.set_sync_debug_mode; target 1).
 4. A render of several streams' first chunks in one call against each stream alone (flow + HiFT,
    the serving dtype): within BATCH_VS_ALONE of the peak.
+5. That render launched on a side stream (Token2Wav.launch, as the synthesizer serves on CUDA) while
+   LM decode steps run on the default stream: the same audio as on the default stream alone (within
+   SIDE_VS_DEFAULT of the peak), no host sync in the launch, and how many LM steps ran meanwhile.
 
 Each line is printed as it is measured, with its bound and PASS or FAIL; the exit status is 1 if
 any check failed. On CPU the CUDA-only parts say why they are skipped and what runs instead.
@@ -31,7 +34,7 @@ import torch
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from bench.cosyvoice2 import FIXTURES, released_hparams
 from voicebot.config import REPO_ROOT
-from voicebot.serving.lm_pool import DECODE_BUCKETS, LMPool
+from voicebot.tts.cosyvoice2.lm_pool import DECODE_BUCKETS, LMPool
 from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.hift import build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
@@ -52,6 +55,9 @@ HALF_MEL = 0.02
 # Several streams in one render against each alone, same dtype: the padding and batching change
 # the order of sums, and HiFT amplifies the mel's rounding (golden_bounds: 3e-7 -> 1.8e-4 in fp32).
 BATCH_VS_ALONE = {torch.float32: 3e-3, torch.float16: 0.02, torch.bfloat16: 0.05}
+
+# The same kernels on the same inputs, only on another stream: equal but for a kernel choice.
+SIDE_VS_DEFAULT = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 failures: list[str] = []
 
@@ -194,7 +200,7 @@ def check_half(hp: dict, lm: CosyVoice2LM, flow: torch.nn.Module, device: torch.
 
 
 def check_batch_render(hp: dict, flow: torch.nn.Module, hift: torch.nn.Module, device: torch.device,
-                       dtype: torch.dtype, streams: int = 4) -> None:
+                       dtype: torch.dtype, streams: int = 4, lm: CosyVoice2LM | None = None) -> None:
     print(f"\n4. {streams} streams' first chunks in one render against each alone "
           f"({str(dtype).removeprefix('torch.')}, exact mode, HiFT noise off)", flush=True)
     gen = torch.Generator().manual_seed(1)
@@ -222,6 +228,46 @@ def check_batch_render(hp: dict, flow: torch.nn.Module, hift: torch.nn.Module, d
     took = time.perf_counter() - began
     error = max(max_error_to_peak(t, a) for t, a in zip(together, alone))
     report(f"audio: max |batch - alone| / peak", error, BATCH_VS_ALONE[dtype], f"  (batched render {took:.2f} s)")
+    check_side_stream(lm, t2w, first_chunks, together, device, dtype)
+
+
+def check_side_stream(lm: CosyVoice2LM, t2w: Token2Wav, first_chunks, on_default: list[torch.Tensor],
+                      device: torch.device, dtype: torch.dtype) -> None:
+    print("\n5. the same render on a side stream while LM steps run on the default one", flush=True)
+    if device.type != "cuda":
+        print("  skipped: CUDA streams need CUDA (tests/serving/test_scheduler.py runs the scheduler's overlap "
+              "with a stand-in render)", flush=True)
+        return
+    w = lm.llm_decoder.weight
+    pool = LMPool(lm, 16, 512, graphs=True, prepack=False)
+    rows = []
+    for i in range(16):
+        row = pool.open(RasSampler(generator=torch.Generator(device).manual_seed(i)))
+        pool.start(row, _program(torch.randn(1, 8, w.shape[1], device=device, dtype=w.dtype),
+                                 torch.randn(400, w.shape[1], device=device, dtype=w.dtype)))
+        while row.waiting > 1:
+            pool.prefill(row)
+        rows.append(row)
+    pool.decode(rows)  # the bucket's capture, before the render
+    chunks = first_chunks()
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            rendering = t2w.launch(chunks, torch.cuda.Stream(device))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    steps = 0
+    while not rendering.ready() and all(row.waiting == 1 for row in rows):
+        pool.decode(rows)
+        steps += 1
+    audio = [torch.from_numpy(a) for a in rendering.audio()]
+    error = max(max_error_to_peak(a, d.reshape(-1)) for a, d in zip(audio, on_default))
+    report("audio: max |side stream - default stream| / peak", error, SIDE_VS_DEFAULT[dtype],
+           f"  ({steps} LM steps of 16 rows ran during the render)")
+    report("host syncs in the render's launch", syncs, 0)
 
 
 def main() -> None:
@@ -243,7 +289,7 @@ def main() -> None:
     lm = lm.to(device, dtype)
     check_graphs(lm, device, args.slots)
     check_syncs(lm, device)
-    check_batch_render(hp, flow, hift, device, dtype)
+    check_batch_render(hp, flow, hift, device, dtype, lm=lm)
     print(f"\ncorrectness: {'all PASS' if not failures else 'FAIL: ' + ', '.join(failures)}", flush=True)
     sys.exit(1 if failures else 0)
 

@@ -1,14 +1,10 @@
 """GPU proxies counted on CPU: kernel launches (aten calls) and host syncs per LM decode step and per
 render, the bytes a stream holds as its reply grows, and what delays the first speech token (issue 24).
 
-No GPU is needed to count what a GPU would be asked to do. A TorchDispatchMode sees every aten call
-the Python code makes; on a GPU each non-view call is (at least) one kernel launch of several
-microseconds, and each call that needs a value on the host is a sync that drains the GPU's queue:
-`_local_scalar_dense` (`.item()`, `int(t)`, `bool(t)`), `is_nonzero`, `nonzero`, boolean-mask indexing
-(read or written), `masked_select`, `repeat_interleave` without an output size, `unique`, and,
-on a non-CPU device, copies to the CPU. `.tolist()` reads memory without dispatching, so it is
-counted by wrapping it while a count runs (on CPU this also counts lists made of CPU-only tensors,
-which on a GPU would cost nothing: an upper bound).
+No GPU is needed to count what a GPU would be asked to do: bench/gpu_counts.py's `DeviceWork` (the
+one counter the tests assert with too) sees every aten call the Python code makes (on a GPU each
+non-view call is at least one kernel launch of several microseconds) and every call that makes the
+host wait for the device (a read of a device value, an op sized by values, a blocking copy).
 
 The models are built at the released depths (24 Qwen2 layers, 6 + 4 encoder layers, 1 + 12 + 1
 estimator stages of 4 transformer blocks, HiFT's stages and ResBlocks) with narrow widths: the
@@ -32,6 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
+from bench.gpu_counts import DeviceWork  # this checkout's counter, whichever checkout's code it counts
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -43,8 +42,6 @@ def _import_path(code: str | None) -> None:
     sys.path.insert(0, path)
 
 
-SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "unique", "_unique", "_unique2",
-            "unique_consecutive", "unique_dim"}
 SPEECH_SECONDS = (5, 10, 30)
 TOKENS_PER_SECOND = 25
 N_PROMPT = 150  # voice prompt speech tokens (6 s), as bench/flow.py
@@ -53,57 +50,6 @@ LM_ROWS = (1, 16, 64)
 # a streamed reply as a responder writes it, one word at a time
 REPLY = ("Sure, I can help with that. The first thing to check is whether the stream is live, "
          "and then we can look at the settings together.")
-
-
-def counter_mode():
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        """Counts non-view aten calls and host syncs while active (see the module docstring)."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = self.syncs = 0
-            self._tolist = None
-
-        def __enter__(self):
-            self._tolist = torch.Tensor.tolist
-            original = self._tolist
-
-            def tolist(t):
-                self.syncs += 1
-                return original(t)
-
-            torch.Tensor.tolist = tolist
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            torch.Tensor.tolist = self._tolist
-            return super().__exit__(*exc)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            name = func.overloadpacket.__name__
-            if not func.is_view:
-                self.calls += 1
-            if name in SYNC_OPS:
-                self.syncs += 1
-            elif name in ("index", "index_put", "index_put_", "_index_put_impl_") and any(
-                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
-                self.syncs += 1  # a boolean mask: its kernel counts the True entries on the host first
-            elif name == "repeat_interleave" and kwargs.get("output_size") is None and isinstance(
-                    args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor):
-                self.syncs += 1
-            elif name in ("_to_copy", "copy_", "to"):
-                src = args[1] if name == "copy_" else args[0]
-                dst_cpu = (args[0].device.type == "cpu") if name == "copy_" else (
-                    kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu")
-                if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst_cpu:
-                    self.syncs += 1
-            return func(*args, **kwargs)
-
-    return Counter()
 
 
 def hparams(fixtures: Path, tmp: Path) -> dict:
@@ -183,9 +129,9 @@ def measure(args) -> dict:
                 s.add(tokens(400, i))
             for chunk in ("first", "second"):
                 requests = [s.next_chunk() for s in streams]
-                with counter_mode() as c:
+                with DeviceWork() as c:
                     t2w.render(requests)
-                out[f"render {chunk} chunk, {n} stream{'s' * (n > 1)}"] = (c.calls, c.syncs)
+                out[f"render {chunk} chunk, {n} stream{'s' * (n > 1)}"] = (c.calls, c.total_syncs)
     if "window" in args.only:
         out.update(measure_window(args.fixtures))
     if "memory" in args.only:
@@ -241,7 +187,10 @@ def measure_window(fixtures: Path) -> dict:
 def measure_lm(hp: dict, device) -> dict:
     import torch
 
-    from voicebot.serving.lm_pool import LMPool
+    try:
+        from voicebot.tts.cosyvoice2.lm_pool import LMPool
+    except ModuleNotFoundError:  # a revision from before the pool moved beside the LM (--ref)
+        from voicebot.serving.lm_pool import LMPool
     from voicebot.tts.cosyvoice2.lm import build_lm, unistream
     from voicebot.tts.cosyvoice2.sampling import RasSampler
 
@@ -257,9 +206,9 @@ def measure_lm(hp: dict, device) -> dict:
                 pool.prefill(row)
             rows.append(row)
         pool.decode(rows)  # one step after the prefill, so every row waits on one position
-        with counter_mode() as c:
+        with DeviceWork() as c:
             pool.decode(rows)
-        out[f"LM decode step, {n} row{'s' * (n > 1)}"] = (c.calls, c.syncs)
+        out[f"LM decode step, {n} row{'s' * (n > 1)}"] = (c.calls, c.total_syncs)
     return out
 
 
@@ -310,11 +259,14 @@ def main() -> None:
         return
     columns = {}
     if args.ref:
-        cmd = [sys.executable, __file__, "--json", "--code", args.ref, "--device", args.device,
+        cmd = [sys.executable, "-m", "bench.gpu_proxy", "--json", "--code", args.ref, "--device", args.device,
                "--threads", str(args.threads), "--fixtures", str(args.fixtures),
                "--only", ",".join(args.only - {"window"})]  # the window is this checkout's
-        env = dict(os.environ, PYTHONPATH=str(Path(args.ref).resolve()))
-        ref = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+        env = dict(os.environ, PYTHONPATH=str(ROOT))  # bench from here; voicebot from --code (_import_path)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        if done.returncode:
+            raise SystemExit(f"counting {args.ref} failed:\n{done.stderr}")
+        ref = done.stdout
         columns[f"ref {Path(args.ref).name}"] = json.loads(ref.strip().splitlines()[-1])
     columns["this"] = measure(args)
     names = list(dict.fromkeys(k for col in columns.values() for k in col))

@@ -5,7 +5,7 @@ Qwen2 geometry) and the estimator's structure, not measured on a GPU:
 
 - weights: LM, flow and HiFT parameters (HiFT always fp32);
 - LM KV pool: `batch_slots` + 1 rows (the scratch row graphs pad into) of `kv_cache_tokens`
-  positions, keys and values of every layer (voicebot/serving/lm_pool.py);
+  positions, keys and values of every layer (voicebot/tts/cosyvoice2/lm_pool.py);
 - flow cache per stream: keys/values of every estimator attention layer, CFG pair, 10 Euler steps,
   for the frames it holds: the window (`flow_left_chunks` × 50 frames) or, unbounded, every frame of
   the reply (the reply length is then an input);

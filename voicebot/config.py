@@ -310,11 +310,9 @@ class Cosyvoice2Config(Section):
     # LM KV cache per session, in positions (prompt + text + speech tokens of one utterance).
     # Real model, fp32: 24 KiB per position, so 2048 positions = 48 MiB per session.
     kv_cache_tokens: int = Field(2048, ge=64, le=32768)
-    # LM KV slots: utterances decoding at once, in one batch (voicebot/serving/lm_pool.py). One slot is
+    # LM KV slots: utterances decoding at once, in one batch (voicebot/tts/cosyvoice2/lm_pool.py). One slot is
     # kv_cache_tokens positions: 16 x 48 MiB = 768 MiB fp32 at the default; a further utterance waits for a slot.
     batch_slots: int = Field(16, ge=1, le=64)
-    # False: every LM row steps alone (batch 1), today's cost, for comparison (bench/serve.py).
-    batching: bool = True
     # Prompt positions fed per scheduler iteration: a new request's prefill holds the others' decode
     # for about one step at most (64 positions cost about one 16-row step on the released model, CPU).
     prefill_chunk_tokens: int = Field(64, ge=1, le=4096)
@@ -326,10 +324,11 @@ class Cosyvoice2Config(Section):
     # Admission: the share of its time a session is expected to speak; sessions are admitted while
     # that many speaking at once stay in real time at the measured step costs.
     admission_duty: float = Field(1.0, gt=0, le=1)
-    # How streamed chunks get their mel (voicebot/tts/cosyvoice2/token2wav.py): "recompute" is the
-    # official algorithm; "exact" the same output from cached prompt and earlier frames; "fast" also
-    # renders the final chunk chunk-causally (slightly different audio there, much cheaper).
-    stream_mode: Literal["recompute", "exact", "fast"] = "fast"
+    # How streamed chunks get their mel (voicebot/tts/cosyvoice2/token2wav.py): "exact" is the official
+    # algorithm's output from cached prompt and earlier frames; "fast" also renders the final chunk
+    # chunk-causally (slightly different audio there, much cheaper). The official algorithm itself
+    # (Token2Wav mode "recompute") is the tests' and bench/cosyvoice2.py's reference, not a setting.
+    stream_mode: Literal["exact", "fast"] = "fast"
     # How reply text reaches the LM: "bistream" pushes each sentence into one running request as it
     # arrives (official inference_bistream, one LM context across sentences); "sentences" runs one
     # official unistream request per sentence (it starts from the voice's cached LM prompt prefix).

@@ -568,3 +568,11 @@ def test_admission_refuses_past_capacity_with_a_retry_after(synth, monkeypatch):
     assert synth.scheduler.refused == refused + 1 == synth.info().details["scheduler"]["refused"]
     monkeypatch.setattr(costs, "decode", {1: 10.0})  # nothing is real time: the first session is still let in
     assert synth.scheduler.capacity() == 0 and synth.admit() is None
+
+
+@pytest.mark.parametrize("setting", [{"stream_mode": "recompute"}, {"batching": False}])
+def test_test_switches_are_not_user_settings(setting):
+    """The official algorithm ("recompute") and unbatched steps are the benches' and tests' (Token2Wav's
+    mode, Scheduler's max_batch): a user's configuration cannot choose them."""
+    with pytest.raises(ValidationError):
+        Cosyvoice2Config(**setting)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from voicebot.tts.cosyvoice2.estimator import CausalResnetBlock1D, PackedCall, Segment, TransformerBlock
+from voicebot.tts.cosyvoice2.estimator import CausalResnetBlock1D, PackedCall, RequestRows, TransformerBlock
 
 
 def randomized(module: torch.nn.Module) -> torch.nn.Module:
@@ -29,7 +29,7 @@ def test_transformer_block_is_pre_norm_attention_then_feed_forward() -> None:
     n = 7
     x = torch.randn(2 * n, 16)
     with torch.inference_mode():
-        out = block(x.clone(), PackedCall([Segment(n, streaming=False)], 0, x))
+        out = block(x.clone(), PackedCall([RequestRows(n, streaming=False)], 0, x))
         attn = block.attn1
         q, k, v = (proj(block.norm1(x)).view(2, n, 2, 8).transpose(1, 2) for proj in (attn.to_q, attn.to_k, attn.to_v))
         h = x + attn.to_out[0](F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2 * n, 16))
@@ -49,7 +49,7 @@ def test_causal_resnet_block_is_two_causal_conv_blocks_plus_time_and_residual() 
         return act(norm(y.transpose(1, 2)).transpose(1, 2))
 
     with torch.inference_mode():
-        out = block(packed(x), temb, PackedCall([Segment(n, streaming=False)], 0, x))
+        out = block(packed(x), temb, PackedCall([RequestRows(n, streaming=False)], 0, x))
         h = conv_block(block.block1, x) + block.mlp(temb)[:, :, None]
         expected = conv_block(block.block2, h) + block.res_conv(x)
     torch.testing.assert_close(out, packed(expected))

@@ -1,88 +1,25 @@
 """Host syncs of an LM decode step, counted on CPU: at most one per step whatever the batch (the copy
 of the B sampled tokens back), and the device-side RAS draw the same distribution as the official one.
 
-On CUDA the host waits for the device at every read of a device value (item(), int(), tolist(),
-.cpu(), numpy()), at ops whose output size depends on values (nonzero, boolean-mask indexing,
-masked_select) and at every blocking host-to-device copy (torch.tensor(..., device=cuda)). On CPU
-nothing waits, so `HostSyncs` counts the calls that would: the aten ops through a
-TorchDispatchMode, the Python-level reads and tensor constructions through patched entry points.
-bench/gpu_check.sh counts the real ones on the GPU with torch.cuda.set_sync_debug_mode.
+Counted by bench/gpu_counts.py's DeviceWork, the counter bench/gpu_proxy.py prints with (one
+counter: what it calls a sync is what these tests bound). bench/gpu_check.sh counts the real ones
+on the GPU with torch.cuda.set_sync_debug_mode.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from voicebot.serving.lm_pool import LMPool
+from bench.gpu_counts import DeviceWork
+from voicebot.tts.cosyvoice2.lm_pool import LMPool
 from voicebot.tts.cosyvoice2.bistream import Bistream
 from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Qwen2Config, unistream
 from voicebot.tts.cosyvoice2.sampling import RasSampler, greedy, sample_rows
 
-aten = torch.ops.aten
 SPEECH = 64
-
-
-class HostSyncs(TorchDispatchMode):
-    """Counts, by name, the calls that make the host wait for the device on CUDA."""
-
-    VALUE_SIZED = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-                   aten.repeat_interleave.Tensor, aten._unique2.default, aten.unique_consecutive.default}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.reading = 0  # inside a counted Python-level read: its own aten calls are not counted again
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.reading:
-            pass
-        elif func in self.VALUE_SIZED:
-            self.counts[str(func)] += 1
-        elif func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
-            self.counts[f"{func} (boolean mask)"] += 1
-        return func(*args, **kwargs)
-
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-
-@contextlib.contextmanager
-def counting_syncs(monkeypatch):
-    """A HostSyncs active, with the Python-level reads and blocking copies counted into it."""
-    mode = HostSyncs()
-
-    def counted(name, original):
-        def call(*args, **kwargs):
-            if not mode.reading:
-                mode.counts[name] += 1
-            mode.reading += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                mode.reading -= 1
-        return call
-
-    with monkeypatch.context() as m:
-        # Python-level reads: under inference_mode a CPU tensor's item() does not reach the mode.
-        for method in ("tolist", "cpu", "numpy", "item", "__int__", "__float__", "__bool__", "__index__"):
-            m.setattr(torch.Tensor, method, counted(f"Tensor.{method}", getattr(torch.Tensor, method)))
-        for factory in ("tensor", "as_tensor"):  # with a device: a blocking host-to-device copy on CUDA
-            original = getattr(torch, factory)
-
-            def constructed(*args, _original=original, _name=factory, **kwargs):
-                if kwargs.get("device") is not None:
-                    mode.counts[f"torch.{_name}(..., device=)"] += 1
-                return _original(*args, **kwargs)
-            m.setattr(torch, factory, constructed)
-        with mode:
-            yield mode
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +33,7 @@ def lm() -> CosyVoice2LM:
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded-graph-path"])
 @pytest.mark.parametrize("rows", [1, 16])
-def test_a_decode_step_waits_for_the_device_once_whatever_the_batch(lm, monkeypatch, rows, graphs):
+def test_a_decode_step_waits_for_the_device_once_whatever_the_batch(lm, rows, graphs):
     """Unistream rows (RAS, eos banned early: banned ids on the device) and bistream rows (forced
     fills) and a greedy row, all in one step."""
     pool = LMPool(lm, slots=rows, max_seq_len=256, graphs=graphs)
@@ -118,20 +55,31 @@ def test_a_decode_step_waits_for_the_device_once_whatever_the_batch(lm, monkeypa
         decoding = [row for row in opened if row.waiting == 1]
         if not decoding:
             break
-        with counting_syncs(monkeypatch) as syncs:
+        with DeviceWork() as work:
             pool.decode(decoding)
-        assert syncs.total() == 1 and syncs.counts["Tensor.tolist"] == 1, (len(decoding), dict(syncs.counts))
+        assert work.syncs == {"Tensor.tolist": 1}, (len(decoding), dict(work.syncs))
         steps += 1
     assert steps >= 10
 
 
-def test_the_counter_sees_what_waits_for_the_device(monkeypatch):
-    """HostSyncs counts each kind it claims to (so a step's count of 1 is not the counter's blindness)."""
+def test_the_counter_sees_what_waits_for_the_device():
+    """DeviceWork counts each kind it claims to (so a step's count of 1 is not the counter's
+    blindness), under inference_mode as the pool runs: there a CPU tensor's int() and item() never
+    reach a TorchDispatchMode, and a counter of aten calls alone saw 77c2663's per-row int() draws
+    as no sync at all (1 per step where there were 5 at one row, 20 at 16)."""
     x = torch.arange(6.0)
-    with torch.inference_mode(), counting_syncs(monkeypatch) as syncs:
+    originals = torch.Tensor.tolist, torch.Tensor.__int__, torch.tensor
+    with torch.inference_mode(), DeviceWork() as work:
         int(x.max()), x.tolist(), x[x > 2], x.nonzero(), torch.tensor([1, 2], device="cpu"), x[torch.tensor(2)].item()
-    assert syncs.counts == {"Tensor.__int__": 1, "Tensor.tolist": 1, "aten.index.Tensor (boolean mask)": 1,
-                            "aten.nonzero.default": 1, "torch.tensor(..., device=)": 1, "Tensor.item": 1}, syncs.counts
+        x.repeat_interleave(torch.tensor([1, 0, 2, 1, 0, 1])), bool(x[0]), x.cpu()
+        x.repeat_interleave(torch.tensor([1, 0, 2, 1, 0, 1]), output_size=5), x.sum(), torch.tensor([3])
+        x.to("cpu"), x.to(x), x.to("cpu", non_blocking=True), x.to(torch.float16)
+    assert work.syncs == {"Tensor.__int__": 1, "Tensor.tolist": 1, "aten.index.Tensor (boolean mask)": 1,
+                          "aten.nonzero.default": 1, "torch.tensor(..., device=)": 1, "Tensor.item": 1,
+                          "aten.repeat_interleave.self_Tensor (no output_size)": 1, "Tensor.__bool__": 1,
+                          "Tensor.cpu": 1, "Tensor.to(device) from the host": 2}, work.syncs
+    assert work.calls > 9
+    assert (torch.Tensor.tolist, torch.Tensor.__int__, torch.tensor) == originals  # unpatched after
 
 
 def test_the_device_draw_is_the_official_distribution():

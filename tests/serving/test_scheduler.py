@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from tests.serving.test_lm_pool import REQUESTS, alone, lm, ras  # noqa: F401 (lm is a fixture)
-from voicebot.serving.lm_pool import DECODE_BUCKETS, LMPool, decode_bucket
-from voicebot.serving.scheduler import Overloaded, Render, Scheduler, SchedulerFault, StepCosts
+from tests.cosyvoice2.test_lm_pool import REQUESTS, alone, lm, ras  # noqa: F401 (lm is a fixture)
+from voicebot.tts.cosyvoice2.lm_pool import DECODE_BUCKETS, LMPool, decode_bucket
+from voicebot.serving.scheduler import Overloaded, Render, Rendering, Scheduler, SchedulerFault, StepCosts
 from voicebot.serving.worker import JobAborted
 from voicebot.tts.cosyvoice2.lm import unistream
 
@@ -211,7 +211,9 @@ def test_a_render_with_slack_waits_for_company_or_more_urgent_decoding_a_due_one
 
     async def run():
         text, prompt_text, prompt_speech, _ = REQUESTS[1]
-        row = await scheduler.open_row(lambda logp, history: int(logp[:60].argmax()), None, 0)
+        # 10 ms a token: the row is still decoding when the renders arrive, however loaded the box
+        # (at full speed its 60 tokens could be done first, and nothing would be there to hold for)
+        row = await scheduler.open_row(lambda logp, history: time.sleep(0.01) or int(logp[:60].argmax()), None, 0)
         await scheduler.call(lambda: scheduler.pool.start(row, unistream(lm, 256, text, prompt_text, prompt_speech,
                                                                          min_token_text_ratio=20)), 0)
         deadline = time.monotonic() + (600 if decode_deadline == "later" else 30)
@@ -237,6 +239,88 @@ def test_a_render_with_slack_waits_for_company_or_more_urgent_decoding_a_due_one
 
 
 # ---- the thread outlives what is raised in it ------------------------------------------------------
+
+class DeviceRenders:
+    """A render callable as on CUDA: each call returns a Rendering that is ready only once the test
+    says so (`finish`), recording the LM steps run while it was in flight."""
+
+    def __init__(self, scheduler_ref: list) -> None:
+        self.scheduler_ref, self.calls, self.done = scheduler_ref, [], threading.Event()
+        self.steps_at_launch: list[int] = []
+        self.steps_at_answer: list[int] = []
+
+    def steps(self) -> int:
+        return sum(self.scheduler_ref[0].batch_sizes.values())
+
+    def __call__(self, chunks: list) -> Rendering:
+        self.calls.append(list(chunks))
+        self.steps_at_launch.append(self.steps())
+        done = self.done
+
+        def audio():
+            assert done.wait(10), "the test never finished the render"
+            self.steps_at_answer.append(self.steps())
+            return [np.full(10, chunk, dtype=np.float32) for chunk in chunks]
+        return Rendering(ready=done.is_set, audio=audio)
+
+
+def test_lm_steps_go_on_while_a_render_runs_on_the_device_and_it_is_answered_when_done(lm):
+    """A render handed back running (CUDA's side stream) holds no LM step: the decoding row keeps
+    stepping until the render is ready; renders arriving meanwhile wait for it and go in one call
+    after it; with nothing left to step the thread waits for the device."""
+    ref: list = []
+    renders = DeviceRenders(ref)
+    scheduler = Scheduler("test", LMPool(lm, slots=2, max_seq_len=256, prefill_chunk=8), renders, max_pending=8)
+    ref.append(scheduler)
+    scheduler.start()
+
+    async def run():
+        text, prompt_text, prompt_speech, _ = REQUESTS[1]
+        row = await scheduler.open_row(lambda logp, history: int(logp[:60].argmax()), None, 0)
+        await scheduler.call(lambda: scheduler.pool.start(row, unistream(lm, 256, text, prompt_text, prompt_speech,
+                                                                         min_token_text_ratio=20)), 0)
+        decoding = asyncio.ensure_future(scheduler.decode(row, 20, deadline=time.monotonic() + 60))
+        first = asyncio.ensure_future(scheduler.render(1, deadline=0.0))
+        decoded, _ = await decoding  # stepped while the render ran
+        later = [asyncio.ensure_future(scheduler.render(c, deadline=0.0)) for c in (2, 3)]
+        await asyncio.sleep(0.1)
+        assert len(renders.calls) == 1 and not first.done()  # one render on the device at a time
+        renders.done.set()
+        audio = [await first] + list(await asyncio.gather(*later))
+        scheduler.release(row)
+        return decoded, audio
+
+    try:
+        decoded, audio = asyncio.run(run())
+    finally:
+        scheduler.stop()
+    assert len(decoded) == 20 and [a[0] for a in audio] == [1, 2, 3]
+    assert renders.calls == [[1], [2, 3]]
+    # the LM stepped during the render: 20 tokens, the first from the prompt's prefill, 19 from decode steps
+    assert renders.steps_at_answer[0] - renders.steps_at_launch[0] >= 10
+    assert scheduler.render_sizes == {1: 1, 2: 1} and scheduler.pending == 0
+
+
+def test_a_render_in_flight_that_fails_fails_only_its_requests(lm):
+    def failing(chunks):
+        def audio():
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return Rendering(ready=lambda: True, audio=audio) if 0 in chunks else render(chunks)
+
+    scheduler = Scheduler("test", LMPool(lm, slots=2, max_seq_len=256), failing, max_render_batch=1)
+    scheduler.start()
+
+    async def run():
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            await asyncio.wait_for(scheduler.render(0, deadline=0), 10)
+        return await asyncio.wait_for(scheduler.render(5, deadline=0), 10)
+
+    try:
+        audio = asyncio.run(run())
+    finally:
+        scheduler.stop()
+    assert audio[0] == 5 and scheduler.pending == 0
+
 
 def raise_into(thread: threading.Thread, exc: type[BaseException]) -> None:
     """Raise `exc` in `thread` at its next Python instruction (as an interpreter shutting a thread

@@ -13,7 +13,9 @@ Each loop iteration takes what has arrived, then runs: every ready `Call`; one L
 decoding row in one batched forward (at most `max_batch` rows, earliest deadline first) plus at most
 one prefill chunk (the most urgent), so a new prompt holds the others' decode for at most one chunk;
 then the most urgent `Render`s, at most `max_render_batch` of them, in one `render` call (one flow
-call and one vocoder call for all of them: Token2Wav.render). Sessions reach their chunk boundaries
+call and one vocoder call for all of them: Token2Wav.render). A render may answer with a
+`Rendering` still running on the device (CUDA: the model's side stream): the LM steps go on while it
+runs, its requests are answered once it is done, and the next render starts after it. Sessions reach their chunk boundaries
 at different steps, so a render whose listener still has audio to spare (more than twice the last
 render call's cost plus RENDER_MARGIN_S) waits while a more urgent row decodes, and up to
 `render_hold_steps` LM steps for others to join it; a new reply's first chunk never waits. A deadline is when that session's listener runs out of audio;
@@ -51,20 +53,69 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-import torch
 
-from voicebot.serving.lm_pool import DECODE_BUCKETS, LMPool, LMRow, PoolFull
 from voicebot.serving.worker import JobAborted
-from voicebot.tts.cosyvoice2.lm import Program, PromptPrefix, Step
-from voicebot.tts.cosyvoice2.sampling import Sampler, greedy
 
 log = logging.getLogger(__name__)
 
 
 RENDER_MARGIN_S = 0.1  # slack a held render keeps beyond twice the render cost
+
+
+class PoolFull(RuntimeError):
+    """Every LM slot is in use."""
+
+
+class DecodeRow(Protocol):
+    """One utterance's slot in a `DecodePool`."""
+
+    closed: bool
+
+    @property
+    def waiting(self) -> int:
+        """Positions of its pending step not yet fed: 1, a decode step; more, prefill first; 0, none."""
+
+    @property
+    def step(self) -> object | None:
+        """What it waits for; None once its program has ended."""
+
+    def take(self) -> list[int]:
+        """The tokens emitted since the last take."""
+
+
+class DecodePool(Protocol):
+    """What the scheduler steps: an LM's rows, batched. A model implements it beside itself
+    (voicebot/tts/cosyvoice2/lm_pool.py); this package imports no model."""
+
+    slots: int
+
+    @property
+    def free(self) -> int: ...
+
+    def open(self, sampler: Any, prefix: Any = None) -> DecodeRow:
+        """A slot for a new utterance; raises PoolFull when none is free."""
+
+    def close(self, row: DecodeRow) -> None: ...
+
+    def decode(self, rows: list[DecodeRow]) -> None:
+        """One batched step of rows each waiting on one position."""
+
+    def prefill(self, row: DecodeRow) -> None:
+        """One chunk of the row's longer step."""
+
+    def step_sizes(self, top: int) -> list[int]:
+        """The batch sizes up to `top` calibration times (and captures graphs for)."""
+
+    def open_idle(self, steps: int, context: int) -> DecodeRow:
+        """A row fed throwaway one-position steps (calibration)."""
+
+    def synchronize(self) -> None:
+        """Wait for the device (timing)."""
+
+    def nbytes(self) -> int: ...
 
 
 class Overloaded(RuntimeError):
@@ -84,9 +135,9 @@ class Request:
 
 @dataclass(eq=False)
 class OpenRow(Request):
-    sampler: Sampler
-    prefix: PromptPrefix | None = None
-    row: LMRow | None = None  # the slot opened for it, once opened
+    sampler: Any  # the model's (a cosyvoice2 Sampler)
+    prefix: Any = None  # the model's prompt prefix, copied into the slot (a cosyvoice2 PromptPrefix)
+    row: DecodeRow | None = None  # the slot opened for it, once opened
 
 
 @dataclass(eq=False)
@@ -96,7 +147,7 @@ class Call(Request):
 
 @dataclass(eq=False)
 class Decode(Request):
-    row: LMRow
+    row: DecodeRow
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
 
@@ -105,6 +156,23 @@ class Decode(Request):
 class Render(Request):
     chunk: Any  # what `render` takes, one per session: a Token2Wav ChunkRequest
     held: int = 0  # LM steps it has waited for others to join it
+
+
+@dataclass(eq=False)
+class Rendering:
+    """A render call still running on the device: `ready()` says (never blocking) whether it is
+    done; `audio()` waits for it and gives each chunk's audio (24 kHz float32). A render that
+    returns a list has rendered already (CPU)."""
+
+    ready: Callable[[], bool]
+    audio: Callable[[], list[np.ndarray]]
+
+
+@dataclass(eq=False)
+class _InFlight:
+    batch: list[Render]
+    rendering: Rendering
+    started: float  # time.perf_counter() at its launch
 
 
 class StepCosts:
@@ -160,11 +228,12 @@ class StepCosts:
 
 
 class Scheduler:
-    def __init__(self, name: str, pool: LMPool, render: Callable[[list[Any]], list[np.ndarray]], *,
+    def __init__(self, name: str, pool: DecodePool, render: Callable[[list[Any]], list[np.ndarray] | Rendering], *,
                  max_batch: int | None = None, max_render_batch: int = 8, render_hold_steps: int = 2,
                  max_pending: int = 256,
                  sample_rate: int = 24000, tokens_per_s: float = 25.0, headroom: float = 0.8) -> None:
-        """`render(chunks)`: the audio (24 kHz float32) of several sessions' chunks, in one call."""
+        """`render(chunks)`: the audio (24 kHz float32) of several sessions' chunks, in one call,
+        or a `Rendering` of it still running on the device."""
         self.name, self.pool, self.render_chunks = name, pool, render
         self.max_batch = max_batch or pool.slots  # 1: every row steps alone (no batching)
         self.max_render_batch, self.render_hold_steps = max_render_batch, render_hold_steps
@@ -178,51 +247,42 @@ class Scheduler:
         self.thread_faults = 0  # BaseExceptions that were not Exceptions, and breaks of the loop, survived
         self._lock = threading.Condition()
         self._incoming: list[Request] = []
-        self._released: list[LMRow] = []
+        self._released: list[DecodeRow] = []
         self._stopping = False
         self._held: set[Request] = set()  # requests the thread has taken and not yet answered
         # thread-only state
         self._opening: list[OpenRow] = []
         self._calls: list[Call] = []
-        self._decoding: dict[LMRow, Decode] = {}
+        self._decoding: dict[DecodeRow, Decode] = {}
         self._renders: list[Render] = []
+        self._in_flight: _InFlight | None = None  # at most one render running on the device
         self._thread = threading.Thread(target=self._run, name=f"scheduler-{name}", daemon=True)
 
     def calibrate(self, steps: int = 3, context: int = 200,
                   render_probe: Callable[[], list[Any]] | None = None) -> None:
         """Before start(): time the decode step at every batch size a step can take a CUDA graph
-        for (DECODE_BUCKETS up to max_batch, and max_batch; powers of two beyond the buckets), with
+        for (the pool's step_sizes up to max_batch), with
         throwaway rows at a typical context length, so admission has costs before the first reply
         and no graph is captured while sessions wait on a step; live steps keep the costs current.
         `render_probe()`: fresh chunks `render` takes, made and rendered twice (a warm-up, then
         timed) for the render cost; without one (or if the probe renders no audio), admission lets
         one session speak until a render is measured."""
-        lm, pool = self.pool.lm, self.pool
-        w = lm.llm_decoder.weight
-        x = torch.zeros(1, 1, w.shape[1], device=w.device, dtype=w.dtype)
-        start = max(0, min(context, pool.max_seq_len - steps - 2))
-        top = min(self.max_batch, pool.slots)
-        sizes = sorted({*(b for b in DECODE_BUCKETS if b < top), *(2**i for i in range(top.bit_length())), top})
-        for size in sizes:
-            rows = [pool.open(greedy) for _ in range(size)]
-            for row in rows:
-                pool.start(row, _idle(x, start, steps + 1))
+        pool = self.pool
+        for size in pool.step_sizes(min(self.max_batch, pool.slots)):
+            rows = [pool.open_idle(steps + 1, context) for _ in range(size)]
             for i in range(steps + 1):
                 began = time.perf_counter()
                 pool.decode(rows)
-                if w.device.type == "cuda":
-                    torch.cuda.synchronize()
+                pool.synchronize()
                 if i:  # the first is a warm-up (and, on CUDA, the graph's capture)
                     self.costs.add_decode(size, time.perf_counter() - began)
             for row in rows:
                 pool.close(row)
         if render_probe is not None:
-            self.render_chunks(render_probe())  # warm-up: first calls allocate and pick kernels
+            _finished(self.render_chunks(render_probe()))  # warm-up: first calls allocate and pick kernels
             chunks = render_probe()
             began = time.perf_counter()
-            audio = self.render_chunks(chunks)
-            if w.device.type == "cuda":
-                torch.cuda.synchronize()
+            audio = _finished(self.render_chunks(chunks))
             self.costs.add_render(time.perf_counter() - began, sum(map(len, audio)) / self.sample_rate)
 
     # --- the sessions' side (event loop)
@@ -255,20 +315,20 @@ class Scheduler:
             self._lock.notify()
         return await request.future
 
-    async def open_row(self, sampler: Sampler, prefix: PromptPrefix | None, deadline: float) -> LMRow:
+    async def open_row(self, sampler: Any, prefix: Any, deadline: float) -> DecodeRow:
         return await self.submit(OpenRow(deadline, sampler, prefix))
 
     async def call(self, fn: Callable[[], Any], deadline: float) -> Any:
         return await self.submit(Call(deadline, fn))
 
-    async def decode(self, row: LMRow, max_tokens: int, deadline: float) -> tuple[list[int], bool]:
+    async def decode(self, row: DecodeRow, max_tokens: int, deadline: float) -> tuple[list[int], bool]:
         """Up to max_tokens tokens of `row`, and whether its program has ended."""
         return await self.submit(Decode(deadline, row, max_tokens))
 
     async def render(self, chunk: Any, deadline: float) -> np.ndarray:
         return await self.submit(Render(deadline, chunk))
 
-    def release(self, row: LMRow) -> None:
+    def release(self, row: DecodeRow) -> None:
         """Give the row's slot back (any thread, never blocks): it leaves the batch at the next step."""
         with self._lock:
             self._released.append(row)
@@ -336,11 +396,12 @@ class Scheduler:
         for request in held:
             row = request.row if isinstance(request, OpenRow) else None
             self._answer(request, exc=error, undo=None if row is None else functools.partial(self.release, row))
-        self._opening, self._calls, self._decoding, self._renders = [], [], {}, []
+        self._opening, self._calls, self._decoding, self._renders, self._in_flight = [], [], {}, [], None
 
     def _has_work(self) -> bool:
         # Rows that cannot run yet (OpenRow while the pool is full) are not work.
-        return bool(self._calls or self._decoding or self._renders or (self._opening and self.pool.free))
+        return bool(self._calls or self._decoding or self._renders or self._in_flight
+                    or (self._opening and self.pool.free))
 
     def _close_released(self) -> None:
         # Looked at, then taken: a row whose close is interrupted stays to be closed (closing is idempotent).
@@ -409,7 +470,14 @@ class Scheduler:
         self._answer_decodes()
 
     def _render_step(self) -> None:
-        """The most urgent renders, in one call; each answered with its audio."""
+        """The render on the device, answered once done (waited for when no LM row could step
+        meanwhile); then, none in flight, the most urgent renders in one call, answered with their
+        audio when it comes back rendered, else left in flight."""
+        if self._in_flight is not None:
+            if not (self._in_flight.rendering.ready() or not self._can_step()):
+                return
+            in_flight, self._in_flight = self._in_flight, None
+            self._finish_render(in_flight)
         self._renders.sort(key=lambda r: r.deadline)
         if self._renders and self._may_hold(self._renders[0]):
             for request in self._renders:
@@ -426,20 +494,42 @@ class Scheduler:
             return
         start = time.perf_counter()
         try:
-            audio = self.render_chunks([r.chunk for r in batch])
+            rendered = self.render_chunks([r.chunk for r in batch])
         except BaseException as exc:  # fails only this call's renders
-            log.exception("scheduler %s: render failed", self.name)
-            error = self._aborted(exc)
-            for request in batch:
-                self._answer(request, exc=error)
+            self._render_failed(batch, exc)
             return
-        self.costs.add_render(time.perf_counter() - start, sum(map(len, audio)) / self.sample_rate)
+        in_flight = _InFlight(batch, _as_rendering(rendered), start)
+        if isinstance(rendered, Rendering):
+            self._in_flight = in_flight
+        else:
+            self._finish_render(in_flight)
+
+    def _can_step(self) -> bool:
+        """Whether an LM step could run now (then a render in flight is not waited for)."""
+        return any(request.row.waiting for request in self._decoding.values())
+
+    def _finish_render(self, in_flight: _InFlight) -> None:
+        """Answer a render's requests with its audio (waiting for the device if it is still busy).
+        Its cost is from its launch until now: with LM steps run meanwhile, an upper bound."""
+        batch = in_flight.batch
+        try:
+            audio = in_flight.rendering.audio()
+        except BaseException as exc:  # fails only this call's renders
+            self._render_failed(batch, exc)
+            return
+        self.costs.add_render(time.perf_counter() - in_flight.started, sum(map(len, audio)) / self.sample_rate)
         self.render_sizes[len(batch)] += 1
         done = time.monotonic()
         for request, samples in zip(batch, audio, strict=True):
             if request.submitted < request.deadline < done:
                 self.deadline_misses += 1
             self._answer(request, samples)
+
+    def _render_failed(self, batch: list[Render], exc: BaseException) -> None:
+        log.error("scheduler %s: render failed", self.name, exc_info=exc)
+        error = self._aborted(exc)
+        for request in batch:
+            self._answer(request, exc=error)
 
     def _may_hold(self, urgent: Render) -> bool:
         """Hold the renders one more step, if the most urgent one's listener has audio to spare and
@@ -501,13 +591,17 @@ class Scheduler:
             self._incoming = []
         for request in pending:
             self._answer(request, exc=exc)
-        self._opening, self._calls, self._decoding, self._renders = [], [], {}, []
+        self._opening, self._calls, self._decoding, self._renders, self._in_flight = [], [], {}, [], None
 
 
-def _idle(x: torch.Tensor, start: int, n: int) -> Program:
-    """A throwaway program: n one-position steps from `start` (calibration)."""
-    for i in range(n):
-        yield Step(x, start + i, ())
+def _as_rendering(rendered: list[np.ndarray] | Rendering) -> Rendering:
+    if isinstance(rendered, Rendering):
+        return rendered
+    return Rendering(ready=lambda: True, audio=lambda: rendered)
+
+
+def _finished(rendered: list[np.ndarray] | Rendering) -> list[np.ndarray]:
+    return _as_rendering(rendered).audio()
 
 
 def _resolve(future: asyncio.Future, result: Any, exc: BaseException | None, undo: Callable[[], None] | None) -> None:

@@ -9,7 +9,7 @@ for a frame depends only on its own and earlier chunks. An `EstimatorCache` ther
 compute only new frames: it keeps each attention layer's keys/values and each causal conv's left
 context from the earlier calls of the same Euler step.
 
-One call serves any number of requests, packed time-major: each request is a `Segment` of 2·T
+One call serves any number of requests, packed time-major: each request is a `RequestRows` of 2·T
 consecutive rows of one (R, C) tensor (its T frames conditioned, then the same T unconditioned:
 the CFG pair), segments one after the other. Everything but the convolutions and attention works
 row by row, so the linear layers, norms and activations of all requests run as one GEMM or one
@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from voicebot.tts.cosyvoice2.sampling import host_to_device
 
 
 def chunk_mask(size: int, chunk_size: int, device: torch.device, start: int = 0, left_chunks: int = -1,
@@ -116,7 +118,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
 
 
 @dataclass
-class Segment:
+class RequestRows:
     """One request's rows in a packed estimator call: its `n_new` frames, each as a conditioned and
     an unconditioned row (2·n_new rows). `cache`: its EstimatorCache of this Euler step, whose
     frames these follow and which grows by them (None: the frames start at 0, nothing is kept).
@@ -159,7 +161,7 @@ class PackedCall:
     back from the device. With one segment and nothing to pad, the gathers are skipped.
     """
 
-    def __init__(self, segments: list[Segment], chunk_size: int, like: Tensor,
+    def __init__(self, segments: list[RequestRows], chunk_size: int, like: Tensor,
                  left_pads: tuple[int, ...] = (2,)) -> None:
         """left_pads: those of the causal convs that will run (a plan each)."""
         self.segments = segments
@@ -276,9 +278,9 @@ class PackedCall:
         if not self.padded and (chunks[0] == 0 or segs[0].start // chunks[0] == (self.ends[0] - 1) // chunks[0]):
             return None
         big = max(self.ends) + 1  # a chunk this long is full attention
-        params = torch.tensor([[seg.start, seg.n_new, k, e - k, c or big, seg.left_chunks]
-                               for seg, k, e, c in zip(segs, self.key_start, self.ends, chunks)], dtype=torch.long)
-        start, n_new, first, n_keys, chunk, left = params.to(like.device).unbind(1)
+        params = host_to_device([[seg.start, seg.n_new, k, e - k, c or big, seg.left_chunks]
+                                 for seg, k, e, c in zip(segs, self.key_start, self.ends, chunks)], like.device)
+        start, n_new, first, n_keys, chunk, left = params.unbind(1)
         t = torch.arange(self.q_max, device=like.device)
         j = torch.arange(self.k_max, device=like.device)
         q_pos = (start[:, None] + torch.minimum(t[None], n_new[:, None] - 1))  # (S, Q); padding repeats the last
@@ -553,7 +555,7 @@ class CausalConditionalDecoder(nn.Module):
         n_attn, n_conv = (sum(isinstance(m, kind) for m in self.modules()) for kind in (Attention, CausalConv1d))
         return EstimatorCache(n_attn, n_conv, left_chunks=left_chunks, chunk_size=self.static_chunk_size)
 
-    def forward(self, x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, t: Tensor, segments: list[Segment]) -> Tensor:
+    def forward(self, x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, t: Tensor, segments: list[RequestRows]) -> Tensor:
         """x, mu, spks, cond: (R, 80) packed rows (module docstring); t: () the flow time of all of
         them. Returns the velocity (R, 80); each segment's cache grows by its frames."""
         call = PackedCall(segments, self.static_chunk_size, x, self.conv_left_pads)

@@ -26,11 +26,12 @@ from torch import Tensor, nn
 from voicebot.tts.cosyvoice2.estimator import (
     CausalConditionalDecoder,
     EstimatorCache,
-    Segment,
+    RequestRows,
     attend,
     build_estimator,
     chunk_mask,
 )
+from voicebot.tts.cosyvoice2.sampling import host_to_device
 
 # The official CFM draws its starting noise once, on CPU, right after seeding with 0; every call
 # uses a prefix of it, which caps one flow call at this many mel frames (300 s).
@@ -250,8 +251,10 @@ class CausalConditionalCFM(nn.Module):
         super().__init__()
         self.estimator = estimator
         self.cfg_rate = cfg_rate
-        # a plain attribute, as in the official class: not part of the state dict
-        self.rand_noise = rand_noise(n_mels)
+        # not part of the state dict, as in the official class (a plain attribute there); a buffer
+        # here so that it moves with the module: copied from the host at each call, it made the
+        # host wait for the device once per request
+        self.register_buffer("rand_noise", rand_noise(n_mels), persistent=False)
 
     def solve(self, requests: list[CFMInput], n_timesteps: int) -> list[Tensor]:
         """The mel (1, 80, T) float32 of each request, all of them solved together: every Euler
@@ -266,7 +269,7 @@ class CausalConditionalCFM(nn.Module):
             end = start + r.mu.shape[0]
             if end > self.rand_noise.shape[2]:
                 raise ValueError(f"flow call up to mel frame {end} exceeds the fixed noise ({self.rand_noise.shape[2]})")
-            x.append(self.rand_noise[0, :, start:end].t().to(r.mu))
+            x.append(self.rand_noise[0, :, start:end].t().to(r.mu.dtype))  # a buffer: on r.mu's device
             frames.append(r.mu.shape[0])
         x = torch.cat(x)  # (F, 80): every request's frames, once
         # the packed CFG rows: per request its frames conditioned, then with mu, spks and cond zeroed
@@ -283,13 +286,13 @@ class CausalConditionalCFM(nn.Module):
             rows_of += [*range(first, first + n)] * 2
             conditioned += range(2 * first, 2 * first + n)
             unconditioned += range(2 * first + n, 2 * first + 2 * n)
-        rows_of, conditioned, unconditioned = torch.tensor(
-            rows_of + conditioned + unconditioned).to(x.device).split([len(rows_of), x.shape[0], x.shape[0]])
+        rows_of, conditioned, unconditioned = host_to_device(
+            rows_of + conditioned + unconditioned, x.device).split([len(rows_of), x.shape[0], x.shape[0]])
         t_span = 1 - torch.cos(torch.linspace(0, 1, n_timesteps + 1, device=x.device, dtype=x.dtype) * 0.5 * torch.pi)
         # t accumulates dt exactly as the official solver does, not read back from t_span
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, n_timesteps + 1):
-            segments = [Segment(n, None if r.cache is None else r.cache.steps[step - 1], r.streaming, r.left_chunks)
+            segments = [RequestRows(n, None if r.cache is None else r.cache.steps[step - 1], r.streaming, r.left_chunks)
                         for r, n in zip(requests, frames)]
             v = self.estimator(x[rows_of], mu, spks, cond, t, segments)
             x = x + dt * ((1.0 + self.cfg_rate) * v[conditioned] - self.cfg_rate * v[unconditioned])

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm
 
+from voicebot.tts.cosyvoice2.sampling import host_to_device
+
 
 @dataclass
 class SourceNoise:
@@ -217,18 +219,48 @@ class HiFT(nn.Module):
         )
         self.conv_post = weight_norm(nn.Conv1d(width[-1], spec_channels, 7, padding=3))
         self.f0_predictor = F0Predictor(in_channels, f0_cond_channels, f0_num_class)
-        # scipy's periodic Hann; a plain attribute like the official one, so not in the state dict
-        self.stft_window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device="cpu").float()
+        # scipy's periodic Hann; not in the state dict (a plain attribute in the official class), a
+        # buffer here so that it moves with the module instead of being copied from the host per call;
+        # made on the CPU even when the module is built on the meta device (the loader's), as it has no key
+        self.register_buffer("stft_window", torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device="cpu").float(),
+                             persistent=False)
 
-    def _stft(self, x: Tensor) -> Tensor:  # (1, L) -> (1, n_fft+2, L/hop+1) [real | imag]
-        window = self.stft_window.to(x.device)
-        spec = torch.stft(x, self.n_fft, self.hop_len, self.n_fft, window=window, return_complex=True)
-        return torch.cat([spec.real, spec.imag], dim=1)
+    def _stft(self, sources: list[Tensor], n_frames: int) -> Tensor:
+        """Sources (1, 1, L_b) -> their STFT frames in one batch (B, n_fft+2, n_frames) [real | imag]:
+        each row reflect-padded at its own ends, as torch.stft's centring pads it alone (one gather
+        over all rows), its frames past its own L_b/hop + 1 zero."""
+        pad = self.n_fft // 2
+        lengths = [src.shape[2] for src in sources]
+        device = sources[0].device
+        flat = torch.cat([src.reshape(-1) for src in sources])
+        length = host_to_device(lengths, device)[:, None]  # (B, 1)
+        offset = host_to_device([sum(lengths[:b]) for b in range(len(lengths))], device)[:, None]
+        j = torch.arange(max(lengths) + 2 * pad, device=device)[None]
+        at = (j - pad).abs()  # reflected at the start
+        at = torch.minimum(torch.where(at >= length, 2 * (length - 1) - at, at), length - 1)  # and at the end
+        padded = flat[offset + at] * (j < length + 2 * pad)  # (B, L + n_fft), zero past a row's own
+        spec = torch.stft(padded, self.n_fft, self.hop_len, self.n_fft, window=self.stft_window, center=False,
+                          return_complex=True)
+        own = torch.arange(n_frames, device=device)[None] < length // self.hop_len + 1
+        return torch.cat([spec.real, spec.imag], dim=1) * own[:, None]
 
-    def _istft(self, magnitude: Tensor, phase: Tensor) -> Tensor:
-        magnitude = torch.clip(magnitude, max=1e2)
+    def _istft(self, x: Tensor, n_frames: list[int]) -> Tensor:
+        """conv_post's output x (B, n_fft+2, F) [log-magnitude | phase], row b's own frames its first
+        n_frames[b] -> audio (B, hop·(F-1)), row b's first hop·(n_frames[b]-1) samples as torch.istft
+        of its own frames alone: one inverse FFT and one overlap-add for all rows, each row divided
+        by the window envelope of its own frames."""
+        half, pad, hop = self.n_fft // 2 + 1, self.n_fft // 2, self.hop_len
+        rows, _, n = x.shape
+        own = (torch.arange(n, device=x.device)[None] < host_to_device(n_frames, x.device)[:, None])[:, None]
+        magnitude = torch.clip(torch.exp(x[:, :half]), max=1e2) * own
+        phase = torch.sin(x[:, half:])  # the phase channels go through sin, as in the trained model
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        return torch.istft(spec, self.n_fft, self.hop_len, self.n_fft, window=self.stft_window.to(magnitude.device))
+        frames = torch.fft.irfft(spec, n=self.n_fft, dim=1) * self.stft_window[:, None]
+        length = (n - 1) * hop + self.n_fft
+        fold = dict(output_size=(1, length), kernel_size=(1, self.n_fft), stride=(1, hop))
+        audio = F.fold(frames, **fold).reshape(rows, length)
+        envelope = F.fold((self.stft_window**2)[None, :, None] * own, **fold).reshape(rows, length)
+        return (audio / envelope.clamp_min(1e-11))[:, pad : pad + hop * (n - 1)]
 
     def decode(self, mel: Tensor, source: Tensor) -> Tensor:
         """mel (1, 80, T), source (1, 1, 480T) -> waveform (1, 480T)."""
@@ -238,13 +270,12 @@ class HiFT(nn.Module):
         """`decode` of several (mel, source) pairs of any lengths in one batch; each result
         equals its own call. Rows are zero-padded to the longest, and every convolution's input is
         zeroed past a row's end, which is what the convolution's own zero padding gives
-        it alone; the STFT and iSTFT (reflect-padded, window-normalised) run per row."""
+        it alone; the STFT and iSTFT run batched, each row padded and window-normalised at its own
+        ends as alone."""
         lengths = [m.shape[2] for m in mels]
         longest = max(lengths)
         mel = torch.cat([F.pad(m, (0, longest - m.shape[2])) for m in mels])  # (B, 80, T)
-        n_stft = longest * self.samples_per_frame // self.hop_len + 1  # frames of the longest source
-        specs = (self._stft(src.squeeze(1)) for src in sources)  # per row: its own reflect padding
-        s = torch.cat([F.pad(spec, (0, n_stft - spec.shape[2])) for spec in specs])  # (B, n_fft+2, n_stft)
+        s = self._stft(sources, longest * self.samples_per_frame // self.hop_len + 1)  # (B, n_fft+2, n_stft)
         rate = 1
         x = self.conv_pre(mel)
         for i, up in enumerate(self.ups):
@@ -259,14 +290,8 @@ class HiFT(nn.Module):
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
             x = sum(block(x, stage_lengths) for block in blocks) / self.num_kernels
         x = self.conv_post(_zero_padding(F.leaky_relu(x), stage_lengths))  # default slope 0.01 here
-        half = self.n_fft // 2 + 1
-        wavs = []
-        for row, n in zip(x, lengths):
-            row = row[None, :, : n * rate + 1]
-            # the phase channels go through sin before the iSTFT, as in the trained model
-            wav = self._istft(torch.exp(row[:, :half]), torch.sin(row[:, half:]))
-            wavs.append(torch.clamp(wav, -self.audio_limit, self.audio_limit))
-        return wavs
+        audio = torch.clamp(self._istft(x, [n * rate + 1 for n in lengths]), -self.audio_limit, self.audio_limit)
+        return [audio[b : b + 1, : n * self.samples_per_frame] for b, n in enumerate(lengths)]
 
     def excitation(
         self, mel: Tensor, cache_source: Tensor | None = None, noise: SourceNoise | None = None,

@@ -3,7 +3,7 @@
 The Qwen2 part is written out here (gpt-fast style) instead of using transformers: the KV cache is
 one preallocated pool with a slot (row) per request, written at explicit positions, so a decode step
 always has the same shapes (one token per row against the cache, masked per row) and rows of
-different lengths decode in one batch, joining and leaving between steps (voicebot/serving/lm_pool.py),
+different lengths decode in one batch, joining and leaving between steps (lm_pool.py),
 or as a CUDA graph. The Qwen text lm_head is never built: CosyVoice reads hidden states through its
 own `llm_decoder`.
 

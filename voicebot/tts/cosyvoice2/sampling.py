@@ -41,6 +41,8 @@ def host_to_device(values: Sequence, device: torch.device, dtype: torch.dtype = 
     pinned memory and a non-blocking copy (a plain torch.tensor(..., device=cuda) synchronises the
     stream); elsewhere the tensor itself."""
     t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

@@ -10,7 +10,7 @@ All model work runs on the device's `Scheduler` thread (voicebot/serving/schedul
 utterance holds a slot of the pooled LM cache for its life, the decode steps of every speaking
 session run as one batch, and the flow/HiFT chunks their tokens complete run earliest deadline
 first, the chunks of several sessions in one flow call and one HiFT call (Token2Wav.render).
-`Utterance.chunks` is the step loop: tokens up to the next chunk boundary, then that chunk's audio,
+`SpeechJob.chunks` is the step loop: tokens up to the next chunk boundary, then that chunk's audio,
 so each session's generator is drawn in one fixed order whoever else is speaking, and a cancelled
 reply leaves the batch at the next step.
 
@@ -38,15 +38,16 @@ import torch
 from voicebot.config import Cosyvoice2Config
 from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.metrics import register_voice_refreshes
-from voicebot.serving.lm_pool import LMPool, LMRow
-from voicebot.serving.scheduler import Scheduler
-from voicebot.serving.worker import Worker
 from voicebot.serving.metrics import register_scheduler_metrics
+from voicebot.serving.scheduler import Rendering, Scheduler
+from voicebot.serving.worker import Worker
 from voicebot.tts.base import SAMPLE_RATE, SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
 from voicebot.tts.segmenter import CLAUSE_MARKS, SentenceSegmenter
 from voicebot.tts.cosyvoice2.bistream import Bistream
+from voicebot.tts.cosyvoice2.flow import FlowCache
 from voicebot.tts.cosyvoice2.frontend import Frontend, language, only_punctuation
 from voicebot.tts.cosyvoice2.lm import PromptPrefix, prompt_prefix, unistream
+from voicebot.tts.cosyvoice2.lm_pool import LMPool, LMRow
 from voicebot.tts.cosyvoice2.loader import CosyVoice2Modules, load_cosyvoice2, resolve_device, resolve_dtype, resolve_model_dir
 from voicebot.tts.cosyvoice2.quant import quantize_lm
 from voicebot.tts.cosyvoice2.sampling import RasSampler
@@ -72,6 +73,7 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.scheduler: Scheduler | None = None
+        self._render_stream: torch.cuda.Stream | None = None  # CUDA: renders run there, beside the LM
         self.library: VoiceLibrary | None = None
         self.contexts: set[CosyVoice2Context] = set()
         self.model_dir: Path | None = None
@@ -112,9 +114,8 @@ class CosyVoice2Synthesizer(Synthesizer):
         self._warm_flow_prompt_state(library[self.default_voice])
         pool = LMPool(self.lm, self.config.batch_slots, self.config.kv_cache_tokens, self.config.prefill_chunk_tokens,
                       graphs=self.device.type == "cuda" and self.config.cuda_graphs)
-        batch = self.config.batching
-        self.scheduler = Scheduler(f"cosyvoice2-{self.device}", pool, self._render, max_batch=None if batch else 1,
-                                   max_render_batch=self.config.render_batch if batch else 1,
+        self.scheduler = Scheduler(f"cosyvoice2-{self.device}", pool, self._render,
+                                   max_render_batch=self.config.render_batch,
                                    sample_rate=SAMPLE_RATE, tokens_per_s=self.hparams["token_frame_rate"])
         self.scheduler.calibrate(render_probe=functools.partial(self._probe_chunks, library[self.default_voice]))
         self.scheduler.start()
@@ -131,8 +132,14 @@ class CosyVoice2Synthesizer(Synthesizer):
         stream.add([0] * stream.tokens_for_next_chunk)
         return [stream.next_chunk()]
 
-    def _render(self, chunks: list[ChunkRequest]) -> list[np.ndarray]:
-        return [audio.reshape(-1).float().cpu().numpy() for audio in self.token2wav.render(chunks)]
+    def _render(self, chunks: list[ChunkRequest]) -> list[np.ndarray] | Rendering:
+        """The chunks' audio; on CUDA, launched on the render stream and handed back running (the
+        scheduler steps the LM meanwhile: Token2Wav.launch)."""
+        if self.device.type != "cuda":
+            return [audio.reshape(-1).float().numpy() for audio in self.token2wav.render(chunks)]
+        if self._render_stream is None:
+            self._render_stream = torch.cuda.Stream(self.device)
+        return self.token2wav.launch(chunks, self._render_stream)
 
     def voices(self) -> list[VoiceInfo]:
         return self.library.list() if self.library else []
@@ -240,18 +247,16 @@ class CosyVoice2Synthesizer(Synthesizer):
         finally:
             del self._refreshing[name]
 
-    def _derive_voice(self, name: str) -> tuple[Voice, PromptPrefix | None, object | None]:
+    def _derive_voice(self, name: str) -> tuple[Voice, PromptPrefix | None, FlowCache]:
         """On the voices thread: everything a voice's replies read, computed from its source. The
         models' weights are only read, so this runs beside the scheduler's steps."""
         torch.set_num_threads(1)  # this thread's own intra-op pool: the scheduler's cores stay its
         voice = self.library.derive(name)
         prefix = prompt_prefix(self.lm, voice.prompt_text) if self.config.text_input == "sentences" else None
         prompt = flow_prompt(voice, self.device, self.dtype)
-        flow_state = None if self.token2wav.mode == "recompute" else self.token2wav.flow.prompt_cache(
-            prompt.token, prompt.feat, prompt.embedding)
-        return voice, prefix, flow_state
+        return voice, prefix, self.token2wav.new_prompt_state(prompt)
 
-    def _swap_voice(self, voice: Voice, prefix: PromptPrefix | None, flow_state: object | None) -> int:
+    def _swap_voice(self, voice: Voice, prefix: PromptPrefix | None, flow_state: FlowCache) -> int:
         """On the scheduler thread, between steps: the derived state replaces the old at once."""
         old = self.library[voice.name]
         freed = old.nbytes()
@@ -261,23 +266,14 @@ class CosyVoice2Synthesizer(Synthesizer):
             freed += stale_prefix[1].nbytes()
         if prefix is not None:
             self._lm_prefixes[voice.name] = (voice, prefix)
-        if flow_state is not None:
-            key = flow_prompt(voice, self.device, self.dtype).key()
-            stale = self.token2wav.prompt_state_bytes().get(key, 0)
-            # Token2Wav has no public "put" (token2wav.py is not this module's): its LRU of prompt
-            # states is written as Token2Wav.prompt_state writes it.
-            states = self.token2wav._prompt_states
-            states[key] = flow_state
-            states.move_to_end(key)
-            while len(states) > self.token2wav.max_prompt_states:
-                states.popitem(last=False)
-            freed += stale
+        prompt = flow_prompt(voice, self.device, self.dtype)
+        freed += self.token2wav.prompt_state_bytes().get(prompt.key(), 0)
+        self.token2wav.put_prompt_state(prompt, flow_state)
         return freed
 
     def _warm_flow_prompt_state(self, voice: Voice) -> None:
-        if self.token2wav.mode != "recompute":
-            # The flow's prompt state takes seconds on CPU: pay it now, not in the next reply.
-            self.token2wav.prompt_state(flow_prompt(voice, self.device, self.dtype))
+        # The flow's prompt state takes seconds on CPU: pay it now, not in the next reply.
+        self.token2wav.prompt_state(flow_prompt(voice, self.device, self.dtype))
 
 
 class WordFeed:
@@ -352,7 +348,7 @@ class PlaybackClock:
         self.until = max(self.until, time.monotonic()) + samples / SAMPLE_RATE
 
 
-class Utterance:
+class SpeechJob:
     """One utterance in flight: its LM row (a slot of the pool, fed by one program after another)
     and the Token2WavStream its tokens render through.
 
@@ -425,7 +421,7 @@ class CosyVoice2Context(SentenceSynthesisContext):
             finally:
                 job.close()
 
-    async def open_utterance(self, voice: Voice, start) -> Utterance:
+    async def open_utterance(self, voice: Voice, start) -> SpeechJob:
         """An LM slot (the voice's prompt prefix in it, in sentences mode) and what
         `start(row, prefix)` makes of it on the scheduler thread (its token stream, and the text
         side of a bistream utterance); the caller must close() it."""
@@ -439,7 +435,7 @@ class CosyVoice2Context(SentenceSynthesisContext):
         except BaseException:
             scheduler.release(row)
             raise
-        return Utterance(scheduler, row, stream, self.clock, bistream)
+        return SpeechJob(scheduler, row, stream, self.clock, bistream)
 
     def _unistream(self, voice: Voice, ids: list[int], row: LMRow, prefix: PromptPrefix) -> tuple[Token2WavStream, None]:
         engine = self.engine
@@ -506,7 +502,7 @@ class CosyVoice2BistreamContext(CosyVoice2Context):
         engine = self.engine
         voice = engine.library[self.voice]
         self.clock.reply_started()
-        job: Utterance | None = None
+        job: SpeechJob | None = None
         state: _BistreamState | None = None
         segment = -1
         feed = WordFeed()
@@ -540,7 +536,7 @@ class CosyVoice2BistreamContext(CosyVoice2Context):
         stream = engine.token2wav.stream(flow_prompt(voice, engine.device, engine.dtype), generator=self.generator)
         return stream, _BistreamState(engine, row, voice)
 
-    async def _end(self, job: Utterance, state: _BistreamState, segment: int) -> AsyncIterator[SpeechChunk]:
+    async def _end(self, job: SpeechJob, state: _BistreamState, segment: int) -> AsyncIterator[SpeechChunk]:
         await self.engine.scheduler.call(state.end_text, self.clock.deadline())
         async for piece in job.chunks(finish=True):
             yield SpeechChunk(piece, state.text, segment)

@@ -62,8 +62,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from voicebot.serving.scheduler import Rendering
 from voicebot.tts.cosyvoice2.flow import Flow, FlowCache, FlowRequest
 from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFT, HiFTStream, SourceNoise
+from voicebot.tts.cosyvoice2.sampling import host_to_device
 
 
 @dataclass(frozen=True)
@@ -120,19 +122,25 @@ class Token2Wav:
 
     def prompt_state(self, prompt: FlowPrompt) -> FlowCache:
         """The voice's cached flow prompt state, computed on first use. Requests `fork` it."""
-        key = prompt.key()
-        state = self._prompt_states.get(key)
+        state = self._prompt_states.get(prompt.key())
         if state is None:
-            state = self.flow.prompt_cache(prompt.token, prompt.feat, prompt.embedding, self.flow_left_chunks)
-            self._prompt_states[key] = state
-            while len(self._prompt_states) > self.max_prompt_states:
-                self._prompt_states.popitem(last=False)
-        self._prompt_states.move_to_end(key)
+            state = self.new_prompt_state(prompt)
+        self.put_prompt_state(prompt, state)
         return state
 
-    def evict_prompt_state(self, prompt: FlowPrompt) -> None:
-        """Forget a voice's prompt state, so the next use recomputes it (the periodic reset)."""
-        self._prompt_states.pop(prompt.key(), None)
+    def new_prompt_state(self, prompt: FlowPrompt) -> FlowCache:
+        """The voice's flow prompt state, computed and not cached: another thread may make it while
+        this one renders (the weights are only read), then `put_prompt_state` it between renders."""
+        return self.flow.prompt_cache(prompt.token, prompt.feat, prompt.embedding, self.flow_left_chunks)
+
+    def put_prompt_state(self, prompt: FlowPrompt, state: FlowCache) -> None:
+        """Cache `state` as the voice's, the most recently used; the least recently used past
+        max_prompt_states are dropped."""
+        key = prompt.key()
+        self._prompt_states[key] = state
+        self._prompt_states.move_to_end(key)
+        while len(self._prompt_states) > self.max_prompt_states:
+            self._prompt_states.popitem(last=False)
 
     def prompt_state_bytes(self) -> dict[str, int]:
         """Bytes held per cached voice prompt state (keyed by prompt content hash)."""
@@ -155,6 +163,27 @@ class Token2Wav:
         decoded = iter(self.hift.decode_batch([j.mel for j in ready], [j.source for j in ready]) if ready else ())
         return [torch.zeros(1, 0) if job is None else r.stream.vocoder.complete(job, next(decoded))
                 for r, job in zip(requests, jobs)]
+
+    def launch(self, requests: list[ChunkRequest], side: torch.cuda.Stream) -> Rendering:
+        """`render` launched on the CUDA stream `side` and handed back still running: the caller
+        steps the LM on its own stream meanwhile (they share no tensor; `side` first waits for
+        what the caller's stream was given, such as the tokens). The audio comes back through
+        pinned memory. Its device tensors may be freed at once: the caching allocator reuses their
+        memory only for later work on `side`."""
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        with torch.cuda.stream(side):
+            audio = [a.reshape(-1).float() for a in self.render(requests)]
+            host = [torch.empty(a.shape, dtype=torch.float32, pin_memory=True) for a in audio]
+            for h, a in zip(host, audio, strict=True):
+                h.copy_(a, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+
+        def audio_when_done() -> list[np.ndarray]:
+            done.synchronize()
+            return [h.numpy() for h in host]
+
+        return Rendering(ready=done.query, audio=audio_when_done)
 
     @torch.inference_mode()
     def full(
@@ -203,7 +232,8 @@ class ChunkVocoder:
         self.hift, self.zero_noise, self.generator = hift, zero_noise, generator
         self.mel_cache_frames = schedule.mel_cache_frames
         self.overlap = schedule.mel_cache_frames * hift.samples_per_frame  # 3840 samples
-        self.window = torch.from_numpy(np.hamming(2 * self.overlap))  # float64, as the official blend
+        # float64, as the official blend; on the vocoder's device from the start (no copy per chunk)
+        self.window = host_to_device(np.hamming(2 * self.overlap).tolist(), hift.conv_pre.bias.device, torch.float64)
         self.mel_cache: Tensor | None = None  # (1, 80, 8) last mel frames of the previous HiFT input
         self.source_cache: Tensor | None = None  # (1, 1, 3840) source tail of the previous chunk
         self.speech_tail: Tensor | None = None  # (1, 3840) held back for the cross-fade
@@ -219,7 +249,7 @@ class ChunkVocoder:
 
     def complete(self, job: DecodeJob, speech: Tensor) -> Tensor:
         if self.speech_tail is not None:
-            n, w = self.overlap, self.window.to(speech.device)
+            n, w = self.overlap, self.window
             head = speech[:, :n] * w[:n] + self.speech_tail * w[n:]  # float64, then back, like the official code
             speech = torch.cat([head.to(speech.dtype), speech[:, n:]], dim=1)
         if job.final:
@@ -310,7 +340,8 @@ class Token2WavStream:
 
     def _flow_request(self, request: ChunkRequest) -> FlowRequest:
         p = self.prompt
-        token = torch.tensor(self.tokens[: request.n_tokens], dtype=torch.int32, device=p.token.device)[None]
+        # pinned and non-blocking on CUDA: a pageable copy would make the host wait for the device
+        token = host_to_device(self.tokens[: request.n_tokens], p.token.device, torch.int32)[None]
         window = self.t2w.flow_left_chunks
         if self._cached(request):  # chunk-causal, new frames only
             return FlowRequest(token, p.token, p.feat, p.embedding, True, request.finalize, self.flow_cache, window)

@@ -2,7 +2,8 @@
 
 The pool is gpt-fast's `setup_caches(max_batch, max_seq)`: one KVCache of `slots` rows, allocated at
 start-up; a request (`LMRow`) holds one slot for its whole utterance and is fed by a program
-(voicebot/tts/cosyvoice2/lm.py: a generator of `Step`s). Rows join and leave between steps:
+(lm.py: a generator of `Step`s). Rows join and leave between steps. It is the `DecodePool` the
+device's scheduler steps (voicebot/serving/scheduler.py):
 
 - `decode(rows)` runs every row whose next step is one token in one batched forward (each row at its
   own position, in its own slot, masked per row), samples all of them in one call, and advances
@@ -29,8 +30,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from voicebot.serving.scheduler import PoolFull
 from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, PromptPrefix, Program, Step, choose, keys_to_attend, load_prefix
-from voicebot.tts.cosyvoice2.sampling import Sampler, host_to_device
+from voicebot.tts.cosyvoice2.sampling import Sampler, greedy, host_to_device
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
 
@@ -41,10 +43,6 @@ def decode_bucket(n_rows: int, buckets: tuple[int, ...] = DECODE_BUCKETS) -> int
     if n_rows < 1 or i == len(buckets):
         raise ValueError(f"{n_rows} rows: a decode batch holds 1 to {buckets[-1]}")
     return buckets[i]
-
-
-class PoolFull(RuntimeError):
-    pass
 
 
 @dataclass(eq=False)
@@ -99,6 +97,25 @@ class LMPool:
 
     def nbytes(self) -> int:
         return self.cache.nbytes()
+
+    def step_sizes(self, top: int) -> list[int]:
+        """The batch sizes up to `top` a decode step can take a CUDA graph for (its buckets, `top`;
+        powers of two beyond the buckets): what calibration times and captures."""
+        return sorted({*(b for b in DECODE_BUCKETS if b < top), *(2**i for i in range(top.bit_length())), top})
+
+    def open_idle(self, steps: int, context: int) -> LMRow:
+        """A row fed `steps` throwaway one-position steps at about `context` positions in (calibration)."""
+        w = self.lm.llm_decoder.weight
+        x = torch.zeros(1, 1, w.shape[1], device=w.device, dtype=w.dtype)
+        start = max(0, min(context, self.max_seq_len - steps - 2))
+        row = self.open(greedy)
+        self.start(row, (Step(x, start + i, ()) for i in range(steps)))
+        return row
+
+    def synchronize(self) -> None:
+        """Wait until the device has done what it was given (timing a step)."""
+        if self.lm.llm_decoder.weight.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def open(self, sampler: Sampler, prefix: PromptPrefix | None = None) -> LMRow:
         """A slot for a new request, its prompt prefix copied in when given."""

@@ -1,4 +1,4 @@
-"""The LM pool (voicebot/serving/lm_pool.py) on a tiny random-weight CosyVoice 2 LM: rows at different
+"""The LM pool (voicebot/tts/cosyvoice2/lm_pool.py) on a tiny random-weight CosyVoice 2 LM: rows at different
 lengths joining and leaving between steps, chunked prefill, the bucketed (CUDA graph) step on CPU."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from voicebot.serving.lm_pool import DECODE_BUCKETS, LMPool, PoolFull, decode_bucket
+from voicebot.serving.scheduler import PoolFull
 from voicebot.tts.cosyvoice2.bistream import Bistream
 from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Linear, Qwen2Config, generate, run_alone, unistream
+from voicebot.tts.cosyvoice2.lm_pool import DECODE_BUCKETS, LMPool, decode_bucket
 from voicebot.tts.cosyvoice2.sampling import RasSampler
 
 SPEECH = 64
