@@ -9,7 +9,8 @@ import sys
 
 import uvicorn
 
-from voicebot.config import DEFAULT_CONFIG, ConfigError, load_settings
+from voicebot.config import ConfigError, load_settings
+from voicebot.config.base import DEFAULT_CONFIG
 from voicebot.frontends.handshake import with_deadline
 from voicebot.protocol import MAX_MESSAGE_BYTES
 

@@ -27,7 +27,7 @@ from voicebot.asr.base import SAMPLE_RATE, Hypothesis  # noqa: E402
 from voicebot.asr.funasr_model import FunasrModel, state_bytes  # noqa: E402
 from voicebot.asr.paraformer import ParaformerRecognizer  # noqa: E402
 from voicebot.asr.router import Router  # noqa: E402
-from voicebot.config import DialectFallbackConfig, ParaformerConfig  # noqa: E402
+from voicebot.config.engines import DialectFallbackConfig, ParaformerConfig  # noqa: E402
 from voicebot.models import is_complete  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "bench-output"

@@ -34,7 +34,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
-from voicebot.config import REPO_ROOT, Cosyvoice2Config
+from voicebot.config.base import REPO_ROOT
+from voicebot.config.engines import Cosyvoice2Config
 from voicebot.tts.cosyvoice2.lm_pool import LMPool
 from voicebot.serving.scheduler import Scheduler
 from voicebot.tts.cosyvoice2.synthesizer import PlaybackClock, SpeechJob, flow_prompt

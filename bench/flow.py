@@ -41,7 +41,7 @@ import torch
 
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from bench.cosyvoice2 import FIXTURES, OFFICIAL_CPU, cpu_model, released_hparams
-from voicebot.config import REPO_ROOT
+from voicebot.config.base import REPO_ROOT
 from voicebot.tts.cosyvoice2 import estimator as packed
 from voicebot.tts.cosyvoice2.flow import FlowRequest, build_flow
 from voicebot.tts.cosyvoice2.hift import HiFTStream, SourceNoise, build_hift

@@ -25,7 +25,7 @@ import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py
 from tests.turn_set import SAMPLE_RATE, TURNS, render_all  # noqa: E402
 from voicebot.audio.endpoint import Endpointer, EventKind  # noqa: E402
 from voicebot.audio.gate import NoiseGate  # noqa: E402
-from voicebot.config import EndpointConfig, GateConfig  # noqa: E402
+from voicebot.config.stages import EndpointConfig, GateConfig  # noqa: E402
 
 NOISE_DBFS = (None, -60, -50)
 

@@ -33,7 +33,7 @@ import torch
 
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from bench.cosyvoice2 import FIXTURES, released_hparams
-from voicebot.config import REPO_ROOT
+from voicebot.config.base import REPO_ROOT
 from voicebot.tts.cosyvoice2.lm_pool import DECODE_BUCKETS, LMPool
 from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.hift import build_hift

@@ -27,7 +27,7 @@ from voicebot.audio.endpoint import WINDOW, Endpointer  # noqa: E402
 from voicebot.audio.framing import Framer  # noqa: E402
 from voicebot.audio.gate import NoiseGate  # noqa: E402
 from voicebot.audio.resample import StreamResampler, float_to_pcm16, pcm16_to_float  # noqa: E402
-from voicebot.config import EndpointConfig, GateConfig  # noqa: E402
+from voicebot.config.stages import EndpointConfig, GateConfig  # noqa: E402
 from voicebot.serving.silero import SileroVad, silero_step  # noqa: E402
 from voicebot.serving.vad import VadBatcher  # noqa: E402
 

@@ -32,7 +32,7 @@ import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py
 from tests.audio import espeak_speech  # noqa: E402
 from voicebot.audio import loudness  # noqa: E402
 from voicebot.audio.rates import SPEAK_RATE  # noqa: E402
-from voicebot.config import OutputConfig  # noqa: E402
+from voicebot.config.stages import OutputConfig  # noqa: E402
 
 LINE = "please tell me a joke about the weather and what time does the show start tomorrow"
 SETTINGS = [(-23.0, -1.0), (-18.0, -1.5), (-16.0, -1.0), (-14.0, -1.5), (-14.0, -1.0)]

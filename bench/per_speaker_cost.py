@@ -23,7 +23,7 @@ import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py
 from tests.turn_set import TURNS, render  # noqa: E402
 from voicebot.audio.gate import NoiseGate  # noqa: E402
 from voicebot.audio.turn import SmartTurn  # noqa: E402
-from voicebot.config import GateConfig  # noqa: E402
+from voicebot.config.stages import GateConfig  # noqa: E402
 
 RATE = 16000
 CHUNK = RATE // 50  # 20 ms

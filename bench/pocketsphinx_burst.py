@@ -33,7 +33,7 @@ import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py
 from tests.audio import espeak_speech  # noqa: E402
 from tests.conftest import TEST_PHRASES  # noqa: E402
 from voicebot.asr.pocketsphinx import PocketsphinxRecognizer  # noqa: E402
-from voicebot.config import PocketsphinxConfig  # noqa: E402
+from voicebot.config.engines import PocketsphinxConfig  # noqa: E402
 from voicebot.memory import freeze_startup_heap  # noqa: E402
 
 CHUNK = 640  # 40 ms at 16 kHz, as the server feeds it

@@ -48,7 +48,8 @@ import torch
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 from bench.cosyvoice2 import FIXTURES, released_hparams
 from tests.conftest import make_settings, running_server
-from voicebot.config import REPO_ROOT, Cosyvoice2Config
+from voicebot.config.base import REPO_ROOT
+from voicebot.config.engines import Cosyvoice2Config
 from voicebot.tts.cosyvoice2.lm_pool import LMPool
 from voicebot.tts.base import SAMPLE_RATE
 from voicebot.tts.cosyvoice2.synthesizer import CosyVoice2Synthesizer

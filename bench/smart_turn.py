@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.turn_set import SAMPLE_RATE, TURNS, VOICES, render_all, turn_set  # noqa: E402
 from voicebot.audio.turn import WINDOW_SAMPLES, SmartTurn, last_window, model_path, with_silence  # noqa: E402
-from voicebot.config import EndpointConfig  # noqa: E402
+from voicebot.config.stages import EndpointConfig  # noqa: E402
 
 HANGOVER_MS = 32  # bench/turn_offline.py's default: the endpointer's median lag (12 ms) and half a 40 ms chunk
 SILENCES_MS = (0, 32, 64, 96, 128, 160)

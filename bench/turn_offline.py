@@ -58,7 +58,7 @@ from tests.turn_set import SAMPLE_RATE, VOICES, RenderedTurn, render_all, turn_s
 from voicebot.audio import endpoint  # noqa: E402
 from voicebot.audio.turn import Action, SmartTurn, TurnPolicy  # noqa: E402
 from voicebot.audio.turn_words import unpunctuated  # noqa: E402
-from voicebot.config import EndpointConfig  # noqa: E402
+from voicebot.config.stages import EndpointConfig  # noqa: E402
 from voicebot.serving.silero import SileroVad  # noqa: E402
 
 WINDOW_MS = 32

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from voicebot.audio.resample import StreamResampler
-from voicebot.config import REPO_ROOT
+from voicebot.config.base import REPO_ROOT
 
 # A directory for synthesized speech shared by the processes of one test run (tests/conftest.py
 # makes one per run; pytest-xdist's workers inherit it), so each sentence is synthesized once.

@@ -247,7 +247,7 @@ def start_server_process(config_dir, server: dict, stdout: int | None = None):
 
     import yaml
 
-    from voicebot.config import REPO_ROOT
+    from voicebot.config.base import REPO_ROOT
 
     port = free_port()
     config = config_dir / "server.yaml"

@@ -394,7 +394,7 @@ def test_required_token_by_network_and_route():
     from types import SimpleNamespace
 
     from voicebot.auth import required_token
-    from voicebot.config import ServerConfig
+    from voicebot.config.server import ServerConfig
 
     server = ServerConfig(token=TOKEN, funasr_tokenless_networks=["10.0.0.0/8", "2001:db8::/32"])
 

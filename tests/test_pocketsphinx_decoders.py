@@ -16,7 +16,7 @@ from tests.conftest import TEST_PHRASES
 from voicebot.asr import pocketsphinx_decoders
 from voicebot.asr.pocketsphinx import PocketsphinxRecognizer
 from voicebot.asr.pocketsphinx_decoders import Decoders
-from voicebot.config import PocketsphinxConfig
+from voicebot.config.engines import PocketsphinxConfig
 
 
 @pytest.fixture(scope="module")

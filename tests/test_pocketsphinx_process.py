@@ -20,7 +20,7 @@ from voicebot.asr import pocketsphinx_process
 from voicebot.asr.pocketsphinx import PocketsphinxRecognizer
 from voicebot.asr.pocketsphinx_process import (ANSWER_FLOOR_S, ANSWER_S_PER_AUDIO_S, MAX_BATCH_BYTES, MAX_FEED_BYTES,
                                                DecoderProcess, DecoderProcessLost)
-from voicebot.config import PocketsphinxConfig
+from voicebot.config.engines import PocketsphinxConfig
 
 
 def utterance(phrase: str) -> np.ndarray:
@@ -227,7 +227,7 @@ def test_the_child_imports_nothing_of_the_server():
 
 def test_the_children_of_a_server_killed_outright_exit():
     """No orphan: a child reads the end of its pipe when the server's side closes, however it ends."""
-    code = ("from voicebot.asr.pocketsphinx import PocketsphinxRecognizer; from voicebot.config import PocketsphinxConfig; "
+    code = ("from voicebot.asr.pocketsphinx import PocketsphinxRecognizer; from voicebot.config.engines import PocketsphinxConfig; "
             "e = PocketsphinxRecognizer(PocketsphinxConfig(phrases=['hello there'], processes=2)); e.load(); "
             "print(*[p.pid for p in e.processes], flush=True); import time; time.sleep(60)")
     server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -17,7 +17,8 @@ import websockets
 
 from tests.conftest import make_settings, running_server
 from voicebot import auth
-from voicebot.config import ConfigError, ServerConfig
+from voicebot.config import ConfigError
+from voicebot.config.server import ServerConfig
 from voicebot.protocol import CloseCode, ErrorCode
 
 

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from voicebot.config import REPO_ROOT
+from voicebot.config.base import REPO_ROOT
 
 
 def test_short_soak():

@@ -34,7 +34,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from voicebot import protocol
-from voicebot.config import ConfigError, ServerConfig
+from voicebot.config import ConfigError
+from voicebot.config.server import ServerConfig
 from voicebot.metrics import Metrics
 from voicebot.protocol import CloseCode, ErrorCode
 

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from voicebot.config import ServerConfig
+from voicebot.config.server import ServerConfig
 
 _HOLDS_SESSION = "voicebot.holds_session"  # scope key: this connection counts as a session of its address
 

@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from tests.conftest import make_settings, running_server  # noqa: E402
 from tests.deploy.test_prometheus import DASHBOARD, JOB, as_prometheus_sees_it, prometheus_scraping, scripted_load, wait_for  # noqa: E402
-from voicebot.config import REPO_ROOT  # noqa: E402
+from voicebot.config.base import REPO_ROOT  # noqa: E402
 
 ROUNDS = 4  # of the scripted load
 WINDOW = "20s"  # $__rate_interval for 1 s scrapes over a short run

@@ -89,7 +89,7 @@ def tiny_models(tmp_path_factory, socket_guard) -> dict[str, Path]:
 def recognizer(tiny_models):
     """The streaming tiny model through the real recognizer, one per test module."""
     from voicebot.asr.paraformer import ParaformerRecognizer
-    from voicebot.config import ParaformerConfig
+    from voicebot.config.engines import ParaformerConfig
 
     rec = ParaformerRecognizer(ParaformerConfig(model=str(tiny_models["streaming"])))
     rec.load()

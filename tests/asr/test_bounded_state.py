@@ -9,7 +9,8 @@ import numpy as np
 from tests.asr.tiny_models import synthetic_speech
 from voicebot.asr.funasr_model import state_bytes
 from voicebot.asr.paraformer import ParaformerRecognizer
-from voicebot.config import DialectFallbackConfig, EndpointConfig, ParaformerConfig
+from voicebot.config.engines import DialectFallbackConfig, ParaformerConfig
+from voicebot.config.stages import EndpointConfig
 
 PIECE = 1600  # 100 ms, a typical WebSocket frame
 CHUNKS = 2000  # 200 s of audio

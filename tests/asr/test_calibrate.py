@@ -10,7 +10,7 @@ import yaml
 
 from tests.asr.tiny_models import synthetic_speech
 from voicebot.asr.funasr_model import FunasrModel
-from voicebot.config import REPO_ROOT
+from voicebot.config.base import REPO_ROOT
 
 
 def test_calibration_finds_the_threshold_that_helps(tiny_models, tmp_path, capsys, monkeypatch):

@@ -12,7 +12,7 @@ from tests.asr.tiny_models import synthetic_speech
 from voicebot.asr.paraformer import ParaformerRecognizer
 from voicebot.audio.endpoint import EventKind
 from voicebot.audio.resample import float_to_pcm16
-from voicebot.config import ParaformerConfig
+from voicebot.config.engines import ParaformerConfig
 from voicebot.frontends.funasr_protocol import FunasrSession
 from voicebot.metrics import Metrics
 

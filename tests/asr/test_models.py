@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from voicebot import models
-from voicebot.config import REPO_ROOT, load_settings
+from voicebot.config import load_settings
+from voicebot.config.base import REPO_ROOT
 
 
 def write_config(path: Path, paraformer: dict) -> Path:

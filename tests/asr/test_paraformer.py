@@ -12,7 +12,7 @@ import yaml
 from tests.asr.tiny_models import synthetic_speech
 from voicebot.asr.funasr_model import CheckpointMismatch, FunasrModel
 from voicebot.asr.paraformer import ParaformerRecognizer
-from voicebot.config import ParaformerConfig
+from voicebot.config.engines import ParaformerConfig
 from voicebot.models import ModelNotAvailable
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.asr.tiny_models import synthetic_speech
 from voicebot.asr.paraformer import ParaformerRecognizer
-from voicebot.config import DialectFallbackConfig, ParaformerConfig
+from voicebot.config.engines import DialectFallbackConfig, ParaformerConfig
 
 AUDIO = synthetic_speech(3.0, seed=21)
 

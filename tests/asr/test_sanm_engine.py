@@ -13,7 +13,7 @@ from tests.asr.tiny_models import synthetic_speech
 from tests.conftest import VoiceClient, make_settings, running_server, speech_pcm
 from voicebot.asr.paraformer import BatchedParaformerRecognizer, ParaformerRecognizer
 from voicebot.asr.sanm.engine import BatchedStreamingModel
-from voicebot.config import ParaformerConfig
+from voicebot.config.engines import ParaformerConfig
 
 
 async def _session(recognizer, audio: np.ndarray, piece: int) -> tuple[list[str], object]:

@@ -15,7 +15,7 @@ import httpx
 import yaml
 
 from tests.conftest import TEST_PHRASES, free_port
-from voicebot.config import REPO_ROOT
+from voicebot.config.base import REPO_ROOT
 
 
 def need(tool: str) -> str:

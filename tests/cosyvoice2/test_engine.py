@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from golden_bounds import SPEECH, assert_close_to_peak
 from tiny_frontend import make_model_dir
-from voicebot.config import Cosyvoice2Config
+from voicebot.config.engines import Cosyvoice2Config
 from voicebot.tts.base import SAMPLE_RATE
 from voicebot.serving import scheduler as scheduler_mod
 from voicebot.tts.cosyvoice2 import synthesizer as synthesizer_mod

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from golden_bounds import MEL, SPEECH, assert_close_to_peak, max_error_to_peak
-from voicebot.config import REPO_ROOT
+from voicebot.config.base import REPO_ROOT
 from voicebot.tts.cosyvoice2.flow import FlowRequest
 from voicebot.tts.cosyvoice2.hift import SourceNoise
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav

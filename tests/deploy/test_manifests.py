@@ -13,7 +13,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from voicebot.config import REPO_ROOT, load_settings
+from voicebot.config import load_settings
+from voicebot.config.base import REPO_ROOT
 from voicebot.metrics import Metrics
 
 DEPLOY = REPO_ROOT / "deploy"

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tests.reply.sse_server import Behaviour, SSEServer
-from voicebot.config import OpenAICompatConfig, PersonaConfig
+from voicebot.config.engines import OpenAICompatConfig, PersonaConfig
 from voicebot.reply.base import ResponderError
 from voicebot.reply.openai_compat import OpenAICompatResponder, chat_messages
 from voicebot.reply.persona import Personas

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from voicebot.config import REPO_ROOT
+from voicebot.config.base import REPO_ROOT
 
 
 def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):

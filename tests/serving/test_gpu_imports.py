@@ -20,7 +20,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from voicebot.config import REPO_ROOT
+from voicebot.config.base import REPO_ROOT
 
 ENTRY_POINTS = ["bench/gpu_correctness.py", "bench/serve.py", "bench/cosyvoice2.py", "bench/gpu_proxy.py"]
 # Folders the entry points put on sys.path besides the repository root: their own (python3 bench/x.py)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from bench.cosyvoice2 import FIXTURES
-from voicebot.config import REPO_ROOT
+from voicebot.config.base import REPO_ROOT
 
 
 def test_serve_bench_runs_batched_unbatched_and_through_the_server_at_tiny_size():

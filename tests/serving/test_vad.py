@@ -14,7 +14,7 @@ import pytest
 from tests.audio import dbfs_gain, espeak_speech, fan_noise, to_pcm16
 from voicebot.audio.endpoint import WINDOW, Endpointer, VadEvent
 from voicebot.audio.resample import pcm16_to_float
-from voicebot.config import EndpointConfig, GateConfig
+from voicebot.config.stages import EndpointConfig, GateConfig
 from voicebot.frontends.funasr_ws import funasr_segmenter
 from voicebot.messages import AudioIn
 from voicebot.serving.silero import SileroVad

@@ -1,6 +1,7 @@
 import pytest
 
-from voicebot.config import DEFAULT_CONFIG, REPO_ROOT, ConfigError, load_settings
+from voicebot.config import ConfigError, load_settings
+from voicebot.config.base import DEFAULT_CONFIG, REPO_ROOT
 
 
 def test_every_shipped_config_loads():

@@ -14,7 +14,7 @@ from tests.audio import espeak_speech
 from voicebot.audio.echo import AEC3_FIELD_TRIALS, MAX_FAR_S, EchoCanceller
 from voicebot.audio.endpoint import WINDOW, WINDOW_MS, Endpointer, EventKind
 from voicebot.audio.resample import StreamResampler
-from voicebot.config import EndpointConfig
+from voicebot.config.stages import EndpointConfig
 from voicebot.serving.silero import SileroVad
 
 REPLY = "Here is a longer reply from the bot. It keeps talking for a few seconds, as replies do."

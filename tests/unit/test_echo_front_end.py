@@ -11,7 +11,7 @@ import numpy as np
 from tests.audio import espeak_speech, to_pcm16
 from voicebot.audio.echo import Cancelled
 from voicebot.audio.endpoint import EventKind
-from voicebot.config import EndpointConfig, GateConfig
+from voicebot.config.stages import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
 from voicebot.serving.worker import Worker
 from voicebot.session.listening import FrontEnd

@@ -9,7 +9,7 @@ import pytest
 from tests.turn_set import TURNS, render
 from voicebot.audio.endpoint import HANGOVER_WINDOWS_MAX, WINDOW, WINDOW_MS, Endpointer, EventKind
 from voicebot.audio.rates import LISTEN_RATE
-from voicebot.config import EndpointConfig
+from voicebot.config.stages import EndpointConfig
 from voicebot.serving.silero import SAMPLE_RATE
 
 ROOM = 10 ** (-60 / 20)  # a quiet room's noise, RMS

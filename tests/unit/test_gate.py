@@ -9,7 +9,7 @@ import pytest
 
 from tests.audio import dbfs_gain, espeak_speech, fan_noise, impulse
 from voicebot.audio.gate import QUIETER, NoiseGate
-from voicebot.config import GateConfig
+from voicebot.config.stages import GateConfig
 
 RATE = 16000
 SENTENCES = [

@@ -6,7 +6,7 @@ __init__ files: a circle hidden by a lazy import is still two modules that canno
 one without the other.
 
 A folder is a first-level package of voicebot/ (voicebot/tts, with voicebot/tts/cosyvoice2 in it);
-each module at the root (voicebot/config.py) is a folder of its own here.
+each module at the root (voicebot/runtime.py) is a folder of its own here.
 """
 
 from __future__ import annotations

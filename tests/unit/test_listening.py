@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from voicebot.audio.rates import LISTEN_RATE
-from voicebot.config import EndpointConfig, GateConfig
+from voicebot.config.stages import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
 from voicebot.serving.vad import VadBatcher
 from voicebot.session.listening import FrontEnd

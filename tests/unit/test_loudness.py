@@ -12,7 +12,7 @@ import soxr
 from tests.audio import espeak_speech
 from voicebot.audio.loudness import MAX_GAIN_DB, MAX_SLEW_DB_PER_S, LoudnessMeter, OutputLevel
 from voicebot.audio.rates import SPEAK_RATE
-from voicebot.config import OutputConfig
+from voicebot.config.stages import OutputConfig
 
 SENTENCE = "please tell me a joke about the weather and what time does the show start tomorrow"
 

@@ -12,7 +12,8 @@ import pytest
 
 from voicebot.audio.rates import SPEAK_RATE
 from voicebot.audio.resample import float_to_pcm16
-from voicebot.config import PacingConfig, ReplyConfig
+from voicebot.config.engines import ReplyConfig
+from voicebot.config.stages import PacingConfig
 from voicebot.engine_reports import ResetReport
 from voicebot.frontends.voice import payload
 from voicebot.messages import AudioFrame, Turn

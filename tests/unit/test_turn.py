@@ -12,7 +12,8 @@ import pytest
 from tests.turn_set import PAUSED_EN, SAMPLE_RATE, TURNS, render
 from voicebot.audio.turn import WINDOW_SAMPLES, Action, SmartTurn, TurnPolicy, last_window, model_path, with_silence
 from voicebot.audio.turn_words import Cue, cue
-from voicebot.config import ConfigError, EndpointConfig, load_settings
+from voicebot.config import ConfigError, load_settings
+from voicebot.config.stages import EndpointConfig
 
 
 @pytest.fixture(scope="module")

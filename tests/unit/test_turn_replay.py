@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from voicebot.config import EndpointConfig
+from voicebot.config.stages import EndpointConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import turn_offline  # noqa: E402

@@ -12,7 +12,7 @@ import numpy as np
 
 from voicebot.asr.base import Hypothesis
 from voicebot.audio.turn import Answer
-from voicebot.config import EndpointConfig
+from voicebot.config.stages import EndpointConfig
 from voicebot.messages import AudioIn, InputEnd, Utterance
 from voicebot.metrics import Metrics
 from voicebot.session.outbox import Outbox

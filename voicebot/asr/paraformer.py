@@ -21,7 +21,8 @@ from voicebot.asr.funasr_model import Decoded, FunasrModel, state_bytes
 from voicebot.asr.router import Router, to_hypothesis
 from voicebot.asr.sanm.engine import BatchedStreamingModel
 from voicebot.asr.sanm.model import ChunkConfig
-from voicebot.config import EndpointConfig, ParaformerConfig
+from voicebot.config.engines import ParaformerConfig
+from voicebot.config.stages import EndpointConfig
 from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.models import ModelRef, resolve
 

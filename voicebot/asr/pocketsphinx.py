@@ -35,7 +35,7 @@ import numpy as np
 from voicebot.asr.base import Hypothesis, Recognizer, RecognizerStream
 from voicebot.asr.pocketsphinx_decoders import PARTIAL_INTERVAL_SAMPLES, Decoders, Transcriber, model_name
 from voicebot.asr.pocketsphinx_process import LOSS_CAUSES, DecoderProcess, DecoderProcessLost, start_all
-from voicebot.config import PocketsphinxConfig
+from voicebot.config.engines import PocketsphinxConfig
 from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.metrics import register_processes_lost
 from voicebot.serving.worker import Worker

@@ -27,7 +27,7 @@ from enum import Enum
 
 import numpy as np
 
-from voicebot.config import EndpointConfig
+from voicebot.config.stages import EndpointConfig
 from voicebot.serving.silero import SAMPLE_RATE, WINDOW, SileroVad
 
 WINDOW_MS = WINDOW * 1000 / SAMPLE_RATE  # 32 ms

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from voicebot.config import GateConfig
+from voicebot.config.stages import GateConfig
 
 # Sound that ended this recently makes a short loud run part of speech (a word-final plosive
 # release after its closure), not an impulse.

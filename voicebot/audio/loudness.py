@@ -31,7 +31,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from scipy.ndimage import minimum_filter1d, uniform_filter1d
 from scipy.signal import firwin, lfilter
 
-from voicebot.config import OutputConfig
+from voicebot.config.stages import OutputConfig
 
 ABSOLUTE_GATE_LUFS = -70.0
 RELATIVE_GATE_LU = 10.0

@@ -32,7 +32,7 @@ import numpy as np
 
 from voicebot.audio import turn_words
 from voicebot.audio.turn_words import Cue
-from voicebot.config import EndpointConfig
+from voicebot.config.stages import EndpointConfig
 from voicebot.serving.worker import Worker
 
 SAMPLE_RATE = 16000

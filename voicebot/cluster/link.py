@@ -23,7 +23,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from voicebot.config import ClusterConfig
+from voicebot.config.server import ClusterConfig
 
 log = logging.getLogger("voicebot.cluster")
 

@@ -20,7 +20,8 @@ from fastapi import WebSocket, WebSocketDisconnect
 
 from voicebot.asr.base import Recognizer
 from voicebot.audio.endpoint import SAMPLE_RATE, WINDOW, Endpointer, VadEvent
-from voicebot.config import EndpointConfig, Settings
+from voicebot.config import Settings
+from voicebot.config.stages import EndpointConfig
 from voicebot.frontends.funasr_protocol import OFFLINE, EngineFailed, FunasrMessageError, FunasrSession, Segmenter
 from voicebot.guards.flood import FloodGuard
 from voicebot.guards.idle import IdleWatch

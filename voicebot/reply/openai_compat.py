@@ -23,7 +23,7 @@ from typing import AsyncIterator
 
 import httpx
 
-from voicebot.config import OpenAICompatConfig
+from voicebot.config.engines import OpenAICompatConfig
 from voicebot.engine_reports import EngineInfo
 from voicebot.reply.base import Message, Responder, ResponderError
 from voicebot.reply.persona import Personas

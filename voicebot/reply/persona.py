@@ -6,7 +6,7 @@ naming the config key instead of failing the first reply of the show.
 
 from __future__ import annotations
 
-from voicebot.config import PersonaConfig
+from voicebot.config.engines import PersonaConfig
 
 
 class Personas:

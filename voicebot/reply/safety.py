@@ -14,7 +14,7 @@ import contextlib
 import re
 from typing import AsyncIterator
 
-from voicebot.config import ReplyConfig
+from voicebot.config.engines import ReplyConfig
 
 _WORD = "A-Za-z0-9"
 _TRAILING_WORD = re.compile(f"[{_WORD}'’-]+$")

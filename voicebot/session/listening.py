@@ -35,7 +35,7 @@ from voicebot.audio.endpoint import Endpointer, EventKind, VadEvent
 from voicebot.audio.gate import NoiseGate
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
-from voicebot.config import EndpointConfig, GateConfig
+from voicebot.config.stages import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn, InputEnd, Utterance
 from voicebot.metrics import Metrics
 from voicebot.protocol import ErrorCode

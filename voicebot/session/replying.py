@@ -29,7 +29,8 @@ from voicebot.audio.framing import Framer
 from voicebot.audio.loudness import OutputLevel
 from voicebot.audio.rates import SPEAK_RATE
 from voicebot.audio.resample import float_to_pcm16
-from voicebot.config import OutputConfig, PacingConfig, ReplyConfig
+from voicebot.config.engines import ReplyConfig
+from voicebot.config.stages import OutputConfig, PacingConfig
 from voicebot.messages import Turn
 from voicebot.metrics import Metrics
 from voicebot.pacing import HeardText, Pacer

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from voicebot.audio.endpoint import Endpointer
 from voicebot.audio.turn import SmartTurn
-from voicebot.config import EndpointConfig
+from voicebot.config.stages import EndpointConfig
 from voicebot.protocol import EndpointingUpdate
 from voicebot.session.turn_taking import TurnTaking
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.turn import Action, Answer, SmartTurn, TurnPolicy, with_silence
-from voicebot.config import EndpointConfig
+from voicebot.config.stages import EndpointConfig
 from voicebot.messages import AudioIn, Inbound, InputEnd, Turn, Utterance
 from voicebot.metrics import Metrics
 from voicebot.session.events import TurnEnd

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 import numpy as np
 
 from voicebot.audio.resample import StreamResampler
-from voicebot.config import EspeakConfig
+from voicebot.config.engines import EspeakConfig
 from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import SAMPLE_RATE, SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo

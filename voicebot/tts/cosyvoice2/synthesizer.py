@@ -35,7 +35,7 @@ from typing import AsyncIterator
 import numpy as np
 import torch
 
-from voicebot.config import Cosyvoice2Config
+from voicebot.config.engines import Cosyvoice2Config
 from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.metrics import register_voice_refreshes
 from voicebot.serving.metrics import register_scheduler_metrics
