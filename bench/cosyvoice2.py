@@ -157,7 +157,7 @@ def stream_once(engine: SimpleNamespace, scheduler: Scheduler, voice: Voice, tex
     s, first 200 ms of audio s, RTF, tokens, the audio of the last chunk)."""
     generator = torch.Generator(engine.device).manual_seed(1)
     sampler = fixed_length_ras(engine.hparams, engine.lm.eos, generator)
-    renders = scheduler.render_chunks.seconds
+    renders = scheduler.renders.render.seconds
     renders.clear()
 
     def start(row):

@@ -20,7 +20,7 @@ from golden_bounds import SPEECH, assert_close_to_peak
 from tiny_frontend import make_model_dir
 from voicebot.config import Cosyvoice2Config
 from voicebot.tts.base import SAMPLE_RATE
-from voicebot.serving import scheduler as scheduler_mod
+from voicebot.serving import render_queue
 from voicebot.tts.cosyvoice2 import synthesizer as synthesizer_mod
 from voicebot.tts.cosyvoice2 import lm as lm_mod
 from voicebot.tts.cosyvoice2.bistream import Bistream
@@ -493,11 +493,11 @@ def test_a_session_in_a_batch_sounds_as_it_does_alone(synth, monkeypatch, text_i
     monkeypatch.setattr(synth.config, "text_input", text_input)
     alone = {key: asyncio.run(_reply(synth, *spec)) for key, spec in REPLIES.items() if key != "c"}
     synth.scheduler.batch_sizes.clear()
-    synth.scheduler.render_sizes.clear()
+    synth.scheduler.renders.sizes.clear()
     # Every chunk waits for company, up to 40 steps, whatever its listener's slack: the sessions'
     # chunk boundaries fall many steps apart, and renders of several sessions are what is tested.
-    monkeypatch.setattr(synth.scheduler, "render_hold_steps", 40)
-    monkeypatch.setattr(scheduler_mod, "RENDER_MARGIN_S", -math.inf)
+    monkeypatch.setattr(synth.scheduler.renders, "hold_steps", 40)
+    monkeypatch.setattr(render_queue, "RENDER_MARGIN_S", -math.inf)
 
     async def together():
         a_started = asyncio.Event()
@@ -510,7 +510,7 @@ def test_a_session_in_a_batch_sounds_as_it_does_alone(synth, monkeypatch, text_i
 
     a, b, c, d = asyncio.run(together())
     assert max(synth.scheduler.batch_sizes) >= 3, synth.scheduler.batch_sizes  # they did share LM steps
-    assert max(synth.scheduler.render_sizes) >= 2, synth.scheduler.render_sizes  # and flow/HiFT calls
+    assert max(synth.scheduler.renders.sizes) >= 2, synth.scheduler.renders.sizes  # and flow/HiFT calls
     for key, audio in zip("abd", (a, b, d)):
         assert len(audio) == len(alone[key]), key
         assert_close_to_peak(torch.from_numpy(audio), torch.from_numpy(alone[key]), SPEECH, key)
