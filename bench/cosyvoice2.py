@@ -37,7 +37,8 @@ import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py
 from voicebot.config import REPO_ROOT, Cosyvoice2Config
 from voicebot.tts.cosyvoice2.lm_pool import LMPool
 from voicebot.serving.scheduler import Scheduler
-from voicebot.tts.cosyvoice2.synthesizer import PlaybackClock, SpeechJob, flow_prompt
+from voicebot.tts.cosyvoice2.speech_job import PlaybackClock, SpeechJob
+from voicebot.tts.cosyvoice2.voice_prompts import flow_prompt
 from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.hift import build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
