@@ -38,7 +38,8 @@ from voicebot.config.base import REPO_ROOT
 from voicebot.config.engines import Cosyvoice2Config
 from voicebot.tts.cosyvoice2.lm_pool import LMPool
 from voicebot.serving.scheduler import Scheduler
-from voicebot.tts.cosyvoice2.synthesizer import PlaybackClock, SpeechJob, flow_prompt
+from voicebot.tts.cosyvoice2.speech_job import PlaybackClock, SpeechJob
+from voicebot.tts.cosyvoice2.voice_prompts import flow_prompt
 from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.hift import build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
@@ -158,7 +159,7 @@ def stream_once(engine: SimpleNamespace, scheduler: Scheduler, voice: Voice, tex
     s, first 200 ms of audio s, RTF, tokens, the audio of the last chunk)."""
     generator = torch.Generator(engine.device).manual_seed(1)
     sampler = fixed_length_ras(engine.hparams, engine.lm.eos, generator)
-    renders = scheduler.render_chunks.seconds
+    renders = scheduler.renders.render.seconds
     renders.clear()
 
     def start(row):

@@ -202,8 +202,8 @@ def histogram(after: Counter, before: Counter) -> str:
 
 def run_sessions(synth: CosyVoice2Synthesizer, n: int, duty: float, work: Work, label: str) -> dict:
     scheduler = synth.scheduler
-    batches_before, misses_before = Counter(scheduler.batch_sizes), scheduler.deadline_misses
-    renders_before = Counter(scheduler.render_sizes)
+    batches_before, misses_before = Counter(scheduler.batch_sizes), scheduler.renders.deadline_misses
+    renders_before = Counter(scheduler.renders.sizes)
     cuda = synth.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(synth.device)
@@ -211,11 +211,11 @@ def run_sessions(synth: CosyVoice2Synthesizer, n: int, duty: float, work: Work, 
     began = time.monotonic()
     cut = asyncio.run(run_all([session(synth, i, duty, work, began + work.seconds, replies) for i in range(n)],
                               work.timeout_s))
-    row = summary(replies, time.monotonic() - began) | {"misses": scheduler.deadline_misses - misses_before,
+    row = summary(replies, time.monotonic() - began) | {"misses": scheduler.renders.deadline_misses - misses_before,
                                                         "cut": cut}
     memory = f"  peak GPU memory {torch.cuda.max_memory_allocated(synth.device) / 2**30:.2f} GiB" if cuda else ""
     print_row(label, n, row, f"batches {histogram(scheduler.batch_sizes, batches_before)}"
-                             f"  renders {histogram(scheduler.render_sizes, renders_before)}{memory}")
+                             f"  renders {histogram(scheduler.renders.sizes, renders_before)}{memory}")
     return row
 
 
@@ -268,14 +268,14 @@ def run_server(root: Path, n: int, duty: float, work: Work, slots: int) -> dict:
     busy: list[dict] = []
     with running_server(settings) as srv:
         scheduler = srv.runtime.synthesizer.scheduler
-        batches_before, renders_before = Counter(scheduler.batch_sizes), Counter(scheduler.render_sizes)
+        batches_before, renders_before = Counter(scheduler.batch_sizes), Counter(scheduler.renders.sizes)
         began = time.monotonic()
         cut = asyncio.run(run_all([client(srv.ws_url, i, duty, work, began + work.seconds, replies, server_underruns,
                                           busy) for i in range(n)], work.timeout_s))
         row = summary(replies, time.monotonic() - began) | {"server underruns": sum(server_underruns),
                                                              "busy": len(busy), "cut": cut}
         print_row("server", n, row, f"batches {histogram(scheduler.batch_sizes, batches_before)}"
-                                    f"  renders {histogram(scheduler.render_sizes, renders_before)}")
+                                    f"  renders {histogram(scheduler.renders.sizes, renders_before)}")
     return row
 
 
@@ -410,7 +410,7 @@ def main() -> None:
                 if mode == "unbatched" and args.no_unbatched:
                     break
                 synth.scheduler.max_batch = synth.scheduler.pool.slots if mode == "batched" else 1
-                synth.scheduler.max_render_batch = synth.config.render_batch if mode == "batched" else 1
+                synth.scheduler.renders.max_batch = synth.config.render_batch if mode == "batched" else 1
                 for n in counts:
                     results[mode, n] = run_sessions(synth, n, args.duty, work, mode)
             if counts and not args.no_unbatched:

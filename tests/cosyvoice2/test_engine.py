@@ -20,11 +20,14 @@ from golden_bounds import SPEECH, assert_close_to_peak
 from tiny_frontend import make_model_dir
 from voicebot.config.engines import Cosyvoice2Config
 from voicebot.tts.base import SAMPLE_RATE
-from voicebot.serving import scheduler as scheduler_mod
+from voicebot.serving import render_queue
 from voicebot.tts.cosyvoice2 import synthesizer as synthesizer_mod
 from voicebot.tts.cosyvoice2 import lm as lm_mod
 from voicebot.tts.cosyvoice2.bistream import Bistream
+from voicebot.tts.cosyvoice2.bistream_text import WordFeed
 from voicebot.tts.cosyvoice2.synthesizer import CosyVoice2Synthesizer
+from voicebot.tts.cosyvoice2.token2wav import FlowPrompt
+from voicebot.tts.cosyvoice2.voice_prompts import flow_prompt
 from voicebot.tts.cosyvoice2.lm import generate, run_alone
 from voicebot.tts.cosyvoice2.quant import DynamicInt8Linear
 
@@ -134,7 +137,7 @@ def run_bistream_directly(synth, voice_name: str, sentences: list[str], seed: in
         tokens += run_alone(synth.lm, cache, sampler, lm.push(frontend.encode((" " if i else "") + frontend.normalize(sentence))))
     tokens += run_alone(synth.lm, cache, sampler, lm.finish())
     stream = synth.token2wav.stream(
-        synthesizer_mod.FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
+        FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
     )
     return tokens, torch.cat([*stream.push(tokens), stream.finish()], dim=1)[0].numpy()
 
@@ -159,7 +162,7 @@ def test_bistream_reply_is_one_segment_with_the_model_run_directly(synth, fixed_
 @pytest.mark.parametrize("size", [1, 3, 7, 100])
 def test_word_feed_gives_out_complete_words_and_each_sentence_s_rest(size):
     text = "Hello world, this is test 3. How are you?  Fine!"
-    feed, pieces = synthesizer_mod.WordFeed(), []
+    feed, pieces = WordFeed(), []
     for i in range(0, len(text), size):
         pieces += feed.push(text[i : i + size])
     pieces += feed.flush()
@@ -169,7 +172,7 @@ def test_word_feed_gives_out_complete_words_and_each_sentence_s_rest(size):
     assert all(text.count(p) and (p.startswith(" ") or p == "Hello") for p in words)  # the space before goes with it
     if size == 1:
         assert [p for p, _ in pieces][:3] == ["Hello", " world,", " this"]
-    zh = synthesizer_mod.WordFeed()
+    zh = WordFeed()
     out = [p for ch in "你好，世界。今天天气很好，" for p in zh.push(ch)] + zh.flush()
     assert out == [("你好，", False), ("世界。", True), ("今天天气很好，", False), ("", True)]  # a clause at a time
 
@@ -303,26 +306,26 @@ def test_sessions_decode_in_one_batch(synth, fixed_length):
 
 def test_reset_swaps_in_a_voice_state_derived_off_the_scheduler(synth, fixed_length, sentences_mode, monkeypatch):
     derived_on = []
-    original = synth._derive_voice
-    monkeypatch.setattr(synth, "_derive_voice", lambda name: derived_on.append(threading.current_thread().name) or original(name))
+    original = synth.voice_prompts.derive
+    monkeypatch.setattr(synth.voice_prompts, "derive", lambda name: derived_on.append(threading.current_thread().name) or original(name))
 
     async def run():
         a, b = synth.open("anna"), synth.open("anna")
         [c async for c in a.stream(_deltas("Hello world."))]
         voice = synth.library["anna"]
-        prefix = synth.lm_prefix(voice)
-        flow_state = synth.token2wav.prompt_state(synthesizer_mod.flow_prompt(voice, synth.device, synth.dtype))
+        prefix = synth.voice_prompts.lm_prefix(voice)
+        flow_state = synth.token2wav.prompt_state(flow_prompt(voice, synth.device, synth.dtype))
         reports = await asyncio.gather(a.reset(), b.reset())  # two sessions of one voice: one derivation
         assert [r.generation for r in reports] == [1, 1] and derived_on == ["worker-cosyvoice2-voices_0"]
         assert sorted(r.bytes_freed for r in reports)[0] == 0 and max(r.bytes_freed for r in reports) >= voice.nbytes()
         # Every part of the voice's state is new, with the same values: the source is unchanged.
         fresh = synth.library["anna"]
         assert fresh is not voice and fresh.prompt_feat.data_ptr() != voice.prompt_feat.data_ptr()
-        assert synth._lm_prefixes["anna"][0] is fresh
-        new_prefix = synth.lm_prefix(fresh)
+        assert synth.voice_prompts._lm_prefixes["anna"][0] is fresh
+        new_prefix = synth.voice_prompts.lm_prefix(fresh)
         assert new_prefix.k.data_ptr() != prefix.k.data_ptr()
         torch.testing.assert_close(new_prefix.k, prefix.k, rtol=0, atol=0)
-        fresh_prompt = synthesizer_mod.flow_prompt(fresh, synth.device, synth.dtype)
+        fresh_prompt = flow_prompt(fresh, synth.device, synth.dtype)
         new_state = synth.token2wav.prompt_state(fresh_prompt)
         assert new_state is not flow_state and new_state.n_frames == flow_state.n_frames > 0
         assert new_state.steps[0].keys[0].data_ptr() != flow_state.steps[0].keys[0].data_ptr()
@@ -360,13 +363,13 @@ def test_engine_audio_equals_the_model_run_directly(synth, fixed_length, sentenc
     tokens = list(generate(synth.lm, synth.lm.new_cache(synth.config.kv_cache_tokens), sampler, ids, voice.prompt_text,
                            voice.lm_prompt_speech))
     stream = synth.token2wav.stream(
-        synthesizer_mod.FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
+        FlowPrompt(voice.flow_prompt_speech, voice.prompt_feat, voice.embedding), generator=generator
     )
     direct = torch.cat([*stream.push(tokens), stream.finish()], dim=1)[0].numpy()
     assert len(tokens) == N_TOKENS
     assert_close_to_peak(torch.from_numpy(streamed), torch.from_numpy(direct), SPEECH)
     # the prefix was used, and it is the voice's one cached copy
-    assert prefixes == [synth.lm_prefix(voice)] and prefixes[0].length == 1 + voice.prompt_text.shape[1] > 1
+    assert prefixes == [synth.voice_prompts.lm_prefix(voice)] and prefixes[0].length == 1 + voice.prompt_text.shape[1] > 1
     assert synth.info().details["lm_prefix_bytes"] >= prefixes[0].nbytes()
 
 
@@ -493,11 +496,11 @@ def test_a_session_in_a_batch_sounds_as_it_does_alone(synth, monkeypatch, text_i
     monkeypatch.setattr(synth.config, "text_input", text_input)
     alone = {key: asyncio.run(_reply(synth, *spec)) for key, spec in REPLIES.items() if key != "c"}
     synth.scheduler.batch_sizes.clear()
-    synth.scheduler.render_sizes.clear()
+    synth.scheduler.renders.sizes.clear()
     # Every chunk waits for company, up to 40 steps, whatever its listener's slack: the sessions'
     # chunk boundaries fall many steps apart, and renders of several sessions are what is tested.
-    monkeypatch.setattr(synth.scheduler, "render_hold_steps", 40)
-    monkeypatch.setattr(scheduler_mod, "RENDER_MARGIN_S", -math.inf)
+    monkeypatch.setattr(synth.scheduler.renders, "hold_steps", 40)
+    monkeypatch.setattr(render_queue, "RENDER_MARGIN_S", -math.inf)
 
     async def together():
         a_started = asyncio.Event()
@@ -510,7 +513,7 @@ def test_a_session_in_a_batch_sounds_as_it_does_alone(synth, monkeypatch, text_i
 
     a, b, c, d = asyncio.run(together())
     assert max(synth.scheduler.batch_sizes) >= 3, synth.scheduler.batch_sizes  # they did share LM steps
-    assert max(synth.scheduler.render_sizes) >= 2, synth.scheduler.render_sizes  # and flow/HiFT calls
+    assert max(synth.scheduler.renders.sizes) >= 2, synth.scheduler.renders.sizes  # and flow/HiFT calls
     for key, audio in zip("abd", (a, b, d)):
         assert len(audio) == len(alone[key]), key
         assert_close_to_peak(torch.from_numpy(audio), torch.from_numpy(alone[key]), SPEECH, key)
@@ -520,13 +523,13 @@ def test_a_session_in_a_batch_sounds_as_it_does_alone(synth, monkeypatch, text_i
 def test_a_reset_never_stalls_another_session(synth, fixed_length, sentences_mode, monkeypatch):
     """The voice state is derived beside the scheduler: made to take 3 s here, another session's
     whole reply is rendered meanwhile."""
-    original = synth._derive_voice
+    original = synth.voice_prompts.derive
 
     def slow(name):
         time.sleep(3.0)
         return original(name)
 
-    monkeypatch.setattr(synth, "_derive_voice", slow)
+    monkeypatch.setattr(synth.voice_prompts, "derive", slow)
 
     async def run():
         resetting, speaking = synth.open("anna"), synth.open("tiny_zero_shot_spk")

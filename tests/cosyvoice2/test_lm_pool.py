@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from voicebot.serving.scheduler import PoolFull
+from voicebot.serving.model_interfaces import PoolFull
 from voicebot.tts.cosyvoice2.bistream import Bistream
 from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Linear, Qwen2Config, generate, run_alone, unistream
 from voicebot.tts.cosyvoice2.lm_pool import DECODE_BUCKETS, LMPool, decode_bucket

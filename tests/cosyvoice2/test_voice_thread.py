@@ -21,7 +21,7 @@ from tests.conftest import VoiceClient, make_settings, running_server
 
 def _exit_once(monkeypatch, synth) -> list[str]:
     """The voice derivation raises SystemExit the first time (a library calling exit()); the names asked for."""
-    derive, calls = synth._derive_voice, []
+    derive, calls = synth.voice_prompts.derive, []
 
     def exits_once(name):
         calls.append(name)
@@ -29,7 +29,7 @@ def _exit_once(monkeypatch, synth) -> list[str]:
             raise SystemExit("a library called exit()")
         return derive(name)
 
-    monkeypatch.setattr(synth, "_derive_voice", exits_once)
+    monkeypatch.setattr(synth.voice_prompts, "derive", exits_once)
     return calls
 
 

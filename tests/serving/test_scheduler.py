@@ -1,4 +1,5 @@
-"""The scheduler thread (voicebot/serving/scheduler.py): ordering, bounds, slots, costs."""
+"""The scheduler thread (voicebot/serving/scheduler.py, with its render_queue.py, scheduler_requests.py and
+step_costs.py): ordering, bounds, slots, costs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import pytest
 
 from tests.cosyvoice2.test_lm_pool import REQUESTS, alone, lm, ras  # noqa: F401 (lm is a fixture)
 from voicebot.tts.cosyvoice2.lm_pool import DECODE_BUCKETS, LMPool, decode_bucket
-from voicebot.serving.scheduler import Overloaded, Render, Rendering, Scheduler, SchedulerFault, StepCosts
+from voicebot.serving.model_interfaces import Rendering
+from voicebot.serving.scheduler import Scheduler
+from voicebot.serving.scheduler_requests import Overloaded, Render, SchedulerFault
+from voicebot.serving.step_costs import StepCosts
 from voicebot.serving.worker import JobAborted
 from voicebot.tts.cosyvoice2.lm import unistream
 
@@ -59,7 +63,7 @@ def test_renders_run_earliest_deadline_first_batched(lm, max_render_batch, calls
         scheduler.stop()
     assert RENDERED == calls and [r[0] for r in results] == [30, 10, 20]  # each answered with its own audio
     assert scheduler.costs.render_per_audio_s is not None
-    assert sum(scheduler.render_sizes.values()) == len(calls)
+    assert sum(scheduler.renders.sizes.values()) == len(calls)
 
 
 def test_past_its_bound_a_submit_is_refused(scheduler):
@@ -195,7 +199,7 @@ def test_a_render_with_slack_waits_for_company_or_more_urgent_decoding_a_due_one
     one already due (a new reply's first chunk) goes at the next step."""
     scheduler = make_scheduler(lm, render_hold_steps=3)
     steps_at_render: list[int] = []
-    scheduler.render_chunks = lambda chunks: steps_at_render.append(sum(scheduler.batch_sizes.values())) or [
+    scheduler.renders.render = lambda chunks: steps_at_render.append(sum(scheduler.batch_sizes.values())) or [
         np.zeros(10, dtype=np.float32) for _ in chunks]
     # The hold counts from when the scheduler's thread takes the render: on a loaded box the event
     # loop may hand it over several steps after the test asked.
@@ -298,7 +302,7 @@ def test_lm_steps_go_on_while_a_render_runs_on_the_device_and_it_is_answered_whe
     assert renders.calls == [[1], [2, 3]]
     # the LM stepped during the render: 20 tokens, the first from the prompt's prefill, 19 from decode steps
     assert renders.steps_at_answer[0] - renders.steps_at_launch[0] >= 10
-    assert scheduler.render_sizes == {1: 1, 2: 1} and scheduler.pending == 0
+    assert scheduler.renders.sizes == {1: 1, 2: 1} and scheduler.pending == 0
 
 
 def test_a_render_in_flight_that_fails_fails_only_its_requests(lm):
@@ -386,15 +390,15 @@ def test_a_break_of_the_loop_fails_what_it_held_clearly_and_the_next_turn_works(
     row decodes and a render waits: both fail with SchedulerFault, the row's session releases it as
     after any failure, and the next utterance decodes as it does alone."""
     text, prompt_text, prompt_speech, seed = REQUESTS[1]
-    real_render_step = scheduler._render_step
+    real_render_step = scheduler.renders.step
     breaks = iter([True])
 
-    def render_step():
-        if scheduler._renders and next(breaks, False):
+    def render_step(decoding):
+        if scheduler.renders.waiting and next(breaks, False):
             raise KeyboardInterrupt
-        real_render_step()
+        real_render_step(decoding)
 
-    monkeypatch.setattr(scheduler, "_render_step", render_step)
+    monkeypatch.setattr(scheduler.renders, "step", render_step)
 
     async def open_utterance():
         row = await scheduler.open_row(ras(seed), None, deadline=0)

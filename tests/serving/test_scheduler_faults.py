@@ -51,7 +51,7 @@ def test_the_scheduler_thread_killed_while_idle_goes_on(server):
 
 def test_a_render_raising_systemexit_ends_that_reply_with_an_error_and_the_next_turn_is_spoken(server):
     scheduler = server.runtime.synthesizer.scheduler
-    real_render = scheduler.render_chunks
+    real_render = scheduler.renders.render
     fired = []
 
     def render_once_exits(chunks):
@@ -60,7 +60,7 @@ def test_a_render_raising_systemexit_ends_that_reply_with_an_error_and_the_next_
             raise SystemExit("a library called exit()")
         return real_render(chunks)
 
-    scheduler.render_chunks = render_once_exits  # the thread reads it at its next render
+    scheduler.renders.render = render_once_exits  # the thread reads it at its next render
 
     async def scenario():
         async with VoiceClient.connect(server.ws_url) as c:
@@ -72,7 +72,7 @@ def test_a_render_raising_systemexit_ends_that_reply_with_an_error_and_the_next_
     try:
         c, error, end = asyncio.run(scenario())
     finally:
-        scheduler.render_chunks = real_render
+        scheduler.renders.render = real_render
     assert error["code"] == "engine_error" and error["engine"] == "tts" and "SystemExit" in error["message"]
     assert len(c.reply_frames(end["reply_id"])) == end["frames"] > 0 and end["reply_id"] != error["reply_id"]
     assert faults(server) == 1 and server.get("/healthz").status_code == 200

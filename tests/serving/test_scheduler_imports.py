@@ -1,6 +1,6 @@
 """voicebot/serving/ schedules models without importing them: no module there imports voicebot.tts
 (nor voicebot.asr), at the top, under TYPE_CHECKING or inside a function; the models implement
-its interfaces (scheduler.DecodePool: voicebot/tts/cosyvoice2/lm_pool.py) and import it."""
+its interfaces (model_interfaces.DecodePool: voicebot/tts/cosyvoice2/lm_pool.py) and import it."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ class SchedulerCollector(Collector):
         yield steps
         yield cost
         for metric, help_text, value in [
-            ("voicebot_scheduler_deadline_misses", "Chunks rendered after a listener with audio ran out", s.deadline_misses),
+            ("voicebot_scheduler_deadline_misses", "Chunks rendered after a listener with audio ran out", s.renders.deadline_misses),
             ("voicebot_scheduler_refused", "Sessions refused by admission control", s.refused),
             ("voicebot_scheduler_thread_faults", ("Faults survived by the scheduler thread (BaseExceptions raised "
                                                   "in it, breaks of its loop), each failing the requests it hit"),

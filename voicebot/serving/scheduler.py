@@ -1,35 +1,23 @@
 """One device's scheduler: the thread that owns the device's models and runs the work of every
 session in shared steps.
 
-Sessions submit typed requests and await them (asyncio futures, resolved from the thread with
-`loop.call_soon_threadsafe`; nothing polls):
-
-- `OpenRow`: an LM slot for a new utterance (waits while all slots are in use);
-- `Call`: small blocking work on the models' thread (start a program, push a sentence's text);
-- `Decode`: up to n speech tokens of an LM row; the row's long steps (prefills) are fed in chunks;
-- `Render`: one chunk of a session's audio (a flow + vocoder chunk: Token2WavStream.next_chunk).
+Sessions submit typed requests (voicebot/serving/scheduler_requests.py) and await them.
 
 Each loop iteration takes what has arrived, then runs: every ready `Call`; one LM step for every
 decoding row in one batched forward (at most `max_batch` rows, earliest deadline first) plus at most
 one prefill chunk (the most urgent), so a new prompt holds the others' decode for at most one chunk;
-then the most urgent `Render`s, at most `max_render_batch` of them, in one `render` call (one flow
-call and one vocoder call for all of them: Token2Wav.render). A render may answer with a
-`Rendering` still running on the device (CUDA: the model's side stream): the LM steps go on while it
-runs, its requests are answered once it is done, and the next render starts after it. Sessions reach their chunk boundaries
-at different steps, so a render whose listener still has audio to spare (more than twice the last
-render call's cost plus RENDER_MARGIN_S) waits while a more urgent row decodes, and up to
-`render_hold_steps` LM steps for others to join it; a new reply's first chunk never waits. A deadline is when that session's listener runs out of audio;
-a new reply's has already passed, so its first chunk goes first. A released row (barge-in, the end
-of an utterance) leaves the batch at the next iteration and its slot is free for the next `OpenRow`.
+then the renders' step (voicebot/serving/render_queue.py: the most urgent in one call, at most one
+running on the device beside the LM steps, held a few steps for company while they have audio to
+spare). A released row (barge-in, the end of an utterance) leaves the batch at the next iteration
+and its slot is free for the next `OpenRow`.
 
 Bounds: at most `max_pending` requests are waiting (a session has one in flight at a time, so this
 is a bound on sessions, not on work; each holds a few tensors of at most one chunk's tokens or one
 sentence's text: kilobytes); `submit` raises `Overloaded` past it. Releases are at most one per row,
 so at most `slots` are queued.
 
-The scheduler measures what a step costs (`StepCosts`): the LM decode step per batch size, measured
-at start-up (`calibrate`, which also captures every CUDA graph bucket then) and kept current by every
-step; the render cost per second of audio, from a probe render at start-up and every render since. `capacity()` is the most speaking sessions those costs keep in real time.
+The scheduler measures what a step costs (`StepCosts`, voicebot/serving/step_costs.py);
+`capacity()` is the most speaking sessions those costs keep in real time.
 
 The thread outlives what is raised in it, as a Worker's calls do (voicebot/serving/worker.py), since
 every session's speech waits on it:
@@ -47,184 +35,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from voicebot.serving.model_interfaces import DecodePool, DecodeRow, PoolFull, Rendering, finished
+from voicebot.serving.render_queue import RenderQueue
+from voicebot.serving.scheduler_requests import Call, Decode, OpenRow, Overloaded, Render, Request, SchedulerFault, resolve
+from voicebot.serving.step_costs import StepCosts
 from voicebot.serving.worker import JobAborted
 
 log = logging.getLogger(__name__)
-
-
-RENDER_MARGIN_S = 0.1  # slack a held render keeps beyond twice the render cost
-
-
-class PoolFull(RuntimeError):
-    """Every LM slot is in use."""
-
-
-class DecodeRow(Protocol):
-    """One utterance's slot in a `DecodePool`."""
-
-    closed: bool
-
-    @property
-    def waiting(self) -> int:
-        """Positions of its pending step not yet fed: 1, a decode step; more, prefill first; 0, none."""
-
-    @property
-    def step(self) -> object | None:
-        """What it waits for; None once its program has ended."""
-
-    def take(self) -> list[int]:
-        """The tokens emitted since the last take."""
-
-
-class DecodePool(Protocol):
-    """What the scheduler steps: an LM's rows, batched. A model implements it beside itself
-    (voicebot/tts/cosyvoice2/lm_pool.py); this package imports no model."""
-
-    slots: int
-
-    @property
-    def free(self) -> int: ...
-
-    def open(self, sampler: Any, prefix: Any = None) -> DecodeRow:
-        """A slot for a new utterance; raises PoolFull when none is free."""
-
-    def close(self, row: DecodeRow) -> None: ...
-
-    def decode(self, rows: list[DecodeRow]) -> None:
-        """One batched step of rows each waiting on one position."""
-
-    def prefill(self, row: DecodeRow) -> None:
-        """One chunk of the row's longer step."""
-
-    def step_sizes(self, top: int) -> list[int]:
-        """The batch sizes up to `top` calibration times (and captures graphs for)."""
-
-    def open_idle(self, steps: int, context: int) -> DecodeRow:
-        """A row fed throwaway one-position steps (calibration)."""
-
-    def synchronize(self) -> None:
-        """Wait for the device (timing)."""
-
-    def nbytes(self) -> int: ...
-
-
-class Overloaded(RuntimeError):
-    """More requests are waiting than the scheduler's bound."""
-
-
-class SchedulerFault(RuntimeError):
-    """The scheduler's loop was broken while it held this request; the request is lost, the loop goes on."""
-
-
-@dataclass(eq=False)
-class Request:
-    deadline: float  # time.monotonic() when the session's listener runs out of audio
-    future: asyncio.Future = field(init=False)
-    submitted: float = field(init=False, default_factory=time.monotonic)
-
-
-@dataclass(eq=False)
-class OpenRow(Request):
-    sampler: Any  # the model's (a cosyvoice2 Sampler)
-    prefix: Any = None  # the model's prompt prefix, copied into the slot (a cosyvoice2 PromptPrefix)
-    row: DecodeRow | None = None  # the slot opened for it, once opened
-
-
-@dataclass(eq=False)
-class Call(Request):
-    fn: Callable[[], Any]
-
-
-@dataclass(eq=False)
-class Decode(Request):
-    row: DecodeRow
-    max_tokens: int
-    tokens: list[int] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class Render(Request):
-    chunk: Any  # what `render` takes, one per session: a Token2Wav ChunkRequest
-    held: int = 0  # LM steps it has waited for others to join it
-
-
-@dataclass(eq=False)
-class Rendering:
-    """A render call still running on the device: `ready()` says (never blocking) whether it is
-    done; `audio()` waits for it and gives each chunk's audio (24 kHz float32). A render that
-    returns a list has rendered already (CPU)."""
-
-    ready: Callable[[], bool]
-    audio: Callable[[], list[np.ndarray]]
-
-
-@dataclass(eq=False)
-class _InFlight:
-    batch: list[Render]
-    rendering: Rendering
-    started: float  # time.perf_counter() at its launch
-
-
-class StepCosts:
-    """Exponential moving averages of what the device spends: seconds per LM decode step by batch
-    size, and seconds of rendering per second of audio. Thread-safe reads (floats)."""
-
-    ALPHA = 0.1
-
-    def __init__(self) -> None:
-        self.decode: dict[int, float] = {}
-        self.render_per_audio_s: float | None = None
-        self.render_call: float | None = None  # seconds per render call
-
-    def add_decode(self, batch: int, seconds: float) -> None:
-        old = self.decode.get(batch)
-        self.decode[batch] = seconds if old is None else old + self.ALPHA * (seconds - old)
-
-    def add_render(self, seconds: float, audio_s: float) -> None:
-        old = self.render_call
-        self.render_call = seconds if old is None else old + self.ALPHA * (seconds - old)
-        if audio_s <= 0:
-            return
-        rate, old = seconds / audio_s, self.render_per_audio_s
-        self.render_per_audio_s = rate if old is None else old + self.ALPHA * (rate - old)
-
-    def decode_step(self, batch: int) -> float | None:
-        """The cost of a step at `batch` rows, interpolated linearly between measured sizes
-        (extrapolated from the two largest above them)."""
-        sizes = sorted(self.decode)
-        if not sizes:
-            return None
-        if batch in self.decode:
-            return self.decode[batch]
-        below = [s for s in sizes if s < batch]
-        above = [s for s in sizes if s > batch]
-        if below and above:
-            a, b = below[-1], above[0]
-        elif len(below) >= 2:
-            a, b = below[-2], below[-1]
-        else:
-            return self.decode[sizes[0]]
-        ca, cb = self.decode[a], self.decode[b]
-        return max(ca, ca + (cb - ca) * (batch - a) / (b - a))
-
-    def load(self, speaking: int, tokens_per_s: float, max_batch: int) -> float | None:
-        """Busy fraction of the device with `speaking` sessions in real time: 25 LM steps a second
-        for every batch of up to max_batch of them, plus each session's render cost."""
-        batches, rows = math.ceil(speaking / max_batch), min(speaking, max_batch)
-        step = self.decode_step(rows)
-        if step is None:
-            return None
-        return tokens_per_s * batches * step + speaking * (self.render_per_audio_s or 0.0)
 
 
 class Scheduler:
@@ -234,15 +59,12 @@ class Scheduler:
                  sample_rate: int = 24000, tokens_per_s: float = 25.0, headroom: float = 0.8) -> None:
         """`render(chunks)`: the audio (24 kHz float32) of several sessions' chunks, in one call,
         or a `Rendering` of it still running on the device."""
-        self.name, self.pool, self.render_chunks = name, pool, render
+        self.name, self.pool = name, pool
         self.max_batch = max_batch or pool.slots  # 1: every row steps alone (no batching)
-        self.max_render_batch, self.render_hold_steps = max_render_batch, render_hold_steps
         self.max_pending, self.sample_rate = max_pending, sample_rate
         self.tokens_per_s, self.headroom = tokens_per_s, headroom
         self.costs = StepCosts()
         self.batch_sizes: Counter[int] = Counter()  # decode steps run, by batch size
-        self.render_sizes: Counter[int] = Counter()  # render calls, by chunks in the call
-        self.deadline_misses = 0  # renders done after a listener that had audio ran out
         self.refused = 0  # sessions refused by admission (counted by the synthesizer)
         self.thread_faults = 0  # BaseExceptions that were not Exceptions, and breaks of the loop, survived
         self._lock = threading.Condition()
@@ -254,8 +76,8 @@ class Scheduler:
         self._opening: list[OpenRow] = []
         self._calls: list[Call] = []
         self._decoding: dict[DecodeRow, Decode] = {}
-        self._renders: list[Render] = []
-        self._in_flight: _InFlight | None = None  # at most one render running on the device
+        self.renders = RenderQueue(name, render, self.costs, self._answer, self._aborted, max_batch=max_render_batch,
+                                   hold_steps=render_hold_steps, sample_rate=sample_rate)  # thread-only
         self._thread = threading.Thread(target=self._run, name=f"scheduler-{name}", daemon=True)
 
     def calibrate(self, steps: int = 3, context: int = 200,
@@ -279,10 +101,10 @@ class Scheduler:
             for row in rows:
                 pool.close(row)
         if render_probe is not None:
-            _finished(self.render_chunks(render_probe()))  # warm-up: first calls allocate and pick kernels
+            finished(self.renders.render(render_probe()))  # warm-up: first calls allocate and pick kernels
             chunks = render_probe()
             began = time.perf_counter()
-            audio = _finished(self.render_chunks(chunks))
+            audio = finished(self.renders.render(chunks))
             self.costs.add_render(time.perf_counter() - began, sum(map(len, audio)) / self.sample_rate)
 
     # --- the sessions' side (event loop)
@@ -349,7 +171,8 @@ class Scheduler:
         return {"capacity": self.capacity(), "slots": self.pool.slots, "free_slots": self.pool.free,
                 "queue_depth": self.pending, "max_batch": self.max_batch,
                 "batch_sizes": dict(sorted(self.batch_sizes.items())),
-                "render_batch_sizes": dict(sorted(self.render_sizes.items())), "deadline_misses": self.deadline_misses,
+                "render_batch_sizes": dict(sorted(self.renders.sizes.items())),
+                "deadline_misses": self.renders.deadline_misses,
                 "refused": self.refused, "thread_faults": self.thread_faults,
                 "decode_step_s": {b: round(c, 4) for b, c in sorted(self.costs.decode.items())},
                 "render_s_per_audio_s": self.costs.render_per_audio_s}
@@ -396,12 +219,12 @@ class Scheduler:
         for request in held:
             row = request.row if isinstance(request, OpenRow) else None
             self._answer(request, exc=error, undo=None if row is None else functools.partial(self.release, row))
-        self._opening, self._calls, self._decoding, self._renders, self._in_flight = [], [], {}, [], None
+        self._opening, self._calls, self._decoding = [], [], {}
+        self.renders.clear()
 
     def _has_work(self) -> bool:
         # Rows that cannot run yet (OpenRow while the pool is full) are not work.
-        return bool(self._calls or self._decoding or self._renders or self._in_flight
-                    or (self._opening and self.pool.free))
+        return bool(self._calls or self._decoding or self.renders.busy or (self._opening and self.pool.free))
 
     def _close_released(self) -> None:
         # Looked at, then taken: a row whose close is interrupted stays to be closed (closing is idempotent).
@@ -426,7 +249,7 @@ class Scheduler:
                 else:
                     self._decoding[request.row] = request
             else:
-                self._renders.append(request)
+                self.renders.waiting.append(request)
 
     def _iterate(self) -> None:
         by_deadline = lambda r: r.deadline  # noqa: E731
@@ -443,7 +266,7 @@ class Scheduler:
         for call in calls:
             self._run_request(call, call.fn)
         self._lm_step()
-        self._render_step()
+        self.renders.step(self._decoding.values())
 
     def _lm_step(self) -> None:
         """One forward for the decoding rows waiting on one position, one prefill chunk for the most
@@ -468,81 +291,6 @@ class Scheduler:
                 self._answer(self._decoding.pop(row), exc=error)
             return
         self._answer_decodes()
-
-    def _render_step(self) -> None:
-        """The render on the device, answered once done (waited for when no LM row could step
-        meanwhile); then, none in flight, the most urgent renders in one call, answered with their
-        audio when it comes back rendered, else left in flight."""
-        if self._in_flight is not None:
-            if not (self._in_flight.rendering.ready() or not self._can_step()):
-                return
-            in_flight, self._in_flight = self._in_flight, None
-            self._finish_render(in_flight)
-        self._renders.sort(key=lambda r: r.deadline)
-        if self._renders and self._may_hold(self._renders[0]):
-            for request in self._renders:
-                request.held += 1
-            return
-        batch: list[Render] = []
-        while self._renders and len(batch) < self.max_render_batch:
-            request = self._renders.pop(0)
-            if request.future.cancelled():  # its session stopped waiting (barge-in, disconnect)
-                self._answer(request, None)
-            else:
-                batch.append(request)
-        if not batch:
-            return
-        start = time.perf_counter()
-        try:
-            rendered = self.render_chunks([r.chunk for r in batch])
-        except BaseException as exc:  # fails only this call's renders
-            self._render_failed(batch, exc)
-            return
-        in_flight = _InFlight(batch, _as_rendering(rendered), start)
-        if isinstance(rendered, Rendering):
-            self._in_flight = in_flight
-        else:
-            self._finish_render(in_flight)
-
-    def _can_step(self) -> bool:
-        """Whether an LM step could run now (then a render in flight is not waited for)."""
-        return any(request.row.waiting for request in self._decoding.values())
-
-    def _finish_render(self, in_flight: _InFlight) -> None:
-        """Answer a render's requests with its audio (waiting for the device if it is still busy).
-        Its cost is from its launch until now: with LM steps run meanwhile, an upper bound."""
-        batch = in_flight.batch
-        try:
-            audio = in_flight.rendering.audio()
-        except BaseException as exc:  # fails only this call's renders
-            self._render_failed(batch, exc)
-            return
-        self.costs.add_render(time.perf_counter() - in_flight.started, sum(map(len, audio)) / self.sample_rate)
-        self.render_sizes[len(batch)] += 1
-        done = time.monotonic()
-        for request, samples in zip(batch, audio, strict=True):
-            if request.submitted < request.deadline < done:
-                self.deadline_misses += 1
-            self._answer(request, samples)
-
-    def _render_failed(self, batch: list[Render], exc: BaseException) -> None:
-        log.error("scheduler %s: render failed", self.name, exc_info=exc)
-        error = self._aborted(exc)
-        for request in batch:
-            self._answer(request, exc=error)
-
-    def _may_hold(self, urgent: Render) -> bool:
-        """Hold the renders one more step, if the most urgent one's listener has audio to spare and
-        the batch has room: while a decoding row is more urgent still (earliest deadline first
-        across kinds: a new reply's first chunk is not kept waiting behind others' renders), or for
-        up to render_hold_steps steps while others decode towards a chunk of their own."""
-        if not self._decoding or len(self._renders) >= self.max_render_batch:
-            return False
-        if urgent.deadline - time.monotonic() <= 2 * (self.costs.render_call or 0.0) + RENDER_MARGIN_S:
-            return False
-        if min(request.deadline for request in self._decoding.values()) < urgent.deadline:
-            return True
-        return urgent.held < self.render_hold_steps
 
     def _answer_decodes(self) -> None:
         for row, request in list(self._decoding.items()):
@@ -580,7 +328,7 @@ class Scheduler:
         the second answer is ignored."""
         with self._lock:
             try:
-                request.future.get_loop().call_soon_threadsafe(_resolve, request.future, result, exc, undo)
+                request.future.get_loop().call_soon_threadsafe(resolve, request.future, result, exc, undo)
             except RuntimeError:  # its event loop has closed: nobody is waiting any more
                 pass
             self._held.discard(request)
@@ -591,31 +339,6 @@ class Scheduler:
             self._incoming = []
         for request in pending:
             self._answer(request, exc=exc)
-        self._opening, self._calls, self._decoding, self._renders, self._in_flight = [], [], {}, [], None
+        self._opening, self._calls, self._decoding = [], [], {}
+        self.renders.clear()
 
-
-def _as_rendering(rendered: list[np.ndarray] | Rendering) -> Rendering:
-    if isinstance(rendered, Rendering):
-        return rendered
-    return Rendering(ready=lambda: True, audio=lambda: rendered)
-
-
-def _finished(rendered: list[np.ndarray] | Rendering) -> list[np.ndarray]:
-    return _as_rendering(rendered).audio()
-
-
-def _resolve(future: asyncio.Future, result: Any, exc: BaseException | None, undo: Callable[[], None] | None) -> None:
-    """On the loop: answer the future; `undo` when what it holds is not delivered (the future was
-    cancelled, or it is answered with an error). A future answered already (before a thread fault)
-    keeps its answer."""
-    if future.cancelled():
-        if undo is not None:
-            undo()
-    elif future.done():
-        return
-    elif exc is not None:
-        future.set_exception(exc)
-        if undo is not None:
-            undo()
-    else:
-        future.set_result(result)

@@ -2,8 +2,8 @@
 
 The pool is gpt-fast's `setup_caches(max_batch, max_seq)`: one KVCache of `slots` rows, allocated at
 start-up; a request (`LMRow`) holds one slot for its whole utterance and is fed by a program
-(lm.py: a generator of `Step`s). Rows join and leave between steps. It is the `DecodePool` the
-device's scheduler steps (voicebot/serving/scheduler.py):
+(lm.py: a generator of `Step`s). Rows join and leave between steps. It is the `DecodePool`
+(voicebot/serving/model_interfaces.py) the device's scheduler steps (voicebot/serving/scheduler.py):
 
 - `decode(rows)` runs every row whose next step is one token in one batched forward (each row at its
   own position, in its own slot, masked per row), samples all of them in one call, and advances
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from voicebot.serving.scheduler import PoolFull
+from voicebot.serving.model_interfaces import PoolFull
 from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, PromptPrefix, Program, Step, choose, keys_to_attend, load_prefix
 from voicebot.tts.cosyvoice2.sampling import Sampler, greedy, host_to_device
 

@@ -9,20 +9,17 @@ one official unistream request, which starts from the voice's cached LM prompt p
 All model work runs on the device's `Scheduler` thread (voicebot/serving/scheduler.py): each
 utterance holds a slot of the pooled LM cache for its life, the decode steps of every speaking
 session run as one batch, and the flow/HiFT chunks their tokens complete run earliest deadline
-first, the chunks of several sessions in one flow call and one HiFT call (Token2Wav.render).
-`SpeechJob.chunks` is the step loop: tokens up to the next chunk boundary, then that chunk's audio,
-so each session's generator is drawn in one fixed order whoever else is speaking, and a cancelled
-reply leaves the batch at the next step.
+first, the chunks of several sessions in one flow call and one HiFT call (Token2Wav.render). Each
+utterance is a `SpeechJob` (speech_job.py: the step loop); a bistream reply's text goes in through
+bistream_text.py. The voices' prompt state, and its refresh off the scheduler at a session's reset,
+is voice_prompts.py's.
 
-A voice's prompt state (features, LM prefix, flow prompt state) is derived once per voice on a
-background thread and swapped in between steps: a session's periodic reset never stalls the others.
-That thread is a `Worker`'s, so a derivation that fails in any way (SystemExit included) or whose
-thread dies fails only that reset: the voice keeps the state it had, and the next reset derives again.
+This module: the engine (loading, the render call, admission, the sessions it has open) and each
+session's context, which turns a reply's text into utterances.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import math
@@ -39,19 +36,21 @@ from voicebot.config.engines import Cosyvoice2Config
 from voicebot.engine_reports import EngineInfo, ResetReport
 from voicebot.metrics import register_voice_refreshes
 from voicebot.serving.metrics import register_scheduler_metrics
-from voicebot.serving.scheduler import Rendering, Scheduler
+from voicebot.serving.model_interfaces import Rendering
+from voicebot.serving.scheduler import Scheduler
 from voicebot.serving.worker import Worker
 from voicebot.tts.base import SAMPLE_RATE, SentenceSynthesisContext, SpeechChunk, Synthesizer, VoiceInfo
-from voicebot.tts.segmenter import CLAUSE_MARKS, SentenceSegmenter
 from voicebot.tts.cosyvoice2.bistream import Bistream
-from voicebot.tts.cosyvoice2.flow import FlowCache
-from voicebot.tts.cosyvoice2.frontend import Frontend, language, only_punctuation
-from voicebot.tts.cosyvoice2.lm import PromptPrefix, prompt_prefix, unistream
+from voicebot.tts.cosyvoice2.bistream_text import BistreamText, WordFeed
+from voicebot.tts.cosyvoice2.frontend import Frontend, only_punctuation
+from voicebot.tts.cosyvoice2.lm import PromptPrefix, unistream
 from voicebot.tts.cosyvoice2.lm_pool import LMPool, LMRow
 from voicebot.tts.cosyvoice2.loader import CosyVoice2Modules, load_cosyvoice2, resolve_device, resolve_dtype, resolve_model_dir
 from voicebot.tts.cosyvoice2.quant import quantize_lm
 from voicebot.tts.cosyvoice2.sampling import RasSampler
-from voicebot.tts.cosyvoice2.token2wav import ChunkRequest, FlowPrompt, Token2Wav, Token2WavStream
+from voicebot.tts.cosyvoice2.speech_job import PlaybackClock, SpeechJob
+from voicebot.tts.cosyvoice2.token2wav import ChunkRequest, Token2Wav, Token2WavStream
+from voicebot.tts.cosyvoice2.voice_prompts import VoicePrompts, flow_prompt
 from voicebot.tts.cosyvoice2.voices import Voice, VoiceLibrary
 
 log = logging.getLogger(__name__)
@@ -77,13 +76,10 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.library: VoiceLibrary | None = None
         self.contexts: set[CosyVoice2Context] = set()
         self.model_dir: Path | None = None
-        # voice name -> (the Voice it was computed from, its LM prompt prefix); scheduler thread only
-        self._lm_prefixes: dict[str, tuple[Voice, PromptPrefix]] = {}
+        self.voice_prompts: VoicePrompts | None = None  # once served
         # Voice states are derived here, one at a time, beside the scheduler (never on it). Not
         # in workers(): its rare seconds-long calls are no session's load for admission control.
         self.voice_worker = Worker("cosyvoice2-voices", threads=1)
-        self.refreshes_failed = 0  # resets skipped: their derivation failed, the old state kept
-        self._refreshing: dict[str, asyncio.Future[int | None]] = {}  # voice -> its refresh in flight
         self._lifetimes: deque[float] = deque(maxlen=SESSION_LIFETIMES)
 
     def load(self) -> None:
@@ -111,12 +107,14 @@ class CosyVoice2Synthesizer(Synthesizer):
         if self.default_voice not in library:
             raise ValueError(f"tts.voice {self.default_voice!r} is not a CosyVoice 2 voice; have {library.names()}")
         self.library = library
-        self._warm_flow_prompt_state(library[self.default_voice])
         pool = LMPool(self.lm, self.config.batch_slots, self.config.kv_cache_tokens, self.config.prefill_chunk_tokens,
                       graphs=self.device.type == "cuda" and self.config.cuda_graphs)
         self.scheduler = Scheduler(f"cosyvoice2-{self.device}", pool, self._render,
                                    max_render_batch=self.config.render_batch,
                                    sample_rate=SAMPLE_RATE, tokens_per_s=self.hparams["token_frame_rate"])
+        self.voice_prompts = VoicePrompts(library, self.lm, self.token2wav, self.scheduler, self.voice_worker,
+                                          self.config, self.device, self.dtype)
+        self.voice_prompts.warm(library[self.default_voice])
         self.scheduler.calibrate(render_probe=functools.partial(self._probe_chunks, library[self.default_voice]))
         self.scheduler.start()
         log.info("cosyvoice2 loaded from %s on %s/%s, %d voices, %d LM slots (%.0f MiB), capacity %s sessions",
@@ -146,7 +144,7 @@ class CosyVoice2Synthesizer(Synthesizer):
 
     def register_metrics(self, registry) -> None:
         register_scheduler_metrics(registry, self.scheduler)
-        register_voice_refreshes(registry, lambda: self.refreshes_failed)
+        register_voice_refreshes(registry, lambda: self.voice_prompts.refreshes_failed if self.voice_prompts else 0)
 
     def full(self) -> float | None:
         """None while one more session fits; else seconds after which to retry. One more fits
@@ -188,12 +186,13 @@ class CosyVoice2Synthesizer(Synthesizer):
         # The LM's attention kernel; the flow's is always SDPA (its chunk masks are not causal).
         details = {"dtype": str(self.dtype).removeprefix("torch."), "attention": self.lm.attention if loaded else None,
                    "lm_int8": self.config.lm_int8, "text_input": self.config.text_input, "kv_cache_tokens": self.config.kv_cache_tokens,
-                   "sessions": len(self.contexts), "voice_refreshes_failed": self.refreshes_failed}
+                   "sessions": len(self.contexts),
+                   "voice_refreshes_failed": self.voice_prompts.refreshes_failed if self.voice_prompts else 0}
         if loaded:
             details |= {"model_dir": str(self.model_dir), "voices": self.library.names(),
                         "stream_mode": self.token2wav.mode, "voice_state_bytes": self.library.nbytes(),
                         "flow_prompt_state_bytes": sum(self.token2wav.prompt_state_bytes().values()),
-                        "lm_prefix_bytes": sum(prefix.nbytes() for _, prefix in list(self._lm_prefixes.values())),
+                        "lm_prefix_bytes": self.voice_prompts.lm_prefix_bytes(),
                         "lm_pool_bytes": self.scheduler.pool.nbytes(), "scheduler": self.scheduler.stats()}
         return EngineInfo("tts", self.name, str(self.device), loaded, details)
 
@@ -210,183 +209,14 @@ class CosyVoice2Synthesizer(Synthesizer):
     def sampler(self, generator: torch.Generator) -> RasSampler:
         return RasSampler.from_hparams(self.hparams["llm"]["sampling"], generator)
 
-    def lm_prefix(self, voice: Voice) -> PromptPrefix:
-        """The voice's [sos | prompt text] LM keys/values, computed once per Voice object: a
-        refreshed voice (a new object) comes with its own. Scheduler thread only."""
-        cached = self._lm_prefixes.get(voice.name)
-        if cached is None or cached[0] is not voice:
-            cached = (voice, prompt_prefix(self.lm, voice.prompt_text))
-            self._lm_prefixes[voice.name] = cached
-        return cached[1]
 
-    # --- voice refresh (the periodic reset), off the scheduler
-
-    async def refresh_voice(self, name: str) -> int | None:
-        """Re-derive a voice's state from its source and swap it in; the bytes of the state it
-        replaced, or None when the derivation failed and the voice keeps its state. Concurrent
-        calls for one voice share one derivation (the later ones get 0, or None)."""
-        if name in self._refreshing:
-            return 0 if await asyncio.shield(self._refreshing[name]) is not None else None
-        future = asyncio.get_running_loop().create_future()
-        self._refreshing[name] = future
-        try:
-            try:
-                fresh = await self.voice_worker.run(self._derive_voice, name)
-            except Exception:  # JobAborted and WorkerThreadLost too: the worker turned them into these
-                self.refreshes_failed += 1
-                log.exception("cosyvoice2: deriving voice %r failed; it keeps its state until the next reset", name)
-                future.set_result(None)
-                return None
-            freed = await self.scheduler.call(functools.partial(self._swap_voice, *fresh), deadline=math.inf)
-            future.set_result(freed)
-            return freed
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: joiners may be gone
-            raise
-        finally:
-            del self._refreshing[name]
-
-    def _derive_voice(self, name: str) -> tuple[Voice, PromptPrefix | None, FlowCache]:
-        """On the voices thread: everything a voice's replies read, computed from its source. The
-        models' weights are only read, so this runs beside the scheduler's steps."""
-        torch.set_num_threads(1)  # this thread's own intra-op pool: the scheduler's cores stay its
-        voice = self.library.derive(name)
-        prefix = prompt_prefix(self.lm, voice.prompt_text) if self.config.text_input == "sentences" else None
-        prompt = flow_prompt(voice, self.device, self.dtype)
-        return voice, prefix, self.token2wav.new_prompt_state(prompt)
-
-    def _swap_voice(self, voice: Voice, prefix: PromptPrefix | None, flow_state: FlowCache) -> int:
-        """On the scheduler thread, between steps: the derived state replaces the old at once."""
-        old = self.library[voice.name]
-        freed = old.nbytes()
-        self.library.put(voice)
-        stale_prefix = self._lm_prefixes.pop(voice.name, None)
-        if stale_prefix is not None:
-            freed += stale_prefix[1].nbytes()
-        if prefix is not None:
-            self._lm_prefixes[voice.name] = (voice, prefix)
-        prompt = flow_prompt(voice, self.device, self.dtype)
-        freed += self.token2wav.prompt_state_bytes().get(prompt.key(), 0)
-        self.token2wav.put_prompt_state(prompt, flow_state)
-        return freed
-
-    def _warm_flow_prompt_state(self, voice: Voice) -> None:
-        # The flow's prompt state takes seconds on CPU: pay it now, not in the next reply.
-        self.token2wav.prompt_state(flow_prompt(voice, self.device, self.dtype))
-
-
-class WordFeed:
-    """Streamed reply text -> the pieces to push into a bistream request, each as soon as its words
-    are complete: `push(delta)` and `flush()` give (piece, ends a sentence) pairs. A word is complete
-    once a space or a clause mark follows it (Chinese, which has no spaces, goes a clause at a time);
-    a sentence (SentenceSegmenter) ends with the rest of its text. A piece starts with the space
-    before its first word, so " world," tokenizes as inside the whole text, and the pieces put
-    together are the text as written.
-
-    Bounds: it holds the unfinished sentence, which the segmenter cuts at max_chars (150)."""
-
-    def __init__(self) -> None:
-        self.segmenter = SentenceSegmenter()
-        self.text = ""  # the unfinished sentence as received, from the end of the last one
-        self.fed = 0  # characters of `text` already given out as pieces
-
-    def push(self, delta: str) -> list[tuple[str, bool]]:
-        self.text += delta
-        pieces = [piece for sentence in self.segmenter.push(delta) for piece in self._sentence(sentence)]
-        # The complete words end before the last space (which goes with the next word) or after
-        # the last clause mark.
-        words_end = max((i + (c in CLAUSE_MARKS) for i, c in enumerate(self.text)
-                         if i >= self.fed and (c.isspace() or c in CLAUSE_MARKS)), default=self.fed)
-        if self.text[self.fed : words_end].strip():
-            pieces.append((self.text[self.fed : words_end], False))
-            self.fed = words_end
-        return pieces
-
-    def flush(self) -> list[tuple[str, bool]]:
-        rest = self.segmenter.flush()
-        return self._sentence(rest) if rest else []
-
-    def _sentence(self, sentence: str) -> list[tuple[str, bool]]:
-        """The rest of a sentence the segmenter completed (its text, stripped, starts at the first
-        character after the previous sentence that is not a space)."""
-        start = len(self.text) - len(self.text.lstrip())
-        end = self.text.index(sentence, start) + len(sentence)
-        rest, self.text, self.fed = self.text[self.fed : end], self.text[end:], 0
-        return [(rest, True)] if rest.strip() else [("", True)]
-
+# --- one session
 
 async def _then_end(text: AsyncIterator[str]) -> AsyncIterator[str | None]:
     """The deltas, then None once they end."""
     async for delta in text:
         yield delta
     yield None
-
-
-def flow_prompt(voice: Voice, device: torch.device, dtype: torch.dtype) -> FlowPrompt:
-    return FlowPrompt(voice.flow_prompt_speech.to(device), voice.prompt_feat.to(device, dtype),
-                      voice.embedding.to(device, dtype))
-
-
-# --- one utterance, one session
-
-
-class PlaybackClock:
-    """When a session's listener runs out of the audio yielded so far: the deadline of its
-    requests. A new reply has nothing buffered, so its first requests are already due."""
-
-    def __init__(self) -> None:
-        self.until = 0.0
-
-    def reply_started(self) -> None:
-        self.until = time.monotonic()
-
-    def deadline(self) -> float:
-        return self.until
-
-    def played(self, samples: int) -> None:
-        self.until = max(self.until, time.monotonic()) + samples / SAMPLE_RATE
-
-
-class SpeechJob:
-    """One utterance in flight: its LM row (a slot of the pool, fed by one program after another)
-    and the Token2WavStream its tokens render through.
-
-    `chunks()` is the step loop every driver uses (the contexts below, bench/, tests): it asks the
-    scheduler for the tokens up to the next chunk boundary, then for that chunk's audio, until the
-    row's program ends. `close()` frees the slot (always call it: a cancelled reply included). The
-    stream's token list is touched here, on the loop, only while no request of it is in flight.
-    """
-
-    def __init__(self, scheduler: Scheduler, row: LMRow, stream: Token2WavStream, clock: PlaybackClock,
-                 bistream: _BistreamState | None = None) -> None:
-        self.scheduler, self.row, self.stream, self.clock = scheduler, row, stream, clock
-        self.bistream = bistream  # the text side of a bistream utterance
-
-    async def chunks(self, finish: bool) -> AsyncIterator[np.ndarray]:
-        """Audio until the row's program ends, then the utterance's last chunk if `finish`."""
-        ended = False
-        while not ended:
-            # Never decode past the next chunk's last token: its audio goes out first.
-            wanted = max(1, self.stream.tokens_for_next_chunk - len(self.stream.tokens))
-            tokens, ended = await self.scheduler.decode(self.row, wanted, self.clock.deadline())
-            self.stream.add(tokens)
-            async for piece in self._ready():
-                yield piece
-        if finish:
-            self.stream.end()
-            async for piece in self._ready():  # the last chunk
-                yield piece
-
-    async def _ready(self) -> AsyncIterator[np.ndarray]:
-        while (chunk := self.stream.next_chunk()) is not None:
-            audio = await self.scheduler.render(chunk, self.clock.deadline())
-            if audio.size:  # the fast vocoder may hold a whole chunk back
-                self.clock.played(len(audio))
-                yield audio
-
-    def close(self) -> None:
-        self.scheduler.release(self.row)
 
 
 class CosyVoice2Context(SentenceSynthesisContext):
@@ -428,7 +258,7 @@ class CosyVoice2Context(SentenceSynthesisContext):
         scheduler, deadline = self.engine.scheduler, self.clock.deadline()
         prefix = None
         if self.engine.config.text_input == "sentences":
-            prefix = await scheduler.call(functools.partial(self.engine.lm_prefix, voice), deadline)
+            prefix = await scheduler.call(functools.partial(self.engine.voice_prompts.lm_prefix, voice), deadline)
         row = await scheduler.open_row(self.engine.sampler(self.generator), prefix, deadline)
         try:
             stream, bistream = await scheduler.call(functools.partial(start, row, prefix), deadline)
@@ -448,7 +278,7 @@ class CosyVoice2Context(SentenceSynthesisContext):
     async def reset(self) -> ResetReport:
         """Sessions hold no LM state between replies (a slot lives one utterance), so what a reset
         renews is the voice's shared prompt state: re-derived beside the scheduler, swapped in."""
-        freed = await self.engine.refresh_voice(self.voice)
+        freed = await self.engine.voice_prompts.refresh(self.voice)
         if freed is None:  # the derivation failed: the voice keeps its state, nothing was renewed
             return ResetReport(self.engine.name, self.generation, 0, skipped=True)
         self.generation += 1
@@ -456,35 +286,6 @@ class CosyVoice2Context(SentenceSynthesisContext):
 
     async def close(self) -> None:
         self.engine._closed(self)
-
-
-class _BistreamState:
-    """A bistream utterance's text side, on the scheduler thread."""
-
-    def __init__(self, engine: CosyVoice2Synthesizer, row: LMRow, voice: Voice) -> None:
-        dev = engine.device
-        self.engine, self.row = engine, row
-        self.lm = Bistream(engine.lm, engine.scheduler.pool.max_seq_len, voice.prompt_text.to(dev),
-                           voice.lm_prompt_speech.to(dev))
-        self.frontend = engine.library.frontend.text
-        self.text = ""  # the sentences it voices so far
-
-    @property
-    def full(self) -> bool:
-        """Start the next sentence in a new utterance: this one has the official utterance length
-        (token_min_n text tokens), or has used half its KV slot."""
-        return self.lm.n_text >= self.frontend.token_min_n or 2 * self.lm.pos > self.lm.max_seq_len
-
-    def push_text(self, piece: str) -> None:
-        """A piece of the reply as written (words, with the space before them): its tokens, as the
-        official frontend tokenizes each piece a text generator yields."""
-        # The space before the piece: "Hi." + " How" tokenizes as the whole text would.
-        joiner = " " if self.text and piece[:1].isspace() and language(piece) == "en" else ""
-        self.text += joiner + piece.strip()  # as written: what the pacer reports as heard
-        self.engine.scheduler.pool.start(self.row, self.lm.push(self.frontend.encode(joiner + self.frontend.normalize(piece))))
-
-    def end_text(self) -> None:
-        self.engine.scheduler.pool.start(self.row, self.lm.finish())
 
 
 class CosyVoice2BistreamContext(CosyVoice2Context):
@@ -503,7 +304,7 @@ class CosyVoice2BistreamContext(CosyVoice2Context):
         voice = engine.library[self.voice]
         self.clock.reply_started()
         job: SpeechJob | None = None
-        state: _BistreamState | None = None
+        state: BistreamText | None = None
         segment = -1
         feed = WordFeed()
         try:
@@ -531,12 +332,14 @@ class CosyVoice2BistreamContext(CosyVoice2Context):
             if job is not None:
                 job.close()
 
-    def _bistream(self, voice: Voice, row: LMRow, prefix: None) -> tuple[Token2WavStream, _BistreamState]:
+    def _bistream(self, voice: Voice, row: LMRow, prefix: None) -> tuple[Token2WavStream, BistreamText]:
         engine = self.engine
-        stream = engine.token2wav.stream(flow_prompt(voice, engine.device, engine.dtype), generator=self.generator)
-        return stream, _BistreamState(engine, row, voice)
+        dev, pool = engine.device, engine.scheduler.pool
+        stream = engine.token2wav.stream(flow_prompt(voice, dev, engine.dtype), generator=self.generator)
+        lm = Bistream(engine.lm, pool.max_seq_len, voice.prompt_text.to(dev), voice.lm_prompt_speech.to(dev))
+        return stream, BistreamText(pool, row, lm, engine.library.frontend.text)
 
-    async def _end(self, job: SpeechJob, state: _BistreamState, segment: int) -> AsyncIterator[SpeechChunk]:
+    async def _end(self, job: SpeechJob, state: BistreamText, segment: int) -> AsyncIterator[SpeechChunk]:
         await self.engine.scheduler.call(state.end_text, self.clock.deadline())
         async for piece in job.chunks(finish=True):
             yield SpeechChunk(piece, state.text, segment)

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from voicebot.serving.scheduler import Rendering
+from voicebot.serving.model_interfaces import Rendering
 from voicebot.tts.cosyvoice2.flow import Flow, FlowCache, FlowRequest
 from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFT, HiFTStream, SourceNoise
 from voicebot.tts.cosyvoice2.sampling import host_to_device
