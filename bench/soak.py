@@ -1,7 +1,7 @@
 """An accelerated soak: many sessions for as long as you like, with a report every minute.
 
     python bench/soak.py [--sessions 20] [--minutes 60] [--report-s 60] [--reset-s 5] [--config FILE]
-    python bench/soak.py --short        # ~30 s, 6 sessions, a report every 10 s (tests/test_soak.py)
+    python bench/soak.py --short        # ~30 s, 6 sessions, a report every 10 s (tests/integration/test_soak.py)
 
 Starts the server as a subprocess (run_server.py with a temporary copy of the config, a phrase
 grammar for the test sentences and the periodic reset every `--reset-s`), then runs `--sessions`

@@ -1,5 +1,5 @@
 """Hostile input for every WebSocket route: the text frames that once killed sessions (issue 12),
-and builders of /obs/audio chunks. Used by the fuzzer (tests/test_fuzz.py) and the soak's fuzzing
+and builders of /obs/audio chunks. Used by the fuzzer (tests/integration/test_fuzz.py) and the soak's fuzzing
 client (bench/soak.py)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """pocketsphinx decoders are borrowed and given back, not built and freed per session (issue 12,
 item 7: 90 MB of RSS kept per concurrent session). The pool is the same wherever it lives: these run
 it in the test's process (`processes: 0`, the server's threads), and what the streams see on both
-paths; tests/test_pocketsphinx_process.py has the decoding processes' own."""
+paths; tests/asr/test_pocketsphinx_process.py has the decoding processes' own."""
 
 from __future__ import annotations
 

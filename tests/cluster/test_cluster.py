@@ -116,7 +116,7 @@ def test_a_listener_on_one_server_hears_the_speaker_on_another(cluster):
     assert len(sent) == end["frames"] > 0
     assert listener.reply_frames(end["reply_id"]) == sent, ([r for r, _ in listener.frames], [e["type"] for e in listener.events])  # every frame, in order, byte for byte
     relayed = [e for e in listener.events if e["type"] not in ("listener.ready", "channel.speaker")]
-    private = {"session_id", "resume_token"}  # never sent to listeners (tests/test_security.py)
+    private = {"session_id", "resume_token"}  # never sent to listeners (tests/integration/test_security.py)
     # session.ready included, as on a single server
     assert relayed == [{k: v for k, v in e.items() if k not in private} for e in speaker.events]
     assert [e["speaking"] for e in listener.of_type("channel.speaker")] == [True, False]

@@ -1,6 +1,6 @@
 """A hypothesis fuzzer of /v1/realtime's client events against the real server on 127.0.0.1.
 
-The same harness as tests/test_fuzz.py (one connection per example, messages sent as fast as they
+The same harness as tests/integration/test_fuzz.py (one connection per example, messages sent as fast as they
 go, a documented close after an `error` event or a live session at the end, no handler that died,
 /healthz still up), with OpenAI Realtime client events: every event type the adapter serves with
 fuzzed fields, the beta API's session fields, base64 audio valid or not, unknown types, the hostile
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.hostile import HOSTILE_TEXT
-from tests.test_fuzz import FUZZ, MAX_MESSAGES, fuzzed_server, json_values, run_example  # noqa: F401 (the fixture)
+from tests.integration.test_fuzz import FUZZ, MAX_MESSAGES, fuzzed_server, json_values, run_example  # noqa: F401 (the fixture)
 
 audio = st.one_of(
     st.binary(max_size=4800).map(lambda pcm: base64.b64encode(pcm).decode()),  # up to 100 ms, odd lengths too
