@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from voicebot.config import Cosyvoice2Config
+from voicebot.config.engines import Cosyvoice2Config
 from voicebot.serving.scheduler import Scheduler
 from voicebot.serving.worker import Worker
 from voicebot.tts.cosyvoice2.flow import FlowCache
