@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import threading
 import time
 
 import numpy as np
@@ -208,12 +209,21 @@ def test_funasr_and_voice_streams_share_calls_and_each_is_judged_as_alone(batche
 
 
 @pytest.mark.parametrize("when", ["waiting", "being_judged"])
-def test_a_funasr_client_gone_mid_chunk_leaves_vad_to_the_others(batcher, when):
+def test_a_funasr_client_gone_mid_chunk_leaves_vad_to_the_others(batcher, when, monkeypatch):
     """The connection's task is cancelled while its chunk's windows wait or are being judged: the
     other streams are judged as alone and the batcher goes on."""
+    from voicebot.serving import vad as vad_module
+
     endpoint = EndpointConfig()
     audio = stream_audio(0).reshape(-1)
     other = stream_audio(1)[:20]
+    judging, cancelled = threading.Event(), threading.Event()
+    real_step = vad_module.silero_step
+
+    def step_held(vads, windows):  # a step holds until the test has cancelled (waited for at most 30 s)
+        judging.set()
+        cancelled.wait(30)
+        return real_step(vads, windows)
 
     async def main():
         gone = funasr_segmenter(object(), endpoint, batcher)
@@ -224,11 +234,17 @@ def test_a_funasr_client_gone_mid_chunk_leaves_vad_to_the_others(batcher, when):
                 task.cancel()
                 await asyncio.sleep(0)
         else:
-            steps = sum(batcher.batch_sizes.values())
+            # Held in its first step: on a loaded box an unheld step could judge the whole second
+            # before the cancel, and the task would end normally.
+            monkeypatch.setattr(vad_module, "silero_step", step_held)
             task = asyncio.ensure_future(gone.process(audio[:16000]))
-            while sum(batcher.batch_sizes.values()) == steps:  # its first window judged
+            for _ in range(30_000):
+                if judging.is_set():
+                    break
                 await asyncio.sleep(0.001)
             task.cancel()
+            await asyncio.sleep(0)
+        cancelled.set()
         with pytest.raises(asyncio.CancelledError):
             await task
         return await asyncio.wait_for(batcher.probabilities(SileroVad(), other), 30)
