@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from voicebot.tts.cosyvoice2.flow import build_flow
 from voicebot.tts.cosyvoice2.hift import build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
+from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Qwen2Config
 from voicebot.tts.cosyvoice2.loader import load_checkpoint
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 
@@ -79,3 +80,14 @@ def golden_stream(cv2_golden: dict, t2w: Token2Wav, prompt: FlowPrompt):
         return [*chunks, stream.finish()]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def lm() -> CosyVoice2LM:
+    """A 2-layer random CosyVoice 2 LM of the real architecture, 64 speech tokens; seed 2 gives sampled
+    replies of 13 to 51 tokens. (The golden tests' modules load the fixture checkpoint's LM instead.)"""
+    torch.set_num_threads(1)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=512)
+    torch.manual_seed(2)
+    return CosyVoice2LM(cfg, speech_token_size=64).eval()

@@ -9,20 +9,12 @@ import torch.nn.functional as F
 
 from voicebot.serving.model_interfaces import PoolFull
 from voicebot.tts.cosyvoice2.bistream import Bistream
-from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Linear, Qwen2Config, generate, run_alone, unistream
+from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Linear, generate, run_alone, unistream
 from voicebot.tts.cosyvoice2.lm_pool import DECODE_BUCKETS, LMPool, decode_bucket
 from voicebot.tts.cosyvoice2.sampling import RasSampler
 
 SPEECH = 64
 
-
-@pytest.fixture(scope="module")
-def lm() -> CosyVoice2LM:
-    torch.set_num_threads(1)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=512)
-    torch.manual_seed(2)  # weights whose sampled replies run 13 to 51 tokens
-    return CosyVoice2LM(cfg, speech_token_size=SPEECH).eval()
 
 
 def ras(seed: int) -> RasSampler:

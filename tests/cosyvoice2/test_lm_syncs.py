@@ -16,19 +16,11 @@ import torch
 from bench.gpu_counts import DeviceWork
 from voicebot.tts.cosyvoice2.lm_pool import LMPool
 from voicebot.tts.cosyvoice2.bistream import Bistream
-from voicebot.tts.cosyvoice2.lm import CosyVoice2LM, Qwen2Config, unistream
+from voicebot.tts.cosyvoice2.lm import unistream
 from voicebot.tts.cosyvoice2.sampling import RasSampler, greedy, sample_rows
 
 SPEECH = 64
 
-
-@pytest.fixture(scope="module")
-def lm() -> CosyVoice2LM:
-    torch.set_num_threads(1)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=512)
-    torch.manual_seed(2)
-    return CosyVoice2LM(cfg, speech_token_size=SPEECH).eval()
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded-graph-path"])
