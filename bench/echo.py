@@ -261,7 +261,7 @@ def utterance_starts(suppressed: np.ndarray, suppressing: list[bool], chunk: int
         for event in endpointer.decide(windows[k : k + 1], np.array([probability])):
             if event.kind is EventKind.START and endpointer.samples_seen > after:
                 start = endpointer.samples_seen - len(event.audio)
-                return start, onset.start(start, endpointer.samples_seen)
+                return start, onset.start(start, endpointer.samples_seen, 0)
     return None
 
 

@@ -110,22 +110,24 @@ def test_an_utterance_over_the_echo_reaches_back_to_where_the_suppressed_words_b
     levels = floor + words + [-45.0] * 9 + [-25.0] * 5
     end = len(levels) * WINDOW
     start = end - 14 * WINDOW
-    assert onset_after(levels).start(start, end) == (len(floor) * WINDOW) - PRE_SPEECH
+    assert onset_after(levels).start(start, end, 0) == (len(floor) * WINDOW) - PRE_SPEECH
+    # Never into the utterance before it (ended 0.4 s before the words here): its audio was that one's.
+    assert onset_after(levels).start(start, end, (len(floor) + 12) * WINDOW) == (len(floor) + 12) * WINDOW
     # The canceller not suppressing (no echo canceller, no echo found, the reply long over): the endpoint rule's start.
-    assert onset_after(levels, suppressing=False).start(start, end) == start
+    assert onset_after(levels, suppressing=False).start(start, end, 0) == start
 
 
 def test_the_reach_back_stops_at_a_long_gap_and_at_its_bound():
     # A burst 0.4 s before the words (more than ECHO_GAP_MS of floor between): not theirs.
     levels = [-65.0] * 62 + [-45.0] * 2 + [-65.0] * 13 + [-45.0] * 10 + [-25.0] * 5
     end = len(levels) * WINDOW
-    assert onset_after(levels).start(end - 9 * WINDOW, end) == end - 15 * WINDOW - PRE_SPEECH
+    assert onset_after(levels).start(end - 9 * WINDOW, end, 0) == end - 15 * WINDOW - PRE_SPEECH
     # Words going on for 1.6 s before the utterance: no more than ECHO_REACH_S (and the pre-roll) before the endpoint rule's start.
     levels = [-65.0] * 40 + [-45.0] * 50 + [-25.0] * 5
     end = len(levels) * WINDOW
     start = end - 14 * WINDOW
-    assert onset_after(levels).start(start, end) == start - round(ECHO_REACH_S * 1000 / WINDOW_MS) * WINDOW - PRE_SPEECH
+    assert onset_after(levels).start(start, end, 0) == start - round(ECHO_REACH_S * 1000 / WINDOW_MS) * WINDOW - PRE_SPEECH
     # Nothing over the floor before the speech the endpoint rule heard: its own start.
     levels = [-65.0] * 80 + [-25.0] * 5
     end = len(levels) * WINDOW
-    assert onset_after(levels).start(end - 14 * WINDOW, end) == end - 14 * WINDOW
+    assert onset_after(levels).start(end - 14 * WINDOW, end, 0) == end - 14 * WINDOW

@@ -85,9 +85,10 @@ class EchoOnset:
         """The next VAD window of the suppressed output, and whether the canceller suppressed in it."""
         self._windows.append((10 * float(np.log10(np.dot(window, window) / len(window) + 1e-18)), suppressing))
 
-    def start(self, start: int, end: int) -> int:
+    def start(self, start: int, end: int, not_before: int) -> int:
         """The start of an utterance the endpoint rule began at `start` (pre-speech included), the
-        last window observed ending at `end`: earlier where the words run on before its first speech."""
+        last window observed ending at `end`: earlier where the words run on before its first speech,
+        never before `not_before` (where the utterance before it ended: its audio is that one's)."""
         history = list(self._windows)
         reach = min(len(history), (end - start) // WINDOW + round(ECHO_REACH_S * 1000 / WINDOW_MS))
         floor = max(float(np.percentile([level for level, _ in history], ECHO_FLOOR_PERCENTILE)), ECHO_FLOOR_MIN_DBFS)
@@ -102,7 +103,7 @@ class EchoOnset:
                 break
         if earliest is None:
             return start
-        return max(0, min(start, end - earliest * WINDOW - self._pre_speech))
+        return max(not_before, min(start, end - earliest * WINDOW - self._pre_speech))
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class FrontEnd:
         self._in_gate = np.zeros(0, np.float32)
         self._heard_in_gate = np.zeros(0, np.float32)
         self.speech_start_sample = 0  # where the latest utterance began (its pre-speech audio included)
+        self._utterance_end = 0  # where the latest utterance ended: the next one's audio starts after it
         # (end of a chunk in input_rate samples, when it arrived): when the user stopped talking,
         # even if the chunk waited in the session's input queue before it was processed. Counted
         # at the input, not after the resampler and the echo canceller, which hold part of a chunk
@@ -162,8 +164,10 @@ class FrontEnd:
                 start = end - len(event.audio)
                 if event.kind is EventKind.START:  # its pre-speech audio included
                     if self.echo_onset is not None:
-                        start = self.echo_onset.start(start, end)
+                        start = self.echo_onset.start(start, end, self._utterance_end)
                     self.speech_start_sample = start
+                if event.kind is EventKind.END:
+                    self._utterance_end = end
                 joins = event.kind is EventKind.AUDIO and spans and spans[-1][0].kind in (EventKind.START, EventKind.AUDIO)
                 if joins:
                     spans[-1] = (spans[-1][0], spans[-1][1], end)
@@ -235,6 +239,7 @@ class FrontEnd:
 
     def end(self) -> list[VadEvent]:
         """The client sent input.end: end the utterance now."""
+        self._utterance_end = self.endpointer.samples_seen
         return self.endpointer.force_end()
 
     def time_of_sample(self, sample: int) -> float:
