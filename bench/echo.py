@@ -254,7 +254,7 @@ def utterance_starts(suppressed: np.ndarray, suppressing: list[bool], chunk: int
     EndpointConfig, Silero), and EchoOnset's, given whether the canceller suppressed after each
     `chunk` of input, as the front end reads it. None: no utterance."""
     config = EndpointConfig()
-    endpointer, onset = Endpointer(config), EchoOnset(config.pre_speech_ms)
+    endpointer, onset = Endpointer(config), EchoOnset()
     windows = endpointer.cut(suppressed)
     for k, probability in enumerate(endpointer.vad.probabilities(windows)):
         onset.observe(windows[k], suppressing[((k + 1) * WINDOW - 1) // chunk])

@@ -11,7 +11,7 @@ from voicebot.config import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
 from voicebot.serving.vad import VadBatcher
 from voicebot.audio.endpoint import WINDOW, WINDOW_MS
-from voicebot.session.listening import ECHO_REACH_S, EchoOnset, FrontEnd
+from voicebot.session.listening import ECHO_MARGIN_MS, ECHO_REACH_S, EchoOnset, FrontEnd
 
 
 def fed(input_rate: int, chunk_ms: int, arrivals: list[float]) -> FrontEnd:
@@ -92,14 +92,14 @@ def test_chunks_that_waited_go_through_the_front_end_in_one_trip_as_one_at_a_tim
 
 def onset_after(levels_db: list[float], suppressing: bool = True) -> EchoOnset:
     """An EchoOnset that has observed one window of each level (white noise at that dBFS, fixed seed)."""
-    onset = EchoOnset(EndpointConfig().pre_speech_ms)
+    onset = EchoOnset()
     rng = np.random.default_rng(3)
     for level in levels_db:
         onset.observe((rng.standard_normal(WINDOW) * 10 ** (level / 20)).astype(np.float32), suppressing)
     return onset
 
 
-PRE_SPEECH = 9 * WINDOW  # the endpoint rule's pre-roll: 300 ms in whole windows
+MARGIN = ECHO_MARGIN_MS * LISTEN_RATE // 1000
 
 
 def test_an_utterance_over_the_echo_reaches_back_to_where_the_suppressed_words_began():
@@ -110,7 +110,7 @@ def test_an_utterance_over_the_echo_reaches_back_to_where_the_suppressed_words_b
     levels = floor + words + [-45.0] * 9 + [-25.0] * 5
     end = len(levels) * WINDOW
     start = end - 14 * WINDOW
-    assert onset_after(levels).start(start, end, 0) == (len(floor) * WINDOW) - PRE_SPEECH
+    assert onset_after(levels).start(start, end, 0) == (len(floor) * WINDOW) - MARGIN
     # Never into the utterance before it (ended 0.4 s before the words here): its audio was that one's.
     assert onset_after(levels).start(start, end, (len(floor) + 12) * WINDOW) == (len(floor) + 12) * WINDOW
     # The canceller not suppressing (no echo canceller, no echo found, the reply long over): the endpoint rule's start.
@@ -121,12 +121,12 @@ def test_the_reach_back_stops_at_a_long_gap_and_at_its_bound():
     # A burst 0.4 s before the words (more than ECHO_GAP_MS of floor between): not theirs.
     levels = [-65.0] * 62 + [-45.0] * 2 + [-65.0] * 13 + [-45.0] * 10 + [-25.0] * 5
     end = len(levels) * WINDOW
-    assert onset_after(levels).start(end - 9 * WINDOW, end, 0) == end - 15 * WINDOW - PRE_SPEECH
-    # Words going on for 1.6 s before the utterance: no more than ECHO_REACH_S (and the pre-roll) before the endpoint rule's start.
+    assert onset_after(levels).start(end - 9 * WINDOW, end, 0) == end - 15 * WINDOW - MARGIN
+    # Words going on for 1.6 s before the utterance: no more than ECHO_REACH_S (and ECHO_MARGIN_MS) before the endpoint rule's start.
     levels = [-65.0] * 40 + [-45.0] * 50 + [-25.0] * 5
     end = len(levels) * WINDOW
     start = end - 14 * WINDOW
-    assert onset_after(levels).start(start, end, 0) == start - round(ECHO_REACH_S * 1000 / WINDOW_MS) * WINDOW - PRE_SPEECH
+    assert onset_after(levels).start(start, end, 0) == start - round(ECHO_REACH_S * 1000 / WINDOW_MS) * WINDOW - MARGIN
     # Nothing over the floor before the speech the endpoint rule heard: its own start.
     levels = [-65.0] * 80 + [-25.0] * 5
     end = len(levels) * WINDOW

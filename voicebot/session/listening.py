@@ -62,9 +62,16 @@ TURN_AUDIO_S = 8
 # echo alone (its floor: the 10th percentile of the last ECHO_HISTORY_S, at least
 # ECHO_FLOOR_MIN_DBFS). So an utterance that starts while it suppresses reaches back over the
 # windows ECHO_ONSET_DB above that floor, each at most ECHO_GAP_MS before the next (a pause
-# between words), from its speech back, at most ECHO_REACH_S before where the endpoint rule put
-# it, plus pre_speech_ms.
+# between words), from its speech back, to ECHO_MARGIN_MS before the earliest (a first phoneme
+# too weak to rise that far), at most ECHO_REACH_S before where the endpoint rule put it. Not the
+# whole pre_speech_ms before them: the linear output there is the echo's residual, and with a -6 dB
+# echo the grammar recognizer heard fewer of the words after 300 ms of it (bench/echo.py --offline:
+# of 648 words, 526 from the endpoint rule's start, 529 from pre_speech_ms before the earliest, 571
+# from ECHO_MARGIN_MS before it; the -6 dB rows lost 9 words each with pre_speech_ms, none with this).
+# Open: where the suppressor takes the first words down to its floor (a 180 ms path: their first
+# 0.3 s), nothing rises and the endpoint rule's start stands (tests/unit/test_echo.py).
 ECHO_REACH_S = 1.2
+ECHO_MARGIN_MS = 96
 ECHO_HISTORY_S = 3.0  # per session: 94 windows of (level, suppressing)
 ECHO_FLOOR_PERCENTILE = 10
 ECHO_FLOOR_MIN_DBFS = -75.0
@@ -77,9 +84,8 @@ class EchoOnset:
     the suppressed output's level, window by window, and only while the canceller suppresses: a
     session with no echo canceller, or where it found no echo, is left as the endpoint rule has it."""
 
-    def __init__(self, pre_speech_ms: int) -> None:
+    def __init__(self) -> None:
         self._windows: deque[tuple[float, bool]] = deque(maxlen=round(ECHO_HISTORY_S * 1000 / WINDOW_MS))
-        self._pre_speech = max(1, round(pre_speech_ms / WINDOW_MS)) * WINDOW  # the endpoint rule's pre-roll, in whole windows
 
     def observe(self, window: np.ndarray, suppressing: bool) -> None:
         """The next VAD window of the suppressed output, and whether the canceller suppressed in it."""
@@ -103,7 +109,7 @@ class EchoOnset:
                 break
         if earliest is None:
             return start
-        return max(not_before, min(start, end - earliest * WINDOW - self._pre_speech))
+        return max(not_before, min(start, end - earliest * WINDOW - round(ECHO_MARGIN_MS * LISTEN_RATE / 1000)))
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,7 @@ class FrontEnd:
         self.echo = echo  # the bot's own voice removed before anything listens (voicebot/audio/echo.py)
         self.gate = NoiseGate(gate, LISTEN_RATE) if gate.enabled else None
         self.endpointer = Endpointer(endpoint)
-        self.echo_onset = None if echo is None else EchoOnset(endpoint.pre_speech_ms)
+        self.echo_onset = None if echo is None else EchoOnset()
         self.vad = vad
         self._input_samples = 0  # at input_rate
         self._recent: deque[np.ndarray] = deque()  # the last TURN_AUDIO_S of what the recognizer hears
