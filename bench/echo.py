@@ -266,8 +266,10 @@ def utterance_starts(suppressed: np.ndarray, suppressing: list[bool], chunk: int
 
 
 @functools.cache
-def offline_decoder():
-    """The default config's recognizer, on the phrases of every reply here and the whole barge-in as one (one utterance here)."""
+def offline_decoder(figure: str):
+    """The default config's recognizer, on the phrases of every reply here and the whole barge-in as one
+    (one utterance here); one per `figure`, so that each figure's decoder hears the same utterances
+    in the same order whatever else is measured (its cepstral mean carries from one to the next)."""
     from voicebot.asr.pocketsphinx_decoders import Decoders
 
     # One decoder built here, as a session's process builds it (the recognizer lends its decoders
@@ -275,8 +277,8 @@ def offline_decoder():
     return Decoders(clauses(*OFFLINE_REPLIES, BARGE_IN) + [BARGE_IN], False, 1, lambda build: build()).new_decoder()
 
 
-def heard_offline(audio: np.ndarray) -> str:
-    decoder = offline_decoder()
+def heard_offline(audio: np.ndarray, figure: str = "words heard") -> str:
+    decoder = offline_decoder(figure)
     decoder.start_utt()
     decoder.process_raw(to_pcm16(audio), False, True)
     decoder.end_utt()
@@ -327,7 +329,8 @@ def words_kept(case: CaseResult, room: Room, end: int, user_from: int, user_len:
     case.heard_offline = heard_offline(linear[user_from - RATE // 10 : words_end])
     if (starts := utterance_starts(suppressed, suppressing, CHUNK, after=user_from)) is not None:
         case.utterance_start_ms = tuple((start - user_from) * 1000 / RATE for start in starts)
-        case.heard_from_start = tuple(heard_offline(linear[start:words_end]) for start in starts)
+        case.heard_from_start = tuple(heard_offline(linear[start:words_end], figure)
+                                      for start, figure in zip(starts, ("endpoint rule", "EchoOnset")))
 
 
 def offline(delays: list[int], gains: list[int]) -> None:

@@ -65,9 +65,9 @@ TURN_AUDIO_S = 8
 # between words), from its speech back, to ECHO_MARGIN_MS before the earliest (a first phoneme
 # too weak to rise that far), at most ECHO_REACH_S before where the endpoint rule put it. Not the
 # whole pre_speech_ms before them: the linear output there is the echo's residual, and with a -6 dB
-# echo the grammar recognizer heard fewer of the words after 300 ms of it (bench/echo.py --offline:
-# of 648 words, 526 from the endpoint rule's start, 529 from pre_speech_ms before the earliest, 571
-# from ECHO_MARGIN_MS before it; the -6 dB rows lost 9 words each with pre_speech_ms, none with this).
+# echo the grammar recognizer heard fewer of the words after 300 ms of it (bench/echo.py --offline,
+# words heard from the utterance's start: the -6 dB rows lost 9 of 108 each against the endpoint
+# rule's start; from ECHO_MARGIN_MS before, no row lost any, and 531 of 648 became 575).
 # Open: where the suppressor takes the first words down to its floor (a 180 ms path: their first
 # 0.3 s), nothing rises and the endpoint rule's start stands (tests/unit/test_echo.py).
 ECHO_REACH_S = 1.2
