@@ -32,7 +32,9 @@ Per case:
   down: how far MDF had converged when the user spoke); and what the default config's recognizer
   (pocketsphinx on the bench's phrases) makes of the linear output over the whole barge-in, as one
   utterance: the same input every run, where the live `heard` also depends on the box's load and
-  where the endpointer cut. --offline also applies the barge-in rule (Silero, 300 ms of speech in a
+  where the endpointer cut. And where the front end starts the barge-in's utterance on the
+  suppressed output (the recognizer hears the linear output from there): the endpoint rule's own
+  start, and EchoOnset's (voicebot/session/listening.py), with what the recognizer made of each. --offline also applies the barge-in rule (Silero, 300 ms of speech in a
   row) to the suppressed output: of the echo alone (a false barge-in), and of the input with the
   user (how long after the first word it is met).
 """
@@ -61,7 +63,10 @@ sys.path.insert(0, str(ROOT))
 from bench.latency import start_server  # noqa: E402
 from tests.audio import espeak_speech, to_pcm16  # noqa: E402
 from voicebot.audio.echo import BLOCK, EchoCanceller, LinearCanceller  # noqa: E402
+from voicebot.audio.endpoint import WINDOW, Endpointer, EventKind  # noqa: E402
 from voicebot.audio.resample import StreamResampler  # noqa: E402
+from voicebot.config import EndpointConfig  # noqa: E402
+from voicebot.session.listening import EchoOnset  # noqa: E402
 
 RATE = 16000
 CHUNK = RATE * 40 // 1000  # the mic page's 40 ms
@@ -114,6 +119,10 @@ class CaseResult:
     # whether the echo alone met it, and how long after the user began the input with the user did.
     echo_barged_in_offline: bool = False
     barge_in_offline_ms: float | None = None
+    # Offline, the barge-in's utterance on the suppressed output, from the user's first word (negative:
+    # before it), and what the recognizer made of the linear output from there: (the endpoint rule's own, EchoOnset's).
+    utterance_start_ms: tuple[float, float] | None = None
+    heard_from_start: tuple[str, str] = ("", "")
 
 
 class Room:
@@ -223,23 +232,44 @@ async def run_case(url: str, case: CaseResult, barge_speech: np.ndarray) -> Case
     return case
 
 
-def cancelled(room: Room, end: int, with_voice: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def cancelled(room: Room, end: int, with_voice: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[bool]]:
     """The case's input (or its echo alone) through a canceller here, the far end given as the
-    speaker played it, on the room's clock: (input, suppressed output, linear output)."""
+    speaker played it, on the room's clock: (input, suppressed output, linear output, whether the
+    canceller suppressed after each CHUNK)."""
     canceller = EchoCanceller(reply_rate=RATE)
-    mic, suppressed, linear = [], [], []
+    mic, suppressed, linear, suppressing = [], [], [], []
     for k in range(0, end, CHUNK):
         canceller.play(room.played[k : k + CHUNK], sent_at=k / RATE)
         mic.append(room.mic(k, with_voice))
         out = canceller.process(mic[-1], arrived=(k + CHUNK) / RATE)
         suppressed.append(out.suppressed)
         linear.append(out.linear)
-    return np.concatenate(mic), np.concatenate(suppressed), np.concatenate(linear)
+        suppressing.append(canceller.suppressing)
+    return np.concatenate(mic), np.concatenate(suppressed), np.concatenate(linear), suppressing
+
+
+def utterance_starts(suppressed: np.ndarray, suppressing: list[bool], chunk: int, after: int = 0) -> tuple[int, int] | None:
+    """Where the front end starts the first utterance that it begins after sample `after` (its START
+    event) in `suppressed`, pre-speech included: the endpoint rule's own start (the default
+    EndpointConfig, Silero), and EchoOnset's, given whether the canceller suppressed after each
+    `chunk` of input, as the front end reads it. None: no utterance."""
+    config = EndpointConfig()
+    endpointer, onset = Endpointer(config), EchoOnset()
+    windows = endpointer.cut(suppressed)
+    for k, probability in enumerate(endpointer.vad.probabilities(windows)):
+        onset.observe(windows[k], suppressing[((k + 1) * WINDOW - 1) // chunk])
+        for event in endpointer.decide(windows[k : k + 1], np.array([probability])):
+            if event.kind is EventKind.START and endpointer.samples_seen > after:
+                start = endpointer.samples_seen - len(event.audio)
+                return start, onset.start(start, endpointer.samples_seen, 0)
+    return None
 
 
 @functools.cache
-def offline_decoder():
-    """The default config's recognizer, on the phrases of every reply here and the whole barge-in as one (one utterance here)."""
+def offline_decoder(figure: str):
+    """The default config's recognizer, on the phrases of every reply here and the whole barge-in as one
+    (one utterance here); one per `figure`, so that each figure's decoder hears the same utterances
+    in the same order whatever else is measured (its cepstral mean carries from one to the next)."""
     from voicebot.asr.pocketsphinx_decoders import Decoders
 
     # One decoder built here, as a session's process builds it (the recognizer lends its decoders
@@ -247,8 +277,8 @@ def offline_decoder():
     return Decoders(clauses(*OFFLINE_REPLIES, BARGE_IN) + [BARGE_IN], False, 1, lambda build: build()).new_decoder()
 
 
-def heard_offline(audio: np.ndarray) -> str:
-    decoder = offline_decoder()
+def heard_offline(audio: np.ndarray, figure: str = "words heard") -> str:
+    decoder = offline_decoder(figure)
     decoder.start_utt()
     decoder.process_raw(to_pcm16(audio), False, True)
     decoder.end_utt()
@@ -269,7 +299,7 @@ def barged_in_at(audio: np.ndarray, min_ms: int = 300) -> int | None:
 
 def words_kept(case: CaseResult, room: Room, end: int, user_from: int, user_len: int) -> None:
     """The case's input through a canceller here, each output against what the user said."""
-    mic, suppressed, linear = cancelled(room, end)
+    mic, suppressed, linear, suppressing = cancelled(room, end)
     voice = room.voice[user_from : user_from + RATE]
     echo = mic[user_from : user_from + RATE] - voice
 
@@ -291,11 +321,16 @@ def words_kept(case: CaseResult, room: Room, end: int, user_from: int, user_len:
         case.linear_echo_over_rest_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(left, left)), 1e-12)))
         # The echo alone through a canceller: what the linear output leaves of it there, the
         # speech's distortion no part of it (the filter adapts on the echo alone, as before the user spoke).
-        _, echo_suppressed, echo_left = cancelled(room, end, with_voice=False)
+        _, echo_suppressed, echo_left, _ = cancelled(room, end, with_voice=False)
         case.echo_barged_in_offline = barged_in_at(echo_suppressed) is not None
         echo_left = echo_left[user_from : user_from + RATE]
         case.linear_echo_down_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(echo_left, echo_left)), 1e-12)))
-    case.heard_offline = heard_offline(linear[user_from - RATE // 10 : user_from + user_len + RATE * 3 // 10])
+    words_end = user_from + user_len + RATE * 3 // 10
+    case.heard_offline = heard_offline(linear[user_from - RATE // 10 : words_end])
+    if (starts := utterance_starts(suppressed, suppressing, CHUNK, after=user_from)) is not None:
+        case.utterance_start_ms = tuple((start - user_from) * 1000 / RATE for start in starts)
+        case.heard_from_start = tuple(heard_offline(linear[start:words_end], figure)
+                                      for start, figure in zip(starts, ("endpoint rule", "EchoOnset")))
 
 
 def offline(delays: list[int], gains: list[int]) -> None:
@@ -306,11 +341,16 @@ def offline(delays: list[int], gains: list[int]) -> None:
     start = int(SAY_AT_S * RATE)
     print(f"offline: {len(OFFLINE_REPLIES)} replies x barge-in at {OFFLINE_BARGE_AT_S} s; of the barge-in's "
           f"{len(said)} words, those the recognizer heard in the linear output; the echo under them, down (mean); "
-          f"the echo alone barging in (the suppressed output, Silero, 300 ms); the barge-in heard after (p50, max; missed)")
-    print(f"{'delay':>6} {'gain':>6} {'words heard':>14} {'echo down':>10} {'echo barged in':>15} {'barge-in ms':>14}")
+          f"the echo alone barging in (the suppressed output, Silero, 300 ms); the barge-in heard after (p50, max; missed); "
+          f"where its utterance starts after the first word (ms, p50 and max; the endpoint rule's own -> EchoOnset's) and the "
+          f"words the recognizer heard from there (the linear output)")
+    print(f"{'delay':>6} {'gain':>6} {'words heard':>14} {'echo down':>10} {'echo barged in':>15} {'barge-in ms':>14}"
+          f" {'utterance starts ms':>24} {'words heard from it':>22}")
     total = cases = 0
+    heard_from_total = [0, 0]
     for delay_ms, gain_db in itertools.product(delays, gains):
         heard, down, echo_barged, barge_ms = 0, [], 0, []
+        starts, heard_from = [], [0, 0]
         for text, at_s in itertools.product(OFFLINE_REPLIES, OFFLINE_BARGE_AT_S):
             reply = espeak_speech(text, "en-us", RATE)
             room = Room(delay_ms, gain_db)
@@ -323,13 +363,21 @@ def offline(delays: list[int], gains: list[int]) -> None:
             down.append(case.linear_echo_down_db)
             echo_barged += case.echo_barged_in_offline
             barge_ms.append(case.barge_in_offline_ms)
+            if case.utterance_start_ms is not None:
+                starts.append(case.utterance_start_ms)
+            for i, text in enumerate(case.heard_from_start):
+                heard_from[i] += sum(word in text.split() for word in said)
         n = len(OFFLINE_REPLIES) * len(OFFLINE_BARGE_AT_S) * len(said)
         total, cases = total + heard, cases + n
         found = [ms for ms in barge_ms if ms is not None]
         timing = f"{np.median(found):.0f}, {max(found):.0f}" if found else "-"
+        rule, reach = (f"{np.median(s):+.0f}, {max(s):+.0f}" for s in zip(*starts)) if starts else ("-", "-")
+        heard_from_total = [t + h for t, h in zip(heard_from_total, heard_from)]
         print(f"{delay_ms:>3} ms {gain_db:>3} dB {heard:>6} of {n:<4} {np.mean(down):>7.1f} dB {echo_barged:>8} of {len(barge_ms)} "
-              f"{timing:>11}; {len(barge_ms) - len(found)}")
-    print(f"{'all':>13} {total:>6} of {cases:<4} ({total / cases:.0%})")
+              f"{timing:>11}; {len(barge_ms) - len(found)} {rule:>11} -> {reach:<11} {heard_from[0]:>4} -> {heard_from[1]:>3} of {n}; "
+              f"{len(barge_ms) - len(starts)} no utterance")
+    print(f"{'all':>13} {total:>6} of {cases:<4} ({total / cases:.0%}); from the utterance's start: "
+          f"{heard_from_total[0]} -> {heard_from_total[1]} of {cases}")
 
 
 def cpu_cost(seconds: float = 10.0, rounds: int = 5) -> None:

@@ -203,10 +203,11 @@ def test_speech_over_the_bots_echo_barges_in(server, sse):
 
 # AEC3's suppressor takes 5-27 dB off each 100 ms of the first 0.6-0.9 s of the words while the
 # reply's reference is still fed, and the grammar decoder made '' of that. The recognizer now hears
-# the linear canceller's output (voicebot/audio/echo.py), which keeps them. Known flaky (issue 29,
-# traced, open): about 1 run in 5 on a loaded box AEC3 took the words' first 0.7-1.2 s off the
-# suppressed output the VAD hears, the utterance (so the recognizer's audio) started inside the
-# words, and the final was ''; the same with the no-echo decision reverted (4 of 5 with a busy process).
+# the linear canceller's output (voicebot/audio/echo.py), which keeps them. It failed about 1 run in
+# 5 on a loaded box (issue 29): AEC3 took the words' first 0.7-1.2 s off the suppressed output the
+# VAD hears, the utterance (so the recognizer's audio) started inside the words, and the final was
+# ''. The front end now reaches back over what the suppressor left of them (EchoOnset,
+# voicebot/session/listening.py; offline: tests/unit/test_echo.py's 120-260 ms sweep).
 def test_speech_over_the_bots_echo_is_transcribed(server, sse):
     result = barge_in_over_echo(server, sse)
     texts = [e["text"] for e in result["finals"]]

@@ -20,6 +20,8 @@ from voicebot.session.listening import FrontEnd
 class HalvingCanceller:
     """An echo canceller's two outputs told apart: the suppressed one is the input, the linear one half of it."""
 
+    suppressing = False  # an utterance's start is the endpoint rule's (EchoOnset stays out of it)
+
     def process(self, audio: np.ndarray, arrived: float | None = None) -> Cancelled:
         return Cancelled(audio, audio * np.float32(0.5))
 

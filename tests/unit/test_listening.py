@@ -1,4 +1,5 @@
-"""FrontEnd's dating of a sample: when the user said it, not when its whole chunk arrived."""
+"""FrontEnd's dating of a sample: when the user said it, not when its whole chunk arrived; and where an
+utterance spoken over the bot's echo began (EchoOnset)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from voicebot.audio.rates import LISTEN_RATE
 from voicebot.config.stages import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
 from voicebot.serving.vad import VadBatcher
-from voicebot.session.listening import FrontEnd
+from voicebot.audio.endpoint import WINDOW, WINDOW_MS
+from voicebot.session.listening import ECHO_MARGIN_MS, ECHO_REACH_S, EchoOnset, FrontEnd
 
 
 def fed(input_rate: int, chunk_ms: int, arrivals: list[float]) -> FrontEnd:
@@ -86,3 +88,46 @@ def test_chunks_that_waited_go_through_the_front_end_in_one_trip_as_one_at_a_tim
         assert end == expected_end and np.array_equal(audio, expected_audio)
     assert behind[1] == [60] + [1] * (len(chunks) - 60) and one_by_one[1] == [1] * len(chunks)
     assert behind[2] == pytest.approx(one_by_one[2])
+
+
+def onset_after(levels_db: list[float], suppressing: bool = True) -> EchoOnset:
+    """An EchoOnset that has observed one window of each level (white noise at that dBFS, fixed seed)."""
+    onset = EchoOnset()
+    rng = np.random.default_rng(3)
+    for level in levels_db:
+        onset.observe((rng.standard_normal(WINDOW) * 10 ** (level / 20)).astype(np.float32), suppressing)
+    return onset
+
+
+MARGIN = ECHO_MARGIN_MS * LISTEN_RATE // 1000
+
+
+def test_an_utterance_over_the_echo_reaches_back_to_where_the_suppressed_words_began():
+    # 2 s of the suppressor's floor (-65 dBFS), then 0.5 s of what it left of the words (-45, with a
+    # 96 ms gap at the floor between two of them), then the endpoint rule's utterance: its pre-roll
+    # (9 windows) and 5 windows of speech it heard (-25).
+    floor, words = [-65.0] * 62, [-45.0] * 6 + [-65.0] * 3 + [-45.0] * 7
+    levels = floor + words + [-45.0] * 9 + [-25.0] * 5
+    end = len(levels) * WINDOW
+    start = end - 14 * WINDOW
+    assert onset_after(levels).start(start, end, 0) == (len(floor) * WINDOW) - MARGIN
+    # Never into the utterance before it (ended 0.4 s before the words here): its audio was that one's.
+    assert onset_after(levels).start(start, end, (len(floor) + 12) * WINDOW) == (len(floor) + 12) * WINDOW
+    # The canceller not suppressing (no echo canceller, no echo found, the reply long over): the endpoint rule's start.
+    assert onset_after(levels, suppressing=False).start(start, end, 0) == start
+
+
+def test_the_reach_back_stops_at_a_long_gap_and_at_its_bound():
+    # A burst 0.4 s before the words (more than ECHO_GAP_MS of floor between): not theirs.
+    levels = [-65.0] * 62 + [-45.0] * 2 + [-65.0] * 13 + [-45.0] * 10 + [-25.0] * 5
+    end = len(levels) * WINDOW
+    assert onset_after(levels).start(end - 9 * WINDOW, end, 0) == end - 15 * WINDOW - MARGIN
+    # Words going on for 1.6 s before the utterance: no more than ECHO_REACH_S (and ECHO_MARGIN_MS) before the endpoint rule's start.
+    levels = [-65.0] * 40 + [-45.0] * 50 + [-25.0] * 5
+    end = len(levels) * WINDOW
+    start = end - 14 * WINDOW
+    assert onset_after(levels).start(start, end, 0) == start - round(ECHO_REACH_S * 1000 / WINDOW_MS) * WINDOW - MARGIN
+    # Nothing over the floor before the speech the endpoint rule heard: its own start.
+    levels = [-65.0] * 80 + [-25.0] * 5
+    end = len(levels) * WINDOW
+    assert onset_after(levels).start(end - 14 * WINDOW, end, 0) == end - 14 * WINDOW

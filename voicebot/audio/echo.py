@@ -59,14 +59,14 @@ s into a first reply: the words lost ~0.9 dB on average in the linear output (~3
 (0.2-14 dB before the early hold), 24-28 dB in a second reply's first second (9-23 before; tests/unit/test_echo.py);
 the recognizer heard every word of them (92% before).
 
-Still open (issue 29, traced): the recognizer hears the linear output only from where the
-endpointer, on the suppressed output, starts the utterance (less its pre-speech). Where AEC3 takes
-the first 0.7-1.2 s of the words off (double talk over a first reply, its linear filter not yet
-converged: 10-60 dB per 100 ms), a first speech blip followed by 500 ms of that "silence" is
-forgotten, the utterance starts inside the words, and the grammar recognizer made '' of the rest
-(tests/integration/test_turn_taking.py, in about 1 run of 5 on a loaded box, with or without the
-no-echo decision above: the echo there is confirmed before the words, so that decision never runs).
-Offline (tests/unit/test_echo.py's clock) the same words over the same echo start the utterance on time.
+The utterance's start (issue 29): the endpoint rule decides on the suppressed output, and where
+AEC3 takes the first 0.3-1.2 s of the words off (double talk over a first reply, its linear filter
+not yet converged: 10-60 dB per 100 ms), it started the utterance, so the recognizer's audio, inside
+the words, and the grammar recognizer made '' of the rest (tests/integration/test_turn_taking.py,
+about 1 run in 5). What the suppressor leaves of them still stands above its floor: the front end
+reaches back over it while the canceller is `suppressing` (voicebot/session/listening.py, EchoOnset).
+Still open: where the suppressor takes the first words all the way down to its floor (0.3 s of
+them over a 180 ms path, tests/unit/test_echo.py), nothing of them rises for it to find.
 
 Bounds: unplayed far end at most `MAX_FAR_S` (more is dropped oldest first and counted); the
 tracker keeps `HISTORY_S` of each end; each hold at most `MAX_DELAY_S` of far blocks; the input
@@ -332,6 +332,11 @@ class DelayTracker:
         self._no_echo_windows = 0  # early windows in a row with no echo at any delay
 
     @property
+    def reply_recent(self) -> bool:
+        """The reply played within MAX_DELAY_S: its echo may be in the input now."""
+        return self._far_silent_blocks * BLOCK < MAX_DELAY_S * SAMPLE_RATE
+
+    @property
     def linear_delay_s(self) -> float | None:
         """The delay the linear canceller's hold follows: the early one until the tracker's median
         has LINEAR_TRUSTS_ESTIMATES behind it (a first median of one was a voice's chance lag: a
@@ -480,6 +485,12 @@ class EchoCanceller:
     @property
     def delay_ms(self) -> float | None:
         return None if self.tracker.delay_s is None else round(self.tracker.delay_s * 1000, 1)
+
+    @property
+    def suppressing(self) -> bool:
+        """Whether the gate and the VAD hear AEC3's suppressed output now: the reply (or its echo's
+        tail) in the input, and an echo not ruled out. Read between `process` calls."""
+        return self.tracker.reply_recent and not self.tracker.echo_absent
 
     @property
     def far_pending_s(self) -> float:

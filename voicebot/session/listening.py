@@ -31,7 +31,7 @@ import numpy as np
 from voicebot import protocol
 from voicebot.asr.base import Hypothesis, RecognizerStream
 from voicebot.audio.echo import EchoCanceller
-from voicebot.audio.endpoint import Endpointer, EventKind, VadEvent
+from voicebot.audio.endpoint import WINDOW, WINDOW_MS, Endpointer, EventKind, VadEvent
 from voicebot.audio.gate import NoiseGate
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
@@ -55,6 +55,61 @@ ARRIVALS_MAX = 256
 MIC_RESAMPLER_QUALITY = "MQ"
 # Input kept for the end-of-turn model, which reads the last 8 s of a turn (256 KB per session).
 TURN_AUDIO_S = 8
+# Words spoken over the bot's echo (issue 29): AEC3's suppressor, in double talk over a new reply,
+# takes 10-60 dB off each 100 ms of their first 0.7-1.2 s, Silero on its output hears speech only
+# after that, and the utterance (so the recognizer's audio, the linear canceller's) started inside
+# the words. What the suppressor leaves of them still stands 15-20 dB above its output over the
+# echo alone (its floor: the 10th percentile of the last ECHO_HISTORY_S, at least
+# ECHO_FLOOR_MIN_DBFS). So an utterance that starts while it suppresses reaches back over the
+# windows ECHO_ONSET_DB above that floor, each at most ECHO_GAP_MS before the next (a pause
+# between words), from its speech back, to ECHO_MARGIN_MS before the earliest (a first phoneme
+# too weak to rise that far), at most ECHO_REACH_S before where the endpoint rule put it. Not the
+# whole pre_speech_ms before them: the linear output there is the echo's residual, and with a -6 dB
+# echo the grammar recognizer heard fewer of the words after 300 ms of it (bench/echo.py --offline,
+# words heard from the utterance's start: the -6 dB rows lost 9 of 108 each against the endpoint
+# rule's start; from ECHO_MARGIN_MS before, no row lost any, and 531 of 648 became 575).
+# Open: where the suppressor takes the first words down to its floor (a 180 ms path: their first
+# 0.3 s), nothing rises and the endpoint rule's start stands (tests/unit/test_echo.py).
+ECHO_REACH_S = 1.2
+ECHO_MARGIN_MS = 96
+ECHO_HISTORY_S = 3.0  # per session: 94 windows of (level, suppressing)
+ECHO_FLOOR_PERCENTILE = 10
+ECHO_FLOOR_MIN_DBFS = -75.0
+ECHO_ONSET_DB = 10.0
+ECHO_GAP_MS = 300
+
+
+class EchoOnset:
+    """Where an utterance that starts while AEC3 suppresses began: see ECHO_REACH_S. It decides on
+    the suppressed output's level, window by window, and only while the canceller suppresses: a
+    session with no echo canceller, or where it found no echo, is left as the endpoint rule has it."""
+
+    def __init__(self) -> None:
+        self._windows: deque[tuple[float, bool]] = deque(maxlen=round(ECHO_HISTORY_S * 1000 / WINDOW_MS))
+
+    def observe(self, window: np.ndarray, suppressing: bool) -> None:
+        """The next VAD window of the suppressed output, and whether the canceller suppressed in it."""
+        self._windows.append((10 * float(np.log10(np.dot(window, window) / len(window) + 1e-18)), suppressing))
+
+    def start(self, start: int, end: int, not_before: int) -> int:
+        """The start of an utterance the endpoint rule began at `start` (pre-speech included), the
+        last window observed ending at `end`: earlier where the words run on before its first speech,
+        never before `not_before` (where the utterance before it ended: its audio is that one's)."""
+        history = list(self._windows)
+        reach = min(len(history), (end - start) // WINDOW + round(ECHO_REACH_S * 1000 / WINDOW_MS))
+        floor = max(float(np.percentile([level for level, _ in history], ECHO_FLOOR_PERCENTILE)), ECHO_FLOOR_MIN_DBFS)
+        earliest, gap = None, 0  # windows back from `end`
+        for back in range(1, reach + 1):  # from the utterance's latest window back over its speech, its pre-roll and before
+            level, suppressing = history[-back]
+            if not suppressing:
+                break
+            if level >= floor + ECHO_ONSET_DB:
+                earliest, gap = back, 0
+            elif (gap := gap + 1) > ECHO_GAP_MS / WINDOW_MS:
+                break
+        if earliest is None:
+            return start
+        return max(not_before, min(start, end - earliest * WINDOW - round(ECHO_MARGIN_MS * LISTEN_RATE / 1000)))
 
 
 @dataclass(frozen=True)
@@ -73,6 +128,7 @@ class FrontEnd:
         self.echo = echo  # the bot's own voice removed before anything listens (voicebot/audio/echo.py)
         self.gate = NoiseGate(gate, LISTEN_RATE) if gate.enabled else None
         self.endpointer = Endpointer(endpoint)
+        self.echo_onset = None if echo is None else EchoOnset()
         self.vad = vad
         self._input_samples = 0  # at input_rate
         self._recent: deque[np.ndarray] = deque()  # the last TURN_AUDIO_S of what the recognizer hears
@@ -83,6 +139,7 @@ class FrontEnd:
         self._in_gate = np.zeros(0, np.float32)
         self._heard_in_gate = np.zeros(0, np.float32)
         self.speech_start_sample = 0  # where the latest utterance began (its pre-speech audio included)
+        self._utterance_end = 0  # where the latest utterance ended: the next one's audio starts after it
         # (end of a chunk in input_rate samples, when it arrived): when the user stopped talking,
         # even if the chunk waited in the session's input queue before it was processed. Counted
         # at the input, not after the resampler and the echo canceller, which hold part of a chunk
@@ -95,32 +152,41 @@ class FrontEnd:
         VAD batcher, then the endpoint rule here on the loop (a few comparisons per window). A session
         that fell behind catches up in one trip, not one per chunk (see Listening.hear)."""
         chunks = [chunks] if isinstance(chunks, AudioIn) else chunks
-        windows, muted = await worker.run(self._prepare, *chunks)
+        windows, muted, suppressing = await worker.run(self._prepare, *chunks)
         probabilities = await self.vad.probabilities(self.endpointer.vad, windows)
-        return FrontEndOutput(self._decide(windows, probabilities), muted)
+        return FrontEndOutput(self._decide(windows, probabilities, suppressing), muted)
 
-    def _decide(self, windows: np.ndarray, probabilities: np.ndarray) -> list[VadEvent]:
+    def _decide(self, windows: np.ndarray, probabilities: np.ndarray, suppressing: np.ndarray) -> list[VadEvent]:
         """The endpoint rule, a window at a time so that each event's audio has its stream
         positions; that audio is then what the recognizer hears there, an utterance's consecutive
-        audio joined (one array per chunk, as the endpointer gives it)."""
+        audio joined (one array per chunk, as the endpointer gives it). An utterance that starts
+        while the echo canceller suppresses may reach further back (EchoOnset)."""
         spans: list[tuple[VadEvent, int, int]] = []  # an event, where its audio starts and ends
         for k in range(len(windows)):
+            if self.echo_onset is not None:
+                self.echo_onset.observe(windows[k], bool(suppressing[k]))
             for event in self.endpointer.decide(windows[k : k + 1], probabilities[k : k + 1]):
                 end = self.endpointer.samples_seen
+                start = end - len(event.audio)
                 if event.kind is EventKind.START:  # its pre-speech audio included
-                    self.speech_start_sample = end - len(event.audio)
+                    if self.echo_onset is not None:
+                        start = self.echo_onset.start(start, end, self._utterance_end)
+                    self.speech_start_sample = start
+                if event.kind is EventKind.END:
+                    self._utterance_end = end
                 joins = event.kind is EventKind.AUDIO and spans and spans[-1][0].kind in (EventKind.START, EventKind.AUDIO)
                 if joins:
                     spans[-1] = (spans[-1][0], spans[-1][1], end)
                 else:
-                    spans.append((event, end - len(event.audio), end))
+                    spans.append((event, start, end))
         return [replace(event, audio=self._kept(start, end)) if end > start else event for event, start, end in spans]
 
-    def _prepare(self, *chunks: AudioIn) -> tuple[np.ndarray, int]:
+    def _prepare(self, *chunks: AudioIn) -> tuple[np.ndarray, int, np.ndarray]:
         """Blocking (the audio worker): the chunks resampled, echo-cancelled and gated, cut in VAD
-        windows; what the recognizer hears of them kept. Chunk by chunk: the echo canceller matches
+        windows; what the recognizer hears of them kept; for each window, whether the echo canceller
+        suppressed when its chunk was processed. Chunk by chunk: the echo canceller matches
         each with the reply audio played when it arrived."""
-        windows, muted = [], 0
+        windows, muted, suppressing = [], 0, []
         for chunk in chunks:
             samples = pcm16_to_float(chunk.pcm)
             self._input_samples += len(samples)
@@ -134,7 +200,8 @@ class FrontEnd:
                 muted += self.gate.muted_samples - muted_before
             self._keep(heard)
             windows.append(self.endpointer.cut(audio))
-        return np.concatenate(windows), muted
+            suppressing.append(np.full(len(windows[-1]), self.echo is not None and self.echo.suppressing))
+        return np.concatenate(windows), muted, np.concatenate(suppressing)
 
     def _gate(self, audio: np.ndarray, heard: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The gate decides on `audio`; `heard` is muted where it muted `audio`, and delayed as
@@ -178,6 +245,7 @@ class FrontEnd:
 
     def end(self) -> list[VadEvent]:
         """The client sent input.end: end the utterance now."""
+        self._utterance_end = self.endpointer.samples_seen
         return self.endpointer.force_end()
 
     def time_of_sample(self, sample: int) -> float:
