@@ -34,7 +34,7 @@ Per case:
   utterance: the same input every run, where the live `heard` also depends on the box's load and
   where the endpointer cut. And where the front end starts the barge-in's utterance on the
   suppressed output (the recognizer hears the linear output from there): the endpoint rule's own
-  start, and EchoOnset's (voicebot/session/listening.py), with what the recognizer made of each. --offline also applies the barge-in rule (Silero, 300 ms of speech in a
+  start, and EchoOnset's (voicebot/audio/echo_onset.py), with what the recognizer made of each. --offline also applies the barge-in rule (Silero, 300 ms of speech in a
   row) to the suppressed output: of the echo alone (a false barge-in), and of the input with the
   user (how long after the first word it is met).
 """
@@ -66,7 +66,7 @@ from voicebot.audio.echo import BLOCK, EchoCanceller, LinearCanceller  # noqa: E
 from voicebot.audio.endpoint import WINDOW, Endpointer, EventKind  # noqa: E402
 from voicebot.audio.resample import StreamResampler  # noqa: E402
 from voicebot.config import EndpointConfig  # noqa: E402
-from voicebot.session.listening import EchoOnset  # noqa: E402
+from voicebot.audio.echo_onset import EchoOnset  # noqa: E402
 
 RATE = 16000
 CHUNK = RATE * 40 // 1000  # the mic page's 40 ms

@@ -207,7 +207,7 @@ def test_speech_over_the_bots_echo_barges_in(server, sse):
 # 5 on a loaded box (issue 29): AEC3 took the words' first 0.7-1.2 s off the suppressed output the
 # VAD hears, the utterance (so the recognizer's audio) started inside the words, and the final was
 # ''. The front end now reaches back over what the suppressor left of them (EchoOnset,
-# voicebot/session/listening.py; offline: tests/unit/test_echo.py's 120-260 ms sweep).
+# voicebot/audio/echo_onset.py; offline: tests/unit/test_echo.py's 120-260 ms sweep).
 def test_speech_over_the_bots_echo_is_transcribed(server, sse):
     result = barge_in_over_echo(server, sse)
     texts = [e["text"] for e in result["finals"]]

@@ -11,7 +11,8 @@ from voicebot.config.stages import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
 from voicebot.serving.vad import VadBatcher
 from voicebot.audio.endpoint import WINDOW, WINDOW_MS
-from voicebot.session.listening import ECHO_MARGIN_MS, ECHO_REACH_S, EchoOnset, FrontEnd
+from voicebot.audio.echo_onset import ECHO_MARGIN_MS, ECHO_REACH_S, EchoOnset
+from voicebot.session.listening import FrontEnd
 
 
 def fed(input_rate: int, chunk_ms: int, arrivals: list[float]) -> FrontEnd:

@@ -64,7 +64,7 @@ AEC3 takes the first 0.3-1.2 s of the words off (double talk over a first reply,
 not yet converged: 10-60 dB per 100 ms), it started the utterance, so the recognizer's audio, inside
 the words, and the grammar recognizer made '' of the rest (tests/integration/test_turn_taking.py,
 about 1 run in 5). What the suppressor leaves of them still stands above its floor: the front end
-reaches back over it while the canceller is `suppressing` (voicebot/session/listening.py, EchoOnset).
+reaches back over it while the canceller is `suppressing` (voicebot/audio/echo_onset.py, EchoOnset).
 Still open: where the suppressor takes the first words all the way down to its floor (0.3 s of
 them over a 180 ms path, tests/unit/test_echo.py), nothing of them rises for it to find.
 

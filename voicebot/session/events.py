@@ -11,7 +11,7 @@ details, a transcript's hypothesis): `wire` spreads it where the field stands.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from voicebot.messages import AudioFrame
@@ -169,18 +169,3 @@ ServerEvent = (SessionReady | SessionUpdated | Pong | Error | SpeechStarted | As
                | ReplyDelta | ReplyDone | AudioStart | AudioEnd | AudioInterrupted | ReplyTruncated | TruncateRefused
                | StateReset)
 Outbound = ServerEvent | AudioFrame  # what the outbox holds, in order
-
-BY_KIND: dict[str, type] = {cls.kind: cls for cls in ServerEvent.__args__}
-
-
-def from_payload(payload: dict[str, Any]) -> ServerEvent:
-    """The typed event a /v1/voice-shaped dict stands for (keys a `flat` field does not name go
-    into it). The one dict producer left is session/listening.py's three emits; once they build
-    events directly this goes."""
-    cls = BY_KIND[payload["type"]]
-    named = {f.name for f in fields(cls) if not f.metadata.get("flat")}
-    values = {k: v for k, v in payload.items() if k in named}
-    flat = [f.name for f in fields(cls) if f.metadata.get("flat")]
-    if flat:
-        values[flat[0]] = {k: v for k, v in payload.items() if k != "type" and k not in named}
-    return cls(**values)

@@ -28,10 +28,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from voicebot import protocol
 from voicebot.asr.base import Hypothesis, RecognizerStream
 from voicebot.audio.echo import EchoCanceller
-from voicebot.audio.endpoint import WINDOW, WINDOW_MS, Endpointer, EventKind, VadEvent
+from voicebot.audio.endpoint import Endpointer, EventKind, VadEvent
 from voicebot.audio.gate import NoiseGate
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
@@ -42,6 +41,8 @@ from voicebot.protocol import ErrorCode
 from voicebot.serving.capacity import InputLag
 from voicebot.serving.vad import VadBatcher
 from voicebot.serving.worker import Worker
+from voicebot.session import events
+from voicebot.audio.echo_onset import EchoOnset
 from voicebot.session.outbox import Outbox
 
 log = logging.getLogger("voicebot.session")
@@ -55,63 +56,6 @@ ARRIVALS_MAX = 256
 MIC_RESAMPLER_QUALITY = "MQ"
 # Input kept for the end-of-turn model, which reads the last 8 s of a turn (256 KB per session).
 TURN_AUDIO_S = 8
-# Words spoken over the bot's echo (issue 29): AEC3's suppressor, in double talk over a new reply,
-# takes 10-60 dB off each 100 ms of their first 0.7-1.2 s, Silero on its output hears speech only
-# after that, and the utterance (so the recognizer's audio, the linear canceller's) started inside
-# the words. What the suppressor leaves of them still stands 15-20 dB above its output over the
-# echo alone (its floor: the 10th percentile of the last ECHO_HISTORY_S, at least
-# ECHO_FLOOR_MIN_DBFS). So an utterance that starts while it suppresses reaches back over the
-# windows ECHO_ONSET_DB above that floor, each at most ECHO_GAP_MS before the next (a pause
-# between words), from its speech back, to ECHO_MARGIN_MS before the earliest (a first phoneme
-# too weak to rise that far), at most ECHO_REACH_S before where the endpoint rule put it. Not the
-# whole pre_speech_ms before them: the linear output there is the echo's residual, and with a -6 dB
-# echo the grammar recognizer heard fewer of the words after 300 ms of it (bench/echo.py --offline,
-# words heard from the utterance's start: the -6 dB rows lost 9 of 108 each against the endpoint
-# rule's start; from ECHO_MARGIN_MS before, no row lost any, and 531 of 648 became 575).
-# Open: where the suppressor takes the first words down to its floor (a 180 ms path: their first
-# 0.3 s), nothing rises and the endpoint rule's start stands (tests/unit/test_echo.py).
-ECHO_REACH_S = 1.2
-ECHO_MARGIN_MS = 96
-ECHO_HISTORY_S = 3.0  # per session: 94 windows of (level, suppressing)
-ECHO_FLOOR_PERCENTILE = 10
-ECHO_FLOOR_MIN_DBFS = -75.0
-ECHO_ONSET_DB = 10.0
-ECHO_GAP_MS = 300
-
-
-class EchoOnset:
-    """Where an utterance that starts while AEC3 suppresses began: see ECHO_REACH_S. It decides on
-    the suppressed output's level, window by window, and only while the canceller suppresses: a
-    session with no echo canceller, or where it found no echo, is left as the endpoint rule has it."""
-
-    def __init__(self) -> None:
-        self._windows: deque[tuple[float, bool]] = deque(maxlen=round(ECHO_HISTORY_S * 1000 / WINDOW_MS))
-
-    def observe(self, window: np.ndarray, suppressing: bool) -> None:
-        """The next VAD window of the suppressed output, and whether the canceller suppressed in it."""
-        self._windows.append((10 * float(np.log10(np.dot(window, window) / len(window) + 1e-18)), suppressing))
-
-    def start(self, start: int, end: int, not_before: int) -> int:
-        """The start of an utterance the endpoint rule began at `start` (pre-speech included), the
-        last window observed ending at `end`: earlier where the words run on before its first speech,
-        never before `not_before` (where the utterance before it ended: its audio is that one's)."""
-        history = list(self._windows)
-        reach = min(len(history), (end - start) // WINDOW + round(ECHO_REACH_S * 1000 / WINDOW_MS))
-        floor = max(float(np.percentile([level for level, _ in history], ECHO_FLOOR_PERCENTILE)), ECHO_FLOOR_MIN_DBFS)
-        earliest, gap = None, 0  # windows back from `end`
-        for back in range(1, reach + 1):  # from the utterance's latest window back over its speech, its pre-roll and before
-            level, suppressing = history[-back]
-            if not suppressing:
-                break
-            if level >= floor + ECHO_ONSET_DB:
-                earliest, gap = back, 0
-            elif (gap := gap + 1) > ECHO_GAP_MS / WINDOW_MS:
-                break
-        if earliest is None:
-            return start
-        return max(not_before, min(start, end - earliest * WINDOW - round(ECHO_MARGIN_MS * LISTEN_RATE / 1000)))
-
-
 @dataclass(frozen=True)
 class FrontEndOutput:
     events: list[VadEvent]
@@ -329,7 +273,7 @@ class Listening:
         if event.kind is EventKind.START:
             self._count += 1
             self._open = _OpenUtterance(f"u{self._count}")
-            await self._outbox.emit(protocol.event("speech.started", utterance_id=self._open.id))
+            await self._outbox.emit(events.SpeechStarted(self._open.id))
         if self._open is None:
             return None
         if event.kind is EventKind.END:
@@ -347,7 +291,7 @@ class Listening:
             await self._failed("feed", exc, self._open)
             return None
         if partial is not None:
-            await self._outbox.emit(protocol.event("asr.partial", utterance_id=self._open.id, text=partial))
+            await self._outbox.emit(events.AsrPartial(self._open.id, partial))
         return None
 
     async def _failed(self, stage: str, exc: Exception, opened: _OpenUtterance) -> None:
@@ -410,15 +354,7 @@ class Listening:
         if hyp is None:
             return utterance  # empty: the turn policy takes it for noise; the error said it was lost
         self._observe(utterance)
-        await self._outbox.emit(
-            protocol.event(
-                "asr.final",
-                utterance_id=utterance.id,
-                **hyp.to_event(),
-                gate_muted_ms=utterance.gate_muted_ms,
-                timings=_timings(utterance),
-            )
-        )
+        await self._outbox.emit(events.AsrFinal(utterance.id, hyp.to_event(), utterance.gate_muted_ms, _timings(utterance)))
         log.info(json.dumps(self._log_record(utterance), ensure_ascii=False))
         return utterance
 

@@ -23,10 +23,9 @@ class Outbox:
         self._metrics = metrics
         self._queue: asyncio.Queue[Outbound | None] = asyncio.Queue(OUTBOX_MAX)
 
-    async def emit(self, event: ServerEvent | dict) -> None:
-        """Queue an event. A dict in the /v1/voice shape is taken too, for session/listening.py's
-        emits until they build typed events (events.from_payload); any other kind raises."""
-        await self._queue.put(events.from_payload(event) if isinstance(event, dict) else event)
+    async def emit(self, event: ServerEvent) -> None:
+        """Queue an event."""
+        await self._queue.put(event)
 
     async def error(self, code: str, message: str, **details) -> None:
         """Queue an `error` event, counted in voicebot_errors_total by its code."""

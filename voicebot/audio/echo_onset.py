@@ -1,0 +1,72 @@
+"""Where an utterance begins when the user starts talking over the bot's echo (issue 29).
+
+The endpoint rule (audio/endpoint.py) hears AEC3's suppressed output; in double talk over a new
+reply the suppressor can take the user's first words down so far that the utterance, and so the
+recognizer's audio, starts inside them. EchoOnset, one per session with an echo canceller, watches
+the suppressed output's level window by window and moves such an utterance's start back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from voicebot.audio.endpoint import WINDOW, WINDOW_MS
+from voicebot.audio.rates import LISTEN_RATE
+
+# Words spoken over the bot's echo (issue 29): AEC3's suppressor, in double talk over a new reply,
+# takes 10-60 dB off each 100 ms of their first 0.7-1.2 s, Silero on its output hears speech only
+# after that, and the utterance (so the recognizer's audio, the linear canceller's) started inside
+# the words. What the suppressor leaves of them still stands 15-20 dB above its output over the
+# echo alone (its floor: the 10th percentile of the last ECHO_HISTORY_S, at least
+# ECHO_FLOOR_MIN_DBFS). So an utterance that starts while it suppresses reaches back over the
+# windows ECHO_ONSET_DB above that floor, each at most ECHO_GAP_MS before the next (a pause
+# between words), from its speech back, to ECHO_MARGIN_MS before the earliest (a first phoneme
+# too weak to rise that far), at most ECHO_REACH_S before where the endpoint rule put it. Not the
+# whole pre_speech_ms before them: the linear output there is the echo's residual, and with a -6 dB
+# echo the grammar recognizer heard fewer of the words after 300 ms of it (bench/echo.py --offline,
+# words heard from the utterance's start: the -6 dB rows lost 9 of 108 each against the endpoint
+# rule's start; from ECHO_MARGIN_MS before, no row lost any, and 531 of 648 became 575).
+# Open: where the suppressor takes the first words down to its floor (a 180 ms path: their first
+# 0.3 s), nothing rises and the endpoint rule's start stands (tests/unit/test_echo.py).
+ECHO_REACH_S = 1.2
+ECHO_MARGIN_MS = 96
+ECHO_HISTORY_S = 3.0  # per session: 94 windows of (level, suppressing)
+ECHO_FLOOR_PERCENTILE = 10
+ECHO_FLOOR_MIN_DBFS = -75.0
+ECHO_ONSET_DB = 10.0
+ECHO_GAP_MS = 300
+
+
+class EchoOnset:
+    """Where an utterance that starts while AEC3 suppresses began: see ECHO_REACH_S. It decides on
+    the suppressed output's level, window by window, and only while the canceller suppresses: a
+    session with no echo canceller, or where it found no echo, is left as the endpoint rule has it."""
+
+    def __init__(self) -> None:
+        self._windows: deque[tuple[float, bool]] = deque(maxlen=round(ECHO_HISTORY_S * 1000 / WINDOW_MS))
+
+    def observe(self, window: np.ndarray, suppressing: bool) -> None:
+        """The next VAD window of the suppressed output, and whether the canceller suppressed in it."""
+        self._windows.append((10 * float(np.log10(np.dot(window, window) / len(window) + 1e-18)), suppressing))
+
+    def start(self, start: int, end: int, not_before: int) -> int:
+        """The start of an utterance the endpoint rule began at `start` (pre-speech included), the
+        last window observed ending at `end`: earlier where the words run on before its first speech,
+        never before `not_before` (where the utterance before it ended: its audio is that one's)."""
+        history = list(self._windows)
+        reach = min(len(history), (end - start) // WINDOW + round(ECHO_REACH_S * 1000 / WINDOW_MS))
+        floor = max(float(np.percentile([level for level, _ in history], ECHO_FLOOR_PERCENTILE)), ECHO_FLOOR_MIN_DBFS)
+        earliest, gap = None, 0  # windows back from `end`
+        for back in range(1, reach + 1):  # from the utterance's latest window back over its speech, its pre-roll and before
+            level, suppressing = history[-back]
+            if not suppressing:
+                break
+            if level >= floor + ECHO_ONSET_DB:
+                earliest, gap = back, 0
+            elif (gap := gap + 1) > ECHO_GAP_MS / WINDOW_MS:
+                break
+        if earliest is None:
+            return start
+        return max(not_before, min(start, end - earliest * WINDOW - round(ECHO_MARGIN_MS * LISTEN_RATE / 1000)))
