@@ -62,7 +62,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.latency import start_server  # noqa: E402
 from tests.audio import espeak_speech, to_pcm16  # noqa: E402
-from voicebot.audio.echo import BLOCK, EchoCanceller, LinearCanceller  # noqa: E402
+from voicebot.audio.echo import EchoCanceller  # noqa: E402
+from voicebot.audio.linear_echo import BLOCK, LinearCanceller  # noqa: E402
 from voicebot.audio.endpoint import WINDOW, Endpointer, EventKind  # noqa: E402
 from voicebot.audio.resample import StreamResampler  # noqa: E402
 from voicebot.config import EndpointConfig  # noqa: E402

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from voicebot import memory
 from voicebot.asr.base import Recognizer
-from voicebot.audio.echo import linear_canceller_problem
+from voicebot.audio.linear_echo import linear_canceller_problem
 from voicebot.audio.turn import SmartTurn, SmartTurnUnavailable
 from voicebot.channels import ChannelHub
 from voicebot.cluster import CLUSTER_UNAVAILABLE, Cluster

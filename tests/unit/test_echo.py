@@ -323,12 +323,12 @@ def test_the_recognizer_hears_the_words_spoken_over_a_new_replys_echo(reply_24k,
 def test_without_libspeexdsp_the_recognizer_hears_the_suppressed_output(reply_24k, monkeypatch):
     # A host without the system library: sessions still cancel echo (AEC3), the recognizer gets AEC3's
     # output as before, and the server can say why (start-up log, /readyz's echo.problem).
-    from voicebot.audio import echo
+    from voicebot.audio import linear_echo
 
-    monkeypatch.setattr(echo, "_speexdsp", lambda: None)
-    assert echo.linear_canceller_problem() == echo.SPEEXDSP_MISSING
+    monkeypatch.setattr(linear_echo, "_speexdsp", lambda: None)
+    assert linear_echo.linear_canceller_problem() == linear_echo.SPEEXDSP_MISSING
     with pytest.raises(RuntimeError, match="libspeexdsp1"):
-        echo.LinearCanceller()
+        linear_echo.LinearCanceller()
     canceller = EchoCanceller(reply_rate=24000)
     canceller.play(reply_24k[:24000], sent_at=0.0)
     near = StreamResampler(24000, 16000).process(reply_24k[:24000]) * 0.5
@@ -390,10 +390,10 @@ def test_a_voice_over_a_new_reply_leaves_the_linear_hold_where_the_echo_put_it(r
     # Under a barge-in GCC-PHAT can peak at a chance lag of the voice: the tracker's first median
     # (one estimate) read a 150 ms path as 80 ms, and two overlapping early windows agreed on 0.53 s
     # for a 50 ms one. Each moved the linear hold, and MDF started again under the words.
-    from voicebot.audio import echo
+    from voicebot.audio.linear_echo import LinearCanceller
 
     resets = []
-    monkeypatch.setattr(echo.LinearCanceller, "reset", lambda self: resets.append(self))
+    monkeypatch.setattr(LinearCanceller, "reset", lambda self: resets.append(self))
     speech = espeak_speech(BARGE_IN, "en-gb") * 0.7
     canceller, *_ = run_case(reply_24k, 150, -20, speech, speech_at_s=speech_at_s)
     assert abs(canceller.tracker.early_delay_s - 0.15) <= 0.01

@@ -2,62 +2,37 @@
 
 When the reply plays through speakers, or OBS mixes desktop audio into what /obs/audio sends, the
 input carries the bot's own voice back, late (playback + capture + network) and attenuated. The
-server knows exactly what it sent: each reply frame is the far end, and WebRTC's AEC3 (the
-`aec-audio-processing` package) removes it from the near end (the 16 kHz input) before the
-gate, the VAD or the recognizer hear it. AEC3 beat speexdsp's canceller by 20-50 dB on the same
-echo here (24-62 dB vs 2-8 dB at 50-300 ms delay), and needs no system library.
+server knows exactly what it sent: each reply frame is the far end, and `EchoCanceller` removes it
+from the near end (the 16 kHz input) before the gate, the VAD or the recognizer hear it. Its pieces:
+
+- here: WebRTC's AEC3 (the `aec-audio-processing` package), the far end's queue and its holds. AEC3
+  beat speexdsp's canceller by 20-50 dB on the same echo here (24-62 dB vs 2-8 dB at 50-300 ms
+  delay), and needs no system library.
+- voicebot/audio/linear_echo.py: speexdsp's linear canceller (MDF alone), the recognizer's.
+- voicebot/audio/echo_delay.py: `DelayTracker`, the echo's delay (GCC-PHAT) and whether there is
+  an echo at all (the no-echo decision: the gate and the VAD then hear the input itself).
+- voicebot/audio/echo_onset.py: where an utterance begins when the words start under the echo.
 
 Timing: the far end is consumed at the input's pace, one 10 ms block per 10 ms of input, from the
 moment the server sends it (the client plays each frame after the one before it); the echo then
 arrives later by the client's playback latency plus the acoustic and capture path. A reply's
 first frame is matched with the input that arrived when it was sent, not with the input the
 audio worker happens to be processing then: under load that input is older (it waited in the
-session's queue), and the echo would seem later by that wait, past AEC3's range. AEC3 finds and follows that delay itself within its search range
-(about 0.5 s here: 500 ms cancelled 59 dB, 800 ms only 13 dB), so `DelayTracker` measures it too
-(GCC-PHAT on the last second of both ends, while the bot speaks) and, for a path beyond that
-range only (an OBS mix with buffering), holds the far end back by the estimate less a margin. A
-path AEC3 reaches is left alone: every shift of its reference makes it converge again, and the
-echo leaks meanwhile.
+session's queue), and the echo would seem later by that wait, past AEC3's range. For a path beyond
+AEC3's reach only (`AEC3_REACH_S`, echo_delay.py), the far end is held back by the tracker's
+estimate less `HOLD_MARGIN_S`. A path AEC3 reaches is left alone: every shift of its reference
+makes it converge again, and the echo leaks meanwhile.
 
 Double talk: AEC3's first seconds of reply audio are its "initial state", where it suppresses
 hardest when the user talks over the bot; it is shortened to 0.6 s (`AEC3_FIELD_TRIALS`, WebRTC's
 own configuration override, process-wide), so a barge-in over a new reply's echo is heard about
 as soon as one with no echo (bench/echo.py).
 
-No echo path (headphones; an OBS mix without desktop audio): AEC3 cancels with a linear filter
-that converges on the echo, and until it has converged its suppressor takes the echo to be as loud
-as the reply (its default echo-path gain). With no echo there is nothing to converge on, so that
-lasts: a user talking over the reply lost 20-65 dB in most 200 ms windows, and barge-in took
-about 2 s instead of 0.5 s (bench/echo.py). So the tracker also says when there is no echo
-(`DelayTracker.echo_absent`), and the gate and the VAD then hear the input itself; AEC3 keeps its
-reference and runs on, so an echo found after all is suppressed from that block on. Silence alone
-(a whole second under -80 dBFS while the reply played) decided it once: a user talking in the first
-seconds of a session's first reply, or any real microphone's noise floor, never gave that second,
-and AEC3 took 13-70 dB off each 200 ms of the words (issue 29). Now it is also where the far end
-does not explain the input (GCC-PHAT's peak and the normalised correlation there, under
-`NO_ECHO_CORRELATION`): at a new reply's onset (the input quiet since it began: ONSET_CHECK_S) and
-over NO_ECHO_WINDOWS of the early windows. Still open: words that start within AEC3_REACH_S of a
-reply's first sound lose their first ONSET_WINDOW_S to the suppressor (an echo of that path could
-not be told from them sooner), and over a noise floor the first reply's first ~1.3 s are AEC3's.
-An echo confirmed (the tracker's delay) is there for the rest of the session.
-
-Two outputs, one for each listener. AEC3's suppressor (its non-linear stage) takes 5-27 dB off
-each 100 ms of the first 0.6-0.9 s of a user talking over the reply's echo, and the recognizer made
-'' of that. The gate, the VAD and so barge-in need what it leaves: the echo all but gone (a linear
+Two outputs, one for each listener (`Cancelled`), both at the input's sample positions. The gate,
+the VAD and so barge-in need what AEC3's suppressor leaves: the echo all but gone (a linear
 canceller leaves residual echo, which must not barge in). The recognizer needs the words: it gets
-the output of a linear canceller, speexdsp's MDF adaptive filter alone (`LinearCanceller`; its
-preprocessor, the residual echo suppressor, never runs), fed the same far end, so the echo's
-estimate is subtracted and nothing else is touched. AEC3's own linear output (`GetLinearAecOutput`)
-is in no PyPI binding (not `aec-audio-processing`, `pywebrtc-audio`, nor livekit's APM). MDF has
-no delay search of its own and converges slowly (in time proportional to its length): its filter
-covers `LINEAR_FILTER_S`, and the far end is held back by the path less `LINEAR_MARGIN_S`, on an
-early estimate of the tracker's (`EARLY_WINDOW_S`, within ~0.75 s of a new reply) until its own
-is settled. What MDF learnt is kept from one reply to the next; only a move of its hold starts it
-again. Both outputs have the input's sample positions. bench/echo.py --offline, barge-ins 1.5-2.5
-s into a first reply: the words lost ~0.9 dB on average in the linear output (~3 dB in its worst
-200 ms) where the suppressed one lost 3-15 dB (6-46 dB); the echo under them was 8-17 dB down
-(0.2-14 dB before the early hold), 24-28 dB in a second reply's first second (9-23 before; tests/unit/test_echo.py);
-the recognizer heard every word of them (92% before).
+the linear canceller's output (linear_echo.py), whose far end is held back by the path less
+`LINEAR_MARGIN_S`.
 
 The utterance's start (issue 29): the endpoint rule decides on the suppressed output, and where
 AEC3 takes the first 0.3-1.2 s of the words off (double talk over a first reply, its linear filter
@@ -68,97 +43,39 @@ reaches back over it while the canceller is `suppressing` (voicebot/audio/echo_o
 Still open: where the suppressor takes the first words all the way down to its floor (0.3 s of
 them over a 180 ms path, tests/unit/test_echo.py), nothing of them rises for it to find.
 
-Bounds: unplayed far end at most `MAX_FAR_S` (more is dropped oldest first and counted); the
-tracker keeps `HISTORY_S` of each end; each hold at most `MAX_DELAY_S` of far blocks; the input
-waits at most one 10 ms block.
+Bounds: unplayed far end at most `MAX_FAR_S` (more is dropped oldest first and counted); each hold
+at most `MAX_DELAY_S` (echo_delay.py) of far blocks; the input waits at most one 10 ms block.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import threading
 import time
-import weakref
 from collections import deque
 from typing import NamedTuple
 
 import numpy as np
 
+from voicebot.audio.echo_delay import AEC3_REACH_S, MAX_DELAY_S, DelayTracker
+from voicebot.audio.linear_echo import BLOCK, SAMPLE_RATE, LinearCanceller, linear_canceller_problem
 from voicebot.audio.resample import StreamResampler
 
-SAMPLE_RATE = 16000
-BLOCK = 160  # AEC3 works on 10 ms blocks
 MAX_FAR_S = 2.0  # pacing keeps reply audio at most lead_ms (400 ms by default) ahead of playback
-MAX_DELAY_S = 1.0  # longest echo path the tracker looks for
-HISTORY_S = 2.0  # near: the last second; far: that second plus the longest delay
-ESTIMATE_EVERY_S = 1.0
 HOLD_MARGIN_S = 0.25  # the far end is held back by the estimate less this: AEC3 then finds the rest itself
-# AEC3 finds a path this long by itself (over a reply's first 3 s, -6 dB: 500 ms cancelled 44 dB, 600 ms
-# 11 dB). Within it the far end is never shifted: AEC3 converges again after every shift, and a
-# 326-500 ms path, cancelled 40 dB until the tracker's hold moved the reference, leaked and barged in.
-# Beyond it the first reply still leaks until the path is confirmed (~3 s; 600-700 ms barged in).
-AEC3_REACH_S = 0.55
 MIN_HOLD_CHANGE_S = 0.06  # AEC3 re-converges after every shift: only follow real changes
 # A frame sent this long after the audio before it should have finished playing starts a new
 # playout (the client ran dry). Not less: the resampler holds back ~21 ms of each frame until the next.
 PLAYOUT_GAP_S = 0.05
-FAR_ACTIVE_RMS = 1e-3  # about -60 dBFS: below it the bot is silent and there is nothing to measure
-# An echo comes back at the same delay second after second (playout jitter is a few ms); a voice
-# over the reply correlates with it by chance, at another lag each time (0.20, 0.24, 0.50 s here).
-ECHO_CONFIRM_S = 0.02
 # AEC3's "initial state" (2.5 s of reply audio, restarted when it detects an echo path change)
 # suppresses far more during double talk: a user talking over the first seconds of a reply lost
 # the start of the words, and barge-in came 0.5-1.7 s later than with no echo (bench/echo.py).
 # 0.6 s of it: no later than a frame. None at all let a "300 ms" echo barge in live last time,
 # perhaps the hold shift that AEC3_REACH_S now avoids (that path measures 304-348 ms); not tried again.
 AEC3_FIELD_TRIALS = b"WebRTC-Aec3UseDot6SecondsInitialStateDuration/Enabled/"
-# The linear canceller's filter: 16 blocks, 160 ms of echo path. MDF adapts too slowly for a new
-# reply's first seconds (its step is normalised over the whole filter, and set by an estimate of
-# the echo left that itself takes ~2 s to follow): with 250 ms of filter a 150 ms -6 dB path was
-# 2-7 dB down 0.5-2.5 s into the first reply, and a 300 ms one, beyond it until the tracker's hold
-# (~3 s), 0 dB. So the far end is held back until the direct path sits LINEAR_MARGIN_S into the
-# filter, on the tracker's early estimate, from ~0.75 s into the reply; the room's first ~120 ms
-# fit behind it. bench/echo.py --offline (barge-ins 1.5-2.5 s into 3 first replies): the recognizer
-# heard 92% of the words before (the echo under them 0.2-0.4 dB down at 300 ms, 7-10 at 150 ms),
-# 98% with the early hold and 250 ms of filter, all of them with 160 ms (8-11 dB down at 300 ms,
-# 9-12 at 150 ms). 80-120 ms took 1-3 dB more, but off a pure delay: a room's tail needs the length.
-LINEAR_FILTER_S = 0.16
+# The linear canceller's hold: the direct path this far into MDF's filter (LINEAR_FILTER_S, linear_echo.py).
 LINEAR_MARGIN_S = 0.04  # the estimate is within a few ms, the hold a whole block, and it moves by LINEAR_HOLD_CHANGE_S
 LINEAR_HOLD_CHANGE_S = 0.03  # MDF reset and converging again costs less than a path 60 ms off in a short filter
-# The linear hold's estimate, until the tracker's own: GCC-PHAT on half a second, every quarter
-# second, found every bench/echo.py path (50-700 ms, -6 to -20 dB, a voice over it) from 0.5-0.75 s
-# into the first reply, where the tracker's on ESTIMATE_EVERY_S confirms at ~3 s. Two in a row at
-# one delay, as for the tracker's. AEC3 keeps the tracker's own: a wrong hold there leaks the echo
-# into barge-in, one here only into the recognizer.
-EARLY_WINDOW_S = 0.5
-EARLY_EVERY_S = 0.25
-LINEAR_TRUSTS_ESTIMATES = 3  # the median of 3 moves with no one estimate
-# No echo, decided from correlation rather than silence (a user talking, or a microphone's noise
-# floor, is never the whole silent second `_estimate` needs). GCC-PHAT's clear peak is no proof of
-# an echo: between a voice and the reply it peaked at chance lags in most windows (espeak voices,
-# tests/unit/test_echo.py). What is: the far end at that lag explains the input, their normalised
-# correlation. Measured on 0.2-0.5 s windows: an echo alone (a pure delay: an OBS mix) 0.97-1.00; in
-# a synthetic room (exponential tail, RT60 0.2-0.8 s) 0.67-0.95 with the direct path as loud as the
-# tail or louder, 0.21-0.84 with it 6 dB under; a voice over no echo 0.01-0.32. Between the two
-# bounds nothing is decided (AEC3 stays on); an echo under a louder voice falls under the lower one
-# (0.11-0.33 20 dB under it), so the user talking over it hears the input itself: the reply is cut.
-NO_ECHO_CORRELATION = 0.2
-ECHO_CORRELATION = 0.4
-# At the onset of a new playout, the input quiet (under -80 dBFS) so far. Quiet over AEC3_REACH_S
-# of its audio: no echo AEC3 could cancel, so none is taken to be there, and a user who starts
-# talking is heard from the first word; what comes is checked against the far end, and after
-# ONSET_CHECK_S an echo (a longer path) gives AEC3's output back. Sooner (0.3 s of quiet left an
-# echo of 326-500 ms unsuppressed for the check's 0.1 s, and the first reply's echo was 16 dB down
-# instead of 40): AEC3's output until ONSET_WINDOW_S of what came is checked, and then the input
-# where it is no echo, if the window reaches AEC3_REACH_S into the playout (an echo would be in it).
-ONSET_CHECK_S = 0.1
-ONSET_WINDOW_S = 0.2
-# Later: this many early windows in a row with no echo, the reply playing over each and over
-# AEC3_REACH_S before it (a microphone's noise floor, a user talking from the reply's start).
-NO_ECHO_WINDOWS = 3
-SPEEX_ECHO_SET_SAMPLING_RATE = 24  # speex_echo.h
 
 _field_trials_lock = threading.Lock()
 _field_trials: ctypes.Array | None = None  # WebRTC keeps the pointer, not a copy: it lives as long as the process
@@ -181,32 +98,6 @@ def _configure_aec3() -> None:
         init(_field_trials)
 
 
-SPEEXDSP_MISSING = ("libspeexdsp is not installed (Debian: libspeexdsp1; scripts/setup installs it): the recognizer "
-                    "hears AEC3's suppressed output, which loses the first words spoken over the bot's echo")
-
-
-@functools.cache
-def _speexdsp() -> ctypes.CDLL | None:
-    """The system's libspeexdsp, looked up once (find_library runs ldconfig); None where it is missing."""
-    path = ctypes.util.find_library("speexdsp")
-    if path is None:
-        return None
-    lib = ctypes.CDLL(path)
-    lib.speex_echo_state_init.argtypes = [ctypes.c_int, ctypes.c_int]
-    lib.speex_echo_state_init.restype = ctypes.c_void_p
-    lib.speex_echo_ctl.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    lib.speex_echo_cancellation.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    lib.speex_echo_cancellation.restype = None
-    lib.speex_echo_state_destroy.argtypes = [ctypes.c_void_p]
-    lib.speex_echo_state_reset.argtypes = [ctypes.c_void_p]
-    return lib
-
-
-def linear_canceller_problem() -> str | None:
-    """Why the recognizer cannot hear the linear canceller (start-up log, /readyz); None when it can."""
-    return SPEEXDSP_MISSING if _speexdsp() is None else None
-
-
 def _pcm16(audio: np.ndarray) -> np.ndarray:
     return (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2")
 
@@ -216,31 +107,6 @@ class Cancelled(NamedTuple):
 
     suppressed: np.ndarray  # AEC3's: the echo all but gone, and the start of speech over it cut (gate, VAD)
     linear: np.ndarray  # the echo's estimate subtracted, nothing suppressed (the recognizer)
-
-
-class LinearCanceller:
-    """speexdsp's MDF adaptive filter on 10 ms blocks: the echo it predicts from the far end, subtracted."""
-
-    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
-        self._lib = lib or _speexdsp()
-        if self._lib is None:
-            raise RuntimeError(SPEEXDSP_MISSING)
-        lib = self._lib
-        self._state = lib.speex_echo_state_init(BLOCK, round(LINEAR_FILTER_S * SAMPLE_RATE))
-        rate = ctypes.c_int(SAMPLE_RATE)
-        lib.speex_echo_ctl(self._state, SPEEX_ECHO_SET_SAMPLING_RATE, ctypes.byref(rate))
-        weakref.finalize(self, lib.speex_echo_state_destroy, self._state)
-        self._out = np.zeros(BLOCK, "<i2")
-
-    def process(self, near: np.ndarray, far: np.ndarray) -> np.ndarray:
-        """One block of each end, int16; the near end less the echo, float32."""
-        near, far = np.ascontiguousarray(near), np.ascontiguousarray(far)
-        self._lib.speex_echo_cancellation(self._state, near.ctypes.data, far.ctypes.data, self._out.ctypes.data)
-        return self._out.astype(np.float32) / 32768.0
-
-    def reset(self) -> None:
-        """Start adapting afresh (the far end was shifted: what the filter learnt is misplaced)."""
-        self._lib.speex_echo_state_reset(self._state)
 
 
 class FarHold:
@@ -265,185 +131,6 @@ class FarHold:
         """`block` in, the one of the hold before it out (silence while the hold fills)."""
         self._held.append(block)
         return self._held.popleft() if len(self._held) > self._blocks else np.zeros(BLOCK, np.float32)
-
-
-def _correlation(near: np.ndarray, far: np.ndarray, delay_s: float) -> float:
-    """The normalised correlation of `near` with `far` `delay_s` behind it (laid out as for
-    `_clear_peak_s`), the best within 2 ms of it: 1 for an echo alone, about 0 for another sound."""
-    best = 0.0
-    for lag in range(round(delay_s * SAMPLE_RATE) - 32, round(delay_s * SAMPLE_RATE) + 33, 2):
-        end = len(far) - lag
-        if lag < 0 or end - len(near) < 0:
-            continue
-        played = far[end - len(near) : end]
-        best = max(best, abs(float(np.dot(near, played))) / (float(np.linalg.norm(near) * np.linalg.norm(played)) + 1e-12))
-    return best
-
-
-def _echo_correlation(near: np.ndarray, far: np.ndarray) -> tuple[float | None, float]:
-    """GCC-PHAT's clear peak, and the correlation there (0 without one)."""
-    peak = _clear_peak_s(near, far)
-    return peak, 0.0 if peak is None else _correlation(near, far, peak)
-
-
-def _clear_peak_s(near: np.ndarray, far: np.ndarray) -> float | None:
-    """GCC-PHAT: the delay of `near` behind the end of `far` (which starts MAX_DELAY_S before `near`),
-    in seconds; None where the correlation has no clear peak (music or a noisy room gives a flat
-    one, and a guess would misalign)."""
-    max_lag = round(MAX_DELAY_S * SAMPLE_RATE)
-    n = 1 << int(np.ceil(np.log2(len(far) + len(near))))
-    cross = np.fft.rfft(far, n) * np.conj(np.fft.rfft(near, n))
-    corr = np.fft.irfft(cross / (np.abs(cross) + 1e-12), n)
-    # far starts max_lag earlier than near, so an echo `delay` samples late peaks at max_lag - delay.
-    lags = corr[: max_lag + 1][::-1]  # index = delay in samples
-    peak = int(np.argmax(lags))
-    return peak / SAMPLE_RATE if lags[peak] >= 8 * np.median(np.abs(lags)) else None
-
-
-class DelayTracker:
-    """Echo delay of one session, in seconds: GCC-PHAT between what was played and what came back."""
-
-    def __init__(self) -> None:
-        self._near: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * SAMPLE_RATE / BLOCK))
-        self._far: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * SAMPLE_RATE / BLOCK))
-        self._since_estimate = 0
-        self._since_early = 0
-        # The median of the last few estimates: one window can fool GCC-PHAT (the end of a reply,
-        # a repeated phrase) without moving the reported delay.
-        self._recent: deque[float] = deque(maxlen=5)
-        self.delay_s: float | None = None
-        self.estimates = 0
-        # The reply played over a whole window and nothing came back, and no echo has been
-        # confirmed (two estimates in a row at one delay) in this session.
-        self.echo_absent = False
-        self.echo_confirmed = False
-        self._last_peak_s: float | None = None
-        # Until delay_s is known: the first two early estimates in a row at one delay (the linear
-        # hold only). Kept: a voice over the reply made two overlapping windows agree on a chance
-        # lag (0.53 s, 0.95 s of a 50 ms path) and moved the hold under the very words it was for.
-        self.early_delay_s: float | None = None
-        self._last_early_s: float | None = None
-        # The onset check, once a playout: whether it is still to come, the playout's audible blocks
-        # so far, and the input's since it was first not quiet (None: quiet so far).
-        self._far_silent_blocks = round(MAX_DELAY_S * SAMPLE_RATE / BLOCK)  # since the reply last played
-        self._onset_due = False
-        self._playout_blocks = 0
-        self._onset_blocks: int | None = None
-        self._no_echo_windows = 0  # early windows in a row with no echo at any delay
-
-    @property
-    def reply_recent(self) -> bool:
-        """The reply played within MAX_DELAY_S: its echo may be in the input now."""
-        return self._far_silent_blocks * BLOCK < MAX_DELAY_S * SAMPLE_RATE
-
-    @property
-    def linear_delay_s(self) -> float | None:
-        """The delay the linear canceller's hold follows: the early one until the tracker's median
-        has LINEAR_TRUSTS_ESTIMATES behind it (a first median of one was a voice's chance lag: a
-        150 ms path read 80 ms under a barge-in, and the hold moved under the words twice)."""
-        if self.early_delay_s is not None and self.estimates < LINEAR_TRUSTS_ESTIMATES:
-            return self.early_delay_s
-        return self.delay_s
-
-    def add(self, near_block: np.ndarray, far_block: np.ndarray) -> None:
-        self._near.append(near_block)
-        self._far.append(far_block)
-        self._since_estimate += BLOCK
-        self._since_early += BLOCK
-        self._follow_onset(near_block, far_block)
-        if self._since_estimate >= ESTIMATE_EVERY_S * SAMPLE_RATE and len(self._far) == self._far.maxlen:
-            self._since_estimate = 0
-            self._estimate()
-        # Until the tracker confirms an echo: the linear hold's estimate comes from them (once), and whether there is an echo.
-        if not self.echo_confirmed and self._since_early >= EARLY_EVERY_S * SAMPLE_RATE:
-            self._since_early = 0
-            self._early_estimate()
-
-    def _follow_onset(self, near_block: np.ndarray, far_block: np.ndarray) -> None:
-        """The onset check: a new playout (the reply silent for MAX_DELAY_S before it) with the input
-        quiet since, then the first input that is not quiet against the far end."""
-        far_active = np.sqrt(np.mean(far_block**2)) >= FAR_ACTIVE_RMS
-        if far_active and self._far_silent_blocks * BLOCK >= MAX_DELAY_S * SAMPLE_RATE:
-            self._onset_due, self._playout_blocks, self._onset_blocks = not self.echo_confirmed, 0, None
-        self._far_silent_blocks = 0 if far_active else self._far_silent_blocks + 1
-        if not self._onset_due or self.echo_confirmed:
-            return
-        if self._onset_blocks is None:
-            if np.sqrt(np.mean(near_block**2)) >= FAR_ACTIVE_RMS / 10:
-                # Too soon for the window to reach AEC3_REACH_S (a noise floor is never quiet): the early windows decide.
-                reach = self._playout_blocks * BLOCK + ONSET_WINDOW_S * SAMPLE_RATE >= AEC3_REACH_S * SAMPLE_RATE
-                self._onset_due, self._onset_blocks = reach, 0
-            elif far_active:
-                self._playout_blocks += 1
-                if self._playout_blocks * BLOCK >= AEC3_REACH_S * SAMPLE_RATE:
-                    self.echo_absent = True  # so far
-            return
-        self._onset_blocks += 1
-        if self._onset_blocks * BLOCK == round(ONSET_CHECK_S * SAMPLE_RATE):
-            if _echo_correlation(*self._ends(ONSET_CHECK_S))[1] >= ECHO_CORRELATION:
-                self.echo_absent, self._onset_due = False, False
-        elif self._onset_blocks * BLOCK >= ONSET_WINDOW_S * SAMPLE_RATE:
-            self._onset_due = False
-            self.echo_absent = _echo_correlation(*self._ends(ONSET_WINDOW_S))[1] < NO_ECHO_CORRELATION  # not sure: AEC3's
-
-    def _decide_echo(self, near: np.ndarray, far: np.ndarray, enough: bool) -> float | None:
-        """Whether `near` is an echo of `far`, into echo_absent: an echo, AEC3's output again; none,
-        and `enough` windows of none to say so, the input's own. Returns GCC-PHAT's clear peak."""
-        peak, correlation = _echo_correlation(near, far)
-        if correlation >= ECHO_CORRELATION:
-            self.echo_absent, self._no_echo_windows = False, 0
-        elif correlation >= NO_ECHO_CORRELATION:
-            self._no_echo_windows = 0  # not sure: as it was
-        elif enough and not self.echo_confirmed:
-            self.echo_absent = True
-        return peak
-
-    def _ends(self, window_s: float) -> tuple[np.ndarray, np.ndarray]:
-        """The last `window_s` of the near end and that plus MAX_DELAY_S of the far end (zeros before the session)."""
-        window, far_len = round(window_s * SAMPLE_RATE), round((window_s + MAX_DELAY_S) * SAMPLE_RATE)
-        near, far = np.concatenate(self._near)[-window:], np.concatenate(self._far)[-far_len:]
-        return near, np.pad(far, (far_len - len(far), 0))
-
-    def _estimate(self) -> None:
-        near, far = self._ends(ESTIMATE_EVERY_S)
-        if np.sqrt(np.mean(far**2)) < FAR_ACTIVE_RMS:
-            return
-        # No echo means none of any delay up to MAX_DELAY_S: only when the bot spoke in both halves
-        # of the far history, not only in the part that a late echo has not come back from yet.
-        no_echo = not self.echo_confirmed and min(np.sqrt(np.mean(h**2)) for h in np.array_split(far, 2)) >= FAR_ACTIVE_RMS
-        if np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:  # nothing came back at all
-            self.echo_absent |= no_echo
-            return
-        # No clear peak is not taken for no echo: a real echo in a noisy room, or under music, can
-        # miss it (bench/echo.py: a 300 ms -20 dB echo once did, and without a reference it barged in).
-        last, self._last_peak_s = self._last_peak_s, _clear_peak_s(near, far)
-        if self._last_peak_s is None:
-            return
-        if last is not None and abs(self._last_peak_s - last) <= ECHO_CONFIRM_S:
-            self.echo_confirmed, self.echo_absent = True, False
-        if not self.echo_confirmed:
-            return  # one peak alone may be a voice over the reply: no delay from it
-        self._recent.append(self._last_peak_s)
-        self.delay_s = float(np.median(self._recent))
-        self.estimates += 1
-
-    def _early_estimate(self) -> None:
-        near, far = self._ends(EARLY_WINDOW_S)
-        if np.sqrt(np.mean(far**2)) < FAR_ACTIVE_RMS:
-            return  # the bot is silent: the last peak still stands
-        # An echo of any delay AEC3 reaches would be in this window: the reply played over it and before it.
-        reach = far[-round((EARLY_WINDOW_S + AEC3_REACH_S) * SAMPLE_RATE):]
-        covered = min(np.sqrt(np.mean(h**2)) for h in np.array_split(reach, 2)) >= FAR_ACTIVE_RMS
-        self._no_echo_windows = self._no_echo_windows + 1 if covered else 0  # unless one is found below
-        enough = self._no_echo_windows >= NO_ECHO_WINDOWS
-        if np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:  # nothing came back
-            if enough and not self.echo_confirmed:
-                self.echo_absent = True
-            return
-        last, self._last_early_s = self._last_early_s, self._decide_echo(near, far, enough)
-        if (self.early_delay_s is None and last is not None and self._last_early_s is not None
-                and abs(self._last_early_s - last) <= ECHO_CONFIRM_S):
-            self.early_delay_s = self._last_early_s
 
 
 class EchoCanceller:
@@ -472,7 +159,7 @@ class EchoCanceller:
         self._played_until = float("-inf")  # when the reply audio sent so far ends playing
         self._far_samples = 0
         # Without libspeexdsp the recognizer hears the suppressed output (said at start-up and in /readyz).
-        self._linear = None if (lib := _speexdsp()) is None else LinearCanceller(lib)
+        self._linear = LinearCanceller() if linear_canceller_problem() is None else None
         # Far blocks matched with input, waiting out each canceller's hold.
         self._aec3_hold, self._linear_hold = FarHold(), FarHold(LINEAR_HOLD_CHANGE_S)
         self._near_partial = np.zeros(0, np.float32)
