@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import importlib.metadata
 import importlib.util
 
@@ -82,20 +83,25 @@ def test_a_batch_answers_as_each_alone(smart_turn, speech):
     np.testing.assert_allclose(together, alone, atol=1e-4)
 
 
-def test_waiting_questions_go_two_a_call_in_the_order_asked(smart_turn, speech):
-    async def ask_many():
-        batches = smart_turn.batches
-        first = asyncio.create_task(smart_turn.ask(speech))
-        await asyncio.sleep(0.01)  # the first call is running: the next six wait for it
-        rest = [asyncio.create_task(smart_turn.ask(speech[: len(speech) - 800 * i])) for i in range(6)]
-        answers = await asyncio.gather(first, *rest)
-        return answers, smart_turn.batches - batches
+def test_waiting_questions_go_two_a_call_in_the_order_asked(speech):
+    one_thread = SmartTurn(calls=1)
 
-    answers, calls = asyncio.run(ask_many())
+    async def ask_many():
+        batches = one_thread.batches
+        first = asyncio.create_task(one_thread.ask(speech))
+        await asyncio.sleep(0.01)  # the first call is running: the next six wait for it
+        rest = [asyncio.create_task(one_thread.ask(speech[: len(speech) - 800 * i])) for i in range(6)]
+        answers = await asyncio.gather(first, *rest)
+        return answers, one_thread.batches - batches
+
+    try:
+        answers, calls = asyncio.run(ask_many())
+    finally:
+        one_thread.close()
     assert len(answers) == 7 and all(0 <= a.probability <= 1 for a in answers)
     assert answers[0].queued_s < answers[1].queued_s  # the six waited for the first call
     # then went two a call, in the order asked: the later a pair, the longer it waited
-    assert calls == 1 + 6 // smart_turn.max_batch and smart_turn.max_batch == 2
+    assert calls == 1 + 6 // one_thread.max_batch and one_thread.max_batch == 2
     assert answers[1].queued_s == pytest.approx(answers[2].queued_s, abs=0.005)
     assert answers[2].queued_s < answers[3].queued_s < answers[5].queued_s
 
@@ -181,6 +187,25 @@ def test_speech_again_starts_the_schedule_over_and_drops_the_stale_answer():
     assert turn.on_silence(128) is Action.NONE
     assert turn.on_silence(160) is Action.ASK
     assert turn.question == stale + 1
+
+
+def test_questions_waiting_together_are_answered_by_two_calls_at_once(smart_turn, speech, monkeypatch):
+    """Many speakers pausing together do not queue behind one thread: the model's two calls run at
+    once (each waits here until the other has started; one thread at a time would never get past)."""
+    both_running = threading.Barrier(2, timeout=10)
+    real_predict = smart_turn.predict
+
+    def predict(windows):
+        both_running.wait()
+        return real_predict(windows)
+
+    monkeypatch.setattr(smart_turn, "predict", predict)
+
+    async def ask_three():
+        return await asyncio.gather(*(smart_turn.ask(speech[: len(speech) - 800 * i]) for i in range(3)))
+
+    answers = asyncio.run(ask_three())
+    assert smart_turn.calls == 2 and all(0 <= a.probability <= 1 for a in answers)
 
 
 def test_the_early_question_is_about_the_pause_and_its_complete_waits_for_it():

@@ -118,9 +118,11 @@ class Answer:
 class SmartTurn:
     """Smart Turn v3.2, shared by every session.
 
-    `await ask(audio)` from any session; one worker thread answers whatever is waiting, in calls
-    of at most `max_batch` questions, in the order asked. Waiting questions are bounded by the
-    sessions (a `TurnPolicy` has at most one question out).
+    `await ask(audio)` from any session; `calls` worker threads answer whatever is waiting, each in
+    calls of at most `max_batch` questions, in the order asked. Waiting questions are bounded by the
+    sessions (a `TurnPolicy` has at most one question out). onnxruntime runs without the GIL, so two
+    calls at once use two cores: many speakers pausing together (a show's audience answering the
+    host) otherwise queue behind one thread, 16 questions at ~33 ms each about half a second for the last.
 
     Two a call: on one thread a row costs the same CPU in a call of 1 or 2 and about 1.5 times as
     much in a call of 4 or 8 (31, 32, 44, 49 ms, bench/per_speaker_cost.py on this project's 2-core
@@ -129,7 +131,7 @@ class SmartTurn:
     first by 65; in one call, all at about 390.
     """
 
-    def __init__(self, path: Path | None = None, threads: int = 1, max_batch: int = 2) -> None:
+    def __init__(self, path: Path | None = None, threads: int = 1, max_batch: int = 2, calls: int = 2) -> None:
         import onnxruntime
 
         path = path or model_path()
@@ -148,10 +150,11 @@ class SmartTurn:
         self.path = path
         # The same features as pipecat's own (vendored) copy of Whisper's extractor (tests/unit/test_turn.py).
         self.features = LogMel()
-        self.worker = Worker("smart-turn", threads=1)
+        self.worker = Worker("smart-turn", threads=calls)
         self.max_batch = max_batch
+        self.calls = calls
         self._waiting: list[tuple[np.ndarray, float, asyncio.Future[Answer]]] = []  # (audio, asked at, answer)
-        self._drainer: asyncio.Task | None = None
+        self._drainers: set[asyncio.Task] = set()  # at most `calls`, each making one call at a time
         self.batches = 0  # calls made, for tests and metrics
         self.questions = 0
 
@@ -163,8 +166,9 @@ class SmartTurn:
     async def ask(self, audio: np.ndarray) -> Answer:
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._waiting.append((audio, time.monotonic(), future))
-        if self._drainer is None or self._drainer.done():
-            self._drainer = asyncio.create_task(self._drain(), name="smart-turn")
+        self._drainers = {d for d in self._drainers if not d.done()}  # done as its loop returns, before any callback
+        if len(self._drainers) < self.calls:
+            self._drainers.add(asyncio.create_task(self._drain(), name="smart-turn"))
         return await future
 
     async def _drain(self) -> None:
