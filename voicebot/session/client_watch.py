@@ -53,5 +53,5 @@ class ClientWatch:
             self.close_requested.set()
 
     async def close_when_idle(self) -> None:
-        """From session.start on: ask for the close once the client has gone quiet (session/idle.py)."""
+        """From session.start on: ask for the close once the client has gone quiet (guards/idle.py)."""
         self.request_close(CloseCode.POLICY, ErrorCode.IDLE_TIMEOUT, await self.idle.expire())
