@@ -10,6 +10,7 @@ that the failure is counted, and that the next turn works.
 from __future__ import annotations
 
 import asyncio
+import time
 import contextlib
 import ctypes
 import json
@@ -593,7 +594,11 @@ def test_the_end_of_turn_models_lost_threads_are_exported():
         threads = [t for t in worker._live if t.is_alive()]
         for thread in threads:
             _kill(thread)  # idle: it dies as it takes its next call
-        worker.submit(lambda: None).result(timeout=10)  # taken by the replacement
+        for _ in range(50):  # calls until each killed thread has taken one (the worker has two threads)
+            if not any(thread.is_alive() for thread in threads):
+                break
+            worker.submit(lambda: None).result(timeout=10)  # taken by a live thread, a killed one's call too
+            time.sleep(0.01)
         for thread in threads:
             thread.join(timeout=10)
             assert not thread.is_alive()

@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.cosyvoice2.test_lm_pool import REQUESTS, alone, lm, ras  # noqa: F401 (lm is a fixture)
+from tests.cosyvoice2.conftest import lm  # noqa: F401 (a fixture: the tiny random LM)
+from tests.cosyvoice2.test_lm_pool import REQUESTS, alone, ras
 from voicebot.tts.cosyvoice2.lm_pool import DECODE_BUCKETS, LMPool, decode_bucket
 from voicebot.serving.model_interfaces import Rendering
 from voicebot.serving.scheduler import Scheduler
