@@ -146,9 +146,8 @@ class ChannelHub:
                                      ["reason"], registry=metrics.registry)
         for reason in LOST_BECAUSE:
             self.speakers_lost.labels(reason)
-        # The operator console's (voicebot/console.py): who else is offered every session's messages,
-        # and the channels it muted (one name per mute; unmuting removes it).
-        self._watchers: list[Callable[[str, Wire], None]] = []
+        # The channels the operator console muted (voicebot/console.py): one name per mute, unmuting
+        # removes it. In a cluster the whole cluster's, kept in step through Redis (cluster/channels.py).
         self._muted: set[str] = set()
         self.muted_frames = Counter("voicebot_channel_muted_frames_total",
                                     "Reply audio frames not sent to the listeners of a channel the operator muted",
@@ -222,14 +221,13 @@ class ChannelHub:
 
     def mirror(self, session_id: str, item: Wire) -> None:
         """Offer one outbound message of a session to its channel's listeners (never waits)."""
-        for watcher in self._watchers:
-            watcher(session_id, item)
         name = self._speaking.get(session_id)
-        if name is None:
-            return
-        if isinstance(item, bytes) and name in self._muted:
-            self.muted_frames.inc()
-            return
+        if name is not None and not self._silenced(name, item):
+            self._send(name, item)
+
+    def _send(self, name: str, item: Wire) -> None:
+        """One message of the channel's speaker to its listeners here (a cluster's hub: and to the
+        other servers')."""
         channel = self._channels[name]
         for listener in list(channel.listeners):
             if not listener.offer(item):
@@ -237,15 +235,21 @@ class ChannelHub:
 
     # ---- the operator console (voicebot/console.py) -------------------------------------------------
 
-    def watch(self, watcher: Callable[[str, Wire], None]) -> None:
-        """Offer `watcher` every session's outbound messages too (session id, message), on a channel or
-        not, as listeners get them; it must never wait."""
-        self._watchers.append(watcher)
-
-    def set_muted(self, name: str, muted: bool) -> None:
+    async def set_muted(self, name: str, muted: bool) -> None:
         """Mute the bot on a channel: its speaker's reply audio stops reaching the listeners (its events
-        still do). The channel's, not the session's: it holds across the speaker's reconnects."""
+        still do). The channel's, not the session's: it holds across the speaker's reconnects. (A
+        cluster's hub mutes it on every server, or raises ChannelRefused when it cannot.)"""
+        self._mark_muted(name, muted)
+
+    def _mark_muted(self, name: str, muted: bool) -> None:
         (self._muted.add if muted else self._muted.discard)(name)
+
+    def _silenced(self, name: str, item: Wire) -> bool:
+        """Whether `item` is reply audio of a muted channel, which no listener gets (counted)."""
+        if isinstance(item, bytes) and name in self._muted:
+            self.muted_frames.inc()
+            return True
+        return False
 
     def describe(self) -> dict[str, dict]:
         """Each channel known here: its speaker's session id (or None), its listeners, whether muted."""

@@ -3,17 +3,24 @@
     static/console.html ──WebSocket /v1/console──► a snapshot, then every session's events as they happen
                         ──POST /v1/console/...───► session.handle(typed command) | ChannelHub.set_muted
 
-What it shows comes from seams that exist for other reasons, nothing added inside a Session: every
-outbound message of every session as the channel hub's mirror offers it to listeners (without the
-session's secrets: its resume token), the runtime's session registry (who is connected), and the hub's
-channels (speaker, listeners, muted).
+What it shows comes from the session's typed door out and the runtime, nothing added inside a
+Session: every session's typed events (voicebot/session/events.py) as its sender hands them to its
+front end, offered to the runtime's observers (`Runtime.observe`, called by frontends/run.py), the
+runtime's session registry (who is connected), and the hub's channels (speaker, listeners, muted).
+The console is a front end of its own: it keeps the events in FEED_EVENTS and serializes them for
+its wire itself, once, as {"type": "event", "session": id, "event": <the event as /v1/voice's JSON
+object, voice.payload>}, without the session's identity (session.ready's resume_token and session_id,
+voice.PRIVATE_FIELDS: the operator sees the session id beside it, the conversation's key never).
+Reply audio frames are not kept: audio.start and audio.end say when the bot speaks.
 
 Its controls are commands through the session's typed door, `Session.handle`, built and validated by
 the protocol's own models: say a line (`protocol.Say`), drop the reply now playing
 (`protocol.Interrupt`), switch the voice or the persona (`protocol.SessionUpdate`, voice or
 responder). Two have no protocol message: ending a session is `request_close` (what the runtime's
 drain on SIGTERM uses), and muting the bot is the channel's (`ChannelHub.set_muted`: its reply audio
-stops reaching the channel's listeners, and it stays muted across its speaker's reconnects).
+stops reaching the channel's listeners, on every server of a cluster, and it stays muted across its
+speaker's reconnects; in a cluster that has lost its Redis the mute holds on this server only, and
+the command answers 503 cluster_unavailable).
 
 Who may: the feed is accepted like every WebSocket (auth.accept: the token, the Origin); the commands
 are HTTP routes, so the token middleware (auth.RequireToken) answers 401 without the token, and each
@@ -43,8 +50,12 @@ from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from voicebot import auth, protocol
+from voicebot.channels import ChannelRefused
+from voicebot.frontends.voice import PRIVATE_FIELDS, payload
 from voicebot.protocol import CloseCode, ErrorCode, ProtocolError
 from voicebot.runtime import Runtime
+from voicebot.session.events import (AsrFinal, AsrPartial, AudioEnd, AudioInterrupted, AudioStart, Error, ReplyDelta,
+                                     ReplyDone, SessionReady, SessionUpdated, SpeechStarted, TurnEnd)
 from voicebot.transport import Wire, receive_loop
 
 log = logging.getLogger("voicebot.console")
@@ -59,9 +70,9 @@ COMMAND_BYTES_MAX = 8 * 1024  # a `say` of 2000 characters is at most ~6 KB of J
 CLOSE_TIMEOUT_S = 1.0
 
 # The session events a console shows; the LIVE_ONLY ones are not kept for a console opened later.
-FEED_TYPES = frozenset({"session.ready", "session.updated", "speech.started", "asr.partial", "asr.final", "turn.end",
-                        "reply.delta", "reply.done", "audio.start", "audio.end", "audio.interrupted", "error"})
-LIVE_ONLY = frozenset({"asr.partial", "reply.delta"})
+FEED_EVENTS = (SessionReady, SessionUpdated, SpeechStarted, AsrPartial, AsrFinal, TurnEnd, ReplyDelta, ReplyDone,
+               AudioStart, AudioEnd, AudioInterrupted, Error)
+LIVE_ONLY = (AsrPartial, ReplyDelta)
 
 
 @dataclass(eq=False)
@@ -79,19 +90,17 @@ class Console:
         self._history: dict[str, deque[dict]] = {}  # session id -> its last events, as sent to consoles
         self.dropped = Counter("voicebot_console_dropped_total", "Operator consoles dropped for falling behind their feed",
                                registry=rt.metrics.registry)
-        rt.channels.watch(self._on_session_message)
+        rt.observers.append(self._on_session_message)
 
     # ---- the feed ---------------------------------------------------------------------------------
 
-    def _on_session_message(self, session_id: str, item: Wire) -> None:
-        """Every outbound message of every session (ChannelHub.mirror); never waits."""
-        if isinstance(item, bytes):
-            return  # reply audio: audio.start and audio.end say when the bot speaks
-        event = json.loads(item)
-        if event.get("type") not in FEED_TYPES:
-            return
+    def _on_session_message(self, session_id: str, item: object) -> None:
+        """Every outbound message of every session, typed (Runtime.observe); never waits."""
+        if not isinstance(item, FEED_EVENTS):
+            return  # reply audio frames, and the events an operator does not follow
+        event = {k: v for k, v in payload(item).items() if k not in PRIVATE_FIELDS}
         message = {"type": "event", "session": session_id, "event": event}
-        if event["type"] not in LIVE_ONLY:
+        if not isinstance(item, LIVE_ONLY):
             if session_id not in self._history:
                 self._forget_gone_sessions()
                 self._history[session_id] = deque(maxlen=HISTORY_MAX)
@@ -229,7 +238,10 @@ def router(console: Console) -> APIRouter:
         message = await body(request, MuteChannel, "mute")
         if isinstance(message, JSONResponse):
             return message
-        console.rt.channels.set_muted(name, message.muted)
+        try:
+            await console.rt.channels.set_muted(name, message.muted)
+        except ChannelRefused as exc:  # a cluster without its Redis: muted on this server only
+            return _refused(503, exc.code, exc.message)
         log.info("operator console: channel %r %s", name, "muted" if message.muted else "unmuted")
         return JSONResponse({"channel": name, "muted": message.muted}, status_code=202)
 

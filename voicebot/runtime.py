@@ -90,6 +90,11 @@ class Runtime:
     input_lag: InputLag | None = None  # every session's, per pool (voicebot/serving/capacity.py); built by load()
     # Set when a reply ends or a session leaves: what wait_until() wakes on to look again.
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Who else follows every session's outbound messages (the operator console, voicebot/console.py):
+    # each is called with the session id and the typed event or frame (voicebot.session.events.Outbound,
+    # typed `object` here: runtime.py does not import session/) as its sender hands it to its front
+    # end, by `observe`. An observer must never wait: the session's sender is calling.
+    observers: list[Callable[[str, object], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.input_recorder = InputRecorder(self.settings.server.record_input_s)
@@ -177,6 +182,11 @@ class Runtime:
 
     def reply_ended(self) -> None:
         self._changed.set()
+
+    def observe(self, session_id: str, message: object) -> None:
+        """One outbound message of a session, to every observer (frontends/run.py's sender)."""
+        for observer in self.observers:
+            observer(session_id, message)
 
     def session_left(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)

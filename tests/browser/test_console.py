@@ -47,6 +47,15 @@ def live_server():
         yield server
 
 
+@pytest.fixture
+def stop():
+    """Set as the test ends, passed or failed: what ends its clients, which run_async's teardown
+    waits for (so a failing test is reported, not left waiting on them)."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
 def open_console(page, live_server, token: str | None = TOKEN) -> None:
     page.goto(f"{live_server.http_url}/static/console.html" + (f"?token={token}" if token else ""))
 
@@ -91,11 +100,17 @@ def card(page, session_id: str):
     return page.locator(f"article[data-session='{session_id}']")
 
 
-def test_the_console_follows_a_session_and_each_control_acts_on_it(page, browser, live_server, run_async, tmp_path):
+def test_the_console_follows_a_session_and_each_control_acts_on_it(page, browser, live_server, run_async, tmp_path, stop):
+    feed: list[str] = []  # what the page's feed WebSocket receives, as it arrives
+
+    def on_websocket(ws) -> None:
+        if ws.url.split("?")[0].endswith("/v1/console"):
+            ws.on("framereceived", lambda payload: feed.append(payload))
+
+    page.on("websocket", on_websocket)
     open_console(page, live_server)
     wait_for(page, "c.connected")
     clients: queue.Queue = queue.Queue()
-    stop = threading.Event()
     session_done = run_async(speaking_session(live_server.ws_url, clients, stop, FIRST, SECOND))
     client: VoiceClient = clients.get(timeout=20)
     sid = client.events[0]["session_id"]
@@ -177,11 +192,18 @@ def test_the_console_follows_a_session_and_each_control_acts_on_it(page, browser
     stop.set()
     listener.result(10)
 
+    # The feed had the session's session.ready (voice, responder), but never its resume token.
+    token = client.events[0]["resume_token"]
+    sent = [m for message in map(json.loads, feed) for m in (message.get("history", []) if message["type"] == "snapshot"
+                                                             else [message])]
+    readies = [m for m in sent if m["type"] == "event" and m["event"]["type"] == "session.ready"]
+    assert [m["session"] for m in readies] == [sid] and readies[0]["event"]["voice"]
+    assert not any(token in message for message in feed)
+
 
 @pytest.mark.parametrize("token", [None, "wrong-token"])
-def test_a_page_without_the_token_sees_nothing_and_commands_nothing(page, live_server, run_async, token):
+def test_a_page_without_the_token_sees_nothing_and_commands_nothing(page, live_server, run_async, token, stop):
     clients: queue.Queue = queue.Queue()
-    stop = threading.Event()
     session_done = run_async(speaking_session(live_server.ws_url, clients, stop))
     client: VoiceClient = clients.get(timeout=20)
     sid = client.events[0]["session_id"]
@@ -213,9 +235,8 @@ def test_a_page_without_the_token_sees_nothing_and_commands_nothing(page, live_s
     session_done.result(15)
 
 
-def test_commands_are_checked_by_the_protocols_own_models(live_server, run_async):
+def test_commands_are_checked_by_the_protocols_own_models(live_server, run_async, stop):
     clients: queue.Queue = queue.Queue()
-    stop = threading.Event()
     session_done = run_async(speaking_session(live_server.ws_url, clients, stop))
     client: VoiceClient = clients.get(timeout=20)
     sid = client.events[0]["session_id"]

@@ -8,6 +8,9 @@ may land anywhere, and the load balancer stays on least connections.
     {prefix}speakers      JSON {channel, instance, speaking}: who speaks where
     {prefix}owner:{name}  the speaker's owner id (a hash of its resume token), expiring cluster.channel_owner_ttl_s
                           after its server last renewed it
+    {prefix}muted         the set of channels the operator muted (the console's mute); every server
+                          reads it when it reaches Redis, and
+    {prefix}mute          JSON {channel, muted}: each change of it, published as it is made
 
 Ownership is decided in Redis, atomically (CLAIM): a session speaks on a channel only if no one owns
 it, or it resumed the owner's conversation (as on one server: only the owner's client knows the resume
@@ -24,6 +27,14 @@ channel from its first moment; a server passes on only the channels it has liste
 receives all speaking channels: 48 KB/s of audio each). Publishing never waits: messages queue
 (bounded) for one publisher task, and what cannot be published (queue full, Redis lost) is counted
 in voicebot_cluster_relay_dropped_total{reason}. While Redis is lost each server's channels are local.
+
+A muted channel is muted for every listener on every server, whichever server its speaker is on:
+the mute is the cluster's (the set above), the speaker's server does not relay the channel's reply
+audio, and a listener's server drops any that arrives (frames published before the mute reached
+the speaker's server), each counted in voicebot_channel_muted_frames_total. The muting server mutes
+its own listeners at once, whatever Redis says; while Redis is lost a (un)mute holds on that server
+only and is refused (`cluster_unavailable`) so the operator knows, and once Redis is back every
+server takes the cluster's set again, which that change is not in: it must be made again.
 """
 
 from __future__ import annotations
@@ -126,6 +137,8 @@ class ClusterChannelHub(ChannelHub):
         self._channel_prefix = link.key("ch", "")
         link.subscribe(link.key("speakers"), self._on_speaker)
         link.subscribe(self._channel_prefix + "*", self._on_channel)
+        link.subscribe(link.key("mute"), self._on_mute)
+        self._mutes_loading: set[asyncio.Task] = set()  # reading the cluster's muted set: one per time Redis came back
         link.on_change(self._on_link_change)
 
     def start(self) -> None:
@@ -138,6 +151,9 @@ class ClusterChannelHub(ChannelHub):
 
     async def close(self) -> None:
         await self.flush_releases()
+        for task in self._mutes_loading:
+            task.cancel()
+        await asyncio.gather(*self._mutes_loading, return_exceptions=True)
         for task in (t for t in (self._publisher, self._keeper) if t is not None):
             # Cancelled until done: on Python 3.11 asyncio.wait_for (inside link.call) can swallow a
             # cancellation that comes as its call completes, and the task would wait on for ever.
@@ -186,11 +202,9 @@ class ClusterChannelHub(ChannelHub):
         if self._tell_free(name):
             self._announce(name, speaking=False)
 
-    def mirror(self, session_id: str, item: Wire) -> None:
-        super().mirror(session_id, item)
-        name = self._speaking.get(session_id)
-        if name is not None:
-            self._relay(name, item)
+    def _send(self, name: str, item: Wire) -> None:
+        super()._send(name, item)
+        self._relay(name, item)  # a muted channel's audio never gets here (ChannelHub.mirror)
 
     def is_speaking(self, name: str) -> bool:
         return super().is_speaking(name) or name in self._remote_speakers
@@ -279,6 +293,33 @@ class ClusterChannelHub(ChannelHub):
             except RedisLost:
                 self.relay_dropped.labels("redis_lost").inc(len(batch))
 
+    # ---- the operator's mute, the cluster's ------------------------------------------------------
+
+    async def set_muted(self, name: str, muted: bool) -> None:
+        self._mark_muted(name, muted)  # this server's listeners at once, whatever Redis says
+
+        async def write(redis):
+            async with redis.pipeline(transaction=True) as pipe:
+                (pipe.sadd if muted else pipe.srem)(self.link.key("muted"), name)
+                pipe.publish(self.link.key("mute"), json.dumps({"channel": name, "muted": muted}))
+                return await pipe.execute()
+
+        try:
+            await self.link.call("mute", write)
+        except RedisLost:
+            raise ChannelRefused(CLUSTER_UNAVAILABLE, f"lost the cluster's Redis: channel {name!r} is "
+                                 f"{'muted' if muted else 'unmuted'} on this server only; once Redis is back the "
+                                 "cluster's mutes hold again, without this change: make it again then") from None
+
+    def _on_mute(self, _: str, data: bytes) -> None:
+        change = json.loads(data)
+        self._mark_muted(change["channel"], change["muted"])
+
+    async def _load_mutes(self) -> None:
+        with contextlib.suppress(RedisLost):  # read again when Redis is back
+            muted = await self.link.call("mutes", lambda r: r.smembers(self.link.key("muted")))
+            self._muted = {name.decode() for name in muted}
+
     # ---- the listeners' side ---------------------------------------------------------------------
 
     def _on_channel(self, redis_channel: str, data: bytes) -> None:
@@ -291,6 +332,8 @@ class ClusterChannelHub(ChannelHub):
         kind, payload = data[INSTANCE_LEN:INSTANCE_LEN + 1], data[INSTANCE_LEN + 1:]
         item: Wire = payload if kind == AUDIO else payload.decode()
         self.relayed.labels("in").inc()
+        if self._silenced(name, item):
+            return  # published before the mute reached the speaker's server
         for listener in list(channel.listeners):
             if not listener.offer(item):
                 self._drop(name, listener)
@@ -315,6 +358,9 @@ class ClusterChannelHub(ChannelHub):
     def _on_link_change(self, up: bool) -> None:
         if up:
             self._keep_now.set()
+            loading = asyncio.create_task(self._load_mutes(), name="channel-mutes")
+            self._mutes_loading.add(loading)
+            loading.add_done_callback(self._mutes_loading.discard)
             for name, channel in self._channels.items():
                 if channel.speaker is not None:
                     self._announce(name, speaking=True)

@@ -150,6 +150,11 @@ class RedisLink:
         self._reconnecting = asyncio.create_task(self._reconnect(), name="redis-reconnect")
 
     async def _reconnect(self) -> None:
+        # Every pooled connection was to the Redis that went away: dropped, so that the first calls
+        # once it is back (several at once: renewals, the muted set, publishing) do not each find a
+        # dead socket and take the link down again.
+        with contextlib.suppress(Exception):
+            await self.redis.connection_pool.disconnect()
         while True:
             await asyncio.sleep(self.reconnect_interval_s)
             try:

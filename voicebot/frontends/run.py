@@ -2,7 +2,8 @@
 
     socket ─► transport.receive_loop ─► FrontEnd.on_message ─► Session.arrived, Session.handle(command)
     socket ◄── FrontEnd.deliver ◄── Session.run_sender ◄── outbox (events, frames)
-                                  └─► the channel's listeners (voice.listener_wire), if it speaks on one
+                                  ├─► the channel's listeners (voice.listener_wire), if it speaks on one
+                                  └─► the runtime's observers (Runtime.observe: the operator console), typed
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ class FrontEnd(Protocol):
 
 def open_session(rt: Runtime, deliver: Deliver) -> Session:
     """A session whose events and frames go to `deliver` and, while it speaks on a channel, to the
-    channel's listeners too (in /v1/voice's wire, the listeners' own)."""
+    channel's listeners too (in /v1/voice's wire, the listeners' own), and, typed, to the runtime's
+    observers (the operator console serializes what it keeps for its own wire)."""
 
     async def deliver_and_mirror(message: Outbound) -> None:
         rt.channels.mirror(session.id, voice.listener_wire(message))  # never waits: listeners can't slow the session
+        rt.observe(session.id, message)  # never waits either
         await deliver(message)
 
     session = Session(rt, deliver_and_mirror)
