@@ -219,6 +219,9 @@ class ChannelHub:
             self._notices.add(notice)
             notice.add_done_callback(self._notices.discard)
 
+    def speaks_on_channel(self, session_id: str) -> bool:
+        return session_id in self._speaking
+
     def mirror(self, session_id: str, item: Wire) -> None:
         """Offer one outbound message of a session to its channel's listeners (never waits)."""
         name = self._speaking.get(session_id)
@@ -291,6 +294,8 @@ class ChannelHub:
         self._forget_if_empty(name)
 
     def _drop(self, name: str, listener: Listener, reason: str = "fell_behind") -> None:
+        if listener.dropped.is_set():
+            return  # already dropped (and counted) for another message it had no room for
         log.warning("listener on channel %r %s: dropped", name, DROPPED_BECAUSE[reason].format(timeout_s=LISTENER_SEND_TIMEOUT_S))
         self.metrics.listeners_dropped.labels(reason).inc()
         self.remove_listener(name, listener)
@@ -328,7 +333,7 @@ async def run_listener(ws: WebSocket, hub: ChannelHub, name: str) -> None:
             await ws.close(CloseCode.TRY_AGAIN_LATER, "busy")
         return
     sender = asyncio.create_task(listener.run_sender())
-    receiver = asyncio.create_task(_read_only(ws, listener))
+    receiver = asyncio.create_task(_read_only(ws, listener, lambda: hub._drop(name, listener)))
     dropped = asyncio.create_task(listener.dropped.wait())
     try:
         await asyncio.wait({sender, receiver, dropped}, return_when=asyncio.FIRST_COMPLETED)
@@ -342,8 +347,9 @@ async def run_listener(ws: WebSocket, hub: ChannelHub, name: str) -> None:
             await asyncio.wait_for(ws.close(CloseCode.TOO_SLOW, "listener fell behind"), CLOSE_TIMEOUT_S)
 
 
-async def _read_only(ws: WebSocket, listener: Listener) -> None:
-    """Answer pings; anything else a listener sends is an error (it cannot speak)."""
+async def _read_only(ws: WebSocket, listener: Listener, fell_behind: Callable[[], None]) -> None:
+    """Answer pings; anything else a listener sends is an error (it cannot speak). A listener whose
+    queue has no room for the answer has fallen behind: dropped and counted, as for the channel's own."""
 
     async def on_message(message: Wire) -> None:
         try:
@@ -355,6 +361,7 @@ async def _read_only(ws: WebSocket, listener: Listener) -> None:
                 reply = protocol.event("pong", id=parsed.id)
             else:
                 reply = protocol.error(ErrorCode.READ_ONLY, "a listener only receives; speak through a session")
-        listener.offer(json.dumps(reply))
+        if not listener.offer(json.dumps(reply)):
+            fell_behind()
 
     await receive_loop(ws, on_message)

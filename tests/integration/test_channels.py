@@ -78,6 +78,56 @@ def test_a_stalled_listener_is_dropped_and_the_speaker_gets_every_frame():
     assert rt.metrics.active_listeners._value.get() == 1
 
 
+def test_a_listener_whose_send_never_completes_is_dropped_as_stalled(monkeypatch):
+    """Its queue has room (one message in it), but the socket has taken nothing for the send timeout."""
+    monkeypatch.setattr(channels, "LISTENER_SEND_TIMEOUT_S", 0.2)
+
+    async def scenario():
+        rt = Runtime(make_settings())
+        listener = Listener(never, never)
+        assert rt.channels.add_listener("main", listener)  # its listener.ready is the one send
+        await asyncio.wait_for(listener.run_sender(), timeout=5)
+        return rt, listener
+
+    rt, listener = asyncio.run(scenario())
+    assert listener.dropped.is_set()
+    assert rt.metrics.registry.get_sample_value("voicebot_listeners_dropped_total", {"reason": "stalled"}) == 1
+    assert rt.channels.listener_count == 0
+
+
+class PingingListenerSocket:
+    """A listener's socket that sends `pings` pings and takes nothing: its first send never completes."""
+
+    def __init__(self, pings: int) -> None:
+        self.received = [{"type": "websocket.receive", "text": json.dumps({"type": "ping", "id": i})} for i in range(pings)]
+        self.closed_with: int | None = None
+
+    async def receive(self) -> dict:
+        if self.received:
+            return self.received.pop(0)
+        await asyncio.Event().wait()  # then it only waits
+
+    send_text = send_bytes = send_json = staticmethod(never)
+
+    async def close(self, code: int, reason: str = "") -> None:
+        self.closed_with = code
+
+
+def test_a_listener_with_no_room_for_its_pong_is_dropped_and_counted():
+    """Its pongs go through its queue: once the queue is full, one more is not discarded unsaid but
+    drops the listener as fallen behind (counted once, however many pings come)."""
+    async def scenario():
+        rt = Runtime(make_settings())
+        socket = PingingListenerSocket(LISTENER_QUEUE_MAX + 5)
+        await asyncio.wait_for(channels.run_listener(socket, rt.channels, "main"), timeout=5)
+        return rt, socket
+
+    rt, socket = asyncio.run(scenario())
+    assert socket.closed_with == CloseCode.TOO_SLOW
+    assert rt.metrics.registry.get_sample_value("voicebot_listeners_dropped_total", {"reason": "fell_behind"}) == 1
+    assert rt.channels.listener_count == 0
+
+
 def test_speakers_come_and_go_listeners_stay():
     async def scenario():
         rt = Runtime(make_settings(server={"max_listeners": 1}))
@@ -179,12 +229,17 @@ def masked_text_frame(text: str) -> bytes:
 
 def test_a_listener_whose_client_never_reads_is_dropped_and_counted(server, monkeypatch):
     # A real socket whose client never reads, with a small receive buffer so that the server's send
-    # blocks within a few hundred KB. It asks for pongs: each goes through the listener's sender, the
-    # queue never fills (a reply to a listener's own message is not offered past a full queue), so
-    # only the stalled send can end it. Before, nothing did until uvicorn's keepalive (~40 s), uncounted.
+    # blocks within a few hundred KB. It asks for pongs: each goes through the listener's sender, so
+    # either the stalled send ends it or, if pongs come faster than the send timeout, the full queue
+    # (which of the two depends on this box's speed; both are counted). Before, nothing did until
+    # uvicorn's keepalive (~40 s), uncounted.
     monkeypatch.setattr(channels, "LISTENER_SEND_TIMEOUT_S", 1.0)
-    dropped = {"reason": "stalled"}
-    before = server.runtime.metrics.registry.get_sample_value("voicebot_listeners_dropped_total", dropped)
+
+    def dropped_now() -> float:
+        return sum(server.runtime.metrics.registry.get_sample_value("voicebot_listeners_dropped_total", {"reason": r}) or 0
+                   for r in channels.DROPPED_BECAUSE)
+
+    before = dropped_now()
     client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     client.connect(("127.0.0.1", server.settings.server.port))
@@ -199,10 +254,6 @@ def test_a_listener_whose_client_never_reads_is_dropped_and_counted(server, monk
         assert head.startswith(b"HTTP/1.1 101"), head
         client.setblocking(False)
         ping = masked_text_frame(json.dumps({"type": "ping", "id": "x" * 256}))
-
-        def dropped_now() -> float:
-            return server.runtime.metrics.registry.get_sample_value("voicebot_listeners_dropped_total", dropped)
-
         deadline, sent, unsent = time.monotonic() + 30, 0, b""
         while time.monotonic() < deadline:  # bounded: the drop comes within seconds, or the test fails
             try:
@@ -217,7 +268,6 @@ def test_a_listener_whose_client_never_reads_is_dropped_and_counted(server, monk
                 break
     finally:
         client.close()
-    after = server.runtime.metrics.registry.get_sample_value("voicebot_listeners_dropped_total", dropped)
     print(f"\n{sent} pings sent; dropped {time.monotonic() - deadline + 30:.1f} s after the handshake")
-    assert after == before + 1, "the listener that never reads was not dropped as stalled within 30 s"
+    assert dropped_now() == before + 1, "the listener that never reads was not dropped within 30 s"
     assert server.on_loop(lambda: server.runtime.channels.listener_count) == 0

@@ -45,7 +45,8 @@ def open_session(rt: Runtime, deliver: Deliver) -> Session:
     observers (the operator console serializes what it keeps for its own wire)."""
 
     async def deliver_and_mirror(message: Outbound) -> None:
-        rt.channels.mirror(session.id, voice.listener_wire(message))  # never waits: listeners can't slow the session
+        if rt.channels.speaks_on_channel(session.id):  # its listeners' wire is built only for them
+            rt.channels.mirror(session.id, voice.listener_wire(message))  # never waits: listeners can't slow the session
         rt.observe(session.id, message)  # never waits either
         await deliver(message)
 
