@@ -432,7 +432,7 @@ def choose(per_voice: dict[str, Results], silence: dict[str, tuple[Point, Point]
                key=lambda name: per_voice[natural][family][name][0].mean_ms, default=None)
 
 
-def plot(path: Path, per_voice: dict[str, Results], marks: dict[str, dict[str, tuple[Point, Point]]]) -> None:
+def plot(path: Path, per_voice: dict[str, Results], marks: dict[str, dict[str, tuple[Point, Point]]], note: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -455,7 +455,7 @@ def plot(path: Path, per_voice: dict[str, Results], marks: dict[str, dict[str, t
             ax.axvline(ms, color="lightgrey", linewidth=0.8)
         for c in BUDGETS_CUT:
             ax.axhline(100 * c, color="lightgrey", linewidth=0.8)
-        ax.set_title(f"{voice}: held-out half (each curve's settings picked on the other)", fontsize=10)
+        ax.set_title(f"{voice}{note}: held-out half (each curve's settings picked on the other)", fontsize=10)
         ax.set_xlabel("mean latency, true end of turn to decision (ms)")
         ax.set_ylabel("turns cut off (%)")
         ax.set_xlim(150, 1600)
@@ -522,7 +522,9 @@ def main() -> None:
         print(f"{family:>22}: {name or ''}  -> {rows}")
     print(f"{'the silence rule':>22}: " + "; ".join(f"{voice} {cell(m[1], 'ms')}" for voice, m in silence.items()))
     if args.plot:
-        plot(args.plot, per_voice, marks)
+        note = (f" {'+'.join(args.languages)}" if args.languages else "") + (
+            f", {'+'.join(args.punctuated)} punctuated" if args.punctuated else "")
+        plot(args.plot, per_voice, marks, note)
 
 
 if __name__ == "__main__":
