@@ -7,8 +7,12 @@ import asyncio
 
 import numpy as np
 import pytest
+import soundfile
 
+from tests.asr.server import serve
+from tests.asr.test_funasr_endpoint import TOKEN, stream
 from tests.asr.tiny_models import synthetic_speech
+from tests.audio import espeak_speech, to_pcm16
 from tests.asr.tiny_punctuation import build_punctuation_dir
 from tests.conftest import VoiceClient, make_settings, running_server, speech_pcm
 from tests.unit.test_turn_taking import RATE, HeldModel, settle, smart_turn_taking
@@ -113,3 +117,18 @@ def test_a_voice_session_gets_the_punctuated_final(tiny_models, punc_models):
     with running_server(settings) as server:
         final = asyncio.run(talk(server.ws_url))
     assert final["text"].endswith("？") and final["text"].count("？") == len(unpunctuated(final["text"]).replace(" ", ""))
+
+
+def test_funasr_2pass_offline_results_are_punctuated(tiny_models, punc_models, tmp_path):
+    settings = make_settings(asr={"engine": "paraformer", "paraformer": {
+        "model": str(tiny_models["streaming"]), "punc_model": str(punc_models["？"])}},
+        tts={"voice": "zh"}, server={"token": TOKEN})
+    path = tmp_path / "speech.wav"
+    speech = np.concatenate([np.zeros(4000, np.float32), espeak_speech("今天天气很好", voice="cmn"), np.zeros(16000, np.float32)])
+    soundfile.write(path, np.frombuffer(to_pcm16(speech), "<i2"), 16000)
+    with serve(settings) as port:
+        messages = stream(f"ws://127.0.0.1:{port}/funasr", path, "2pass")
+    finals = [m["text"] for m in messages if m["mode"] == "2pass-offline" and m["text"]]
+    partials = "".join(m["text"] for m in messages if m["mode"] == "2pass-online")
+    assert finals and all(text.endswith("？") for text in finals)
+    assert partials and "？" not in partials  # the streaming partials stay as the recognizer gives them
