@@ -18,9 +18,9 @@ funasr 1.4.16's inference of it fails on a one-word text (a TypeError in its own
 The text keeps the model's own verdict at its end. funasr's inference decides the last mark
 itself: CTTransformer always ends the text with a full stop (a comma or no mark there becomes
 "。"), so every punctuated text would say the turn is over, whatever the model predicted. So the
-last call of the model is
-watched (its logits for the last word), and the text ends with the mark the model gave it: "。",
-"？", "，", "、" or none ("_"); after a Latin word, the ASCII mark as funasr writes it.
+model's last call is watched (its logits for the last word), and the text ends with the mark the
+model gave that word: "。", "？", "，", "、" or none ("_"); after a Latin word, the ASCII mark as
+funasr writes it.
 """
 
 from __future__ import annotations
