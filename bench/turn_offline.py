@@ -421,11 +421,13 @@ def print_voice(voice: str, bs: list[Boundary], results: Results, marks: dict[st
 
 
 def choose(per_voice: dict[str, Results], silence: dict[str, tuple[Point, Point]], natural: str, family: str,
-           p95_ms: float) -> str | None:
+           p95_ms: float, margin: int = 0) -> str | None:
     """A pick on half 0 only: the lowest mean latency on the natural voice's set with a p95 within
-    `p95_ms` there and no more cut-offs than the silence rule on any set or voice."""
+    `p95_ms` there and at least `margin` turns fewer cut off than the silence rule on every set or
+    voice (a margin keeps the pick off the edge it is picked at)."""
     def fits(name: str) -> bool:
-        return (all(results[family][name][0].cut <= silence[voice][0].cut + 1e-9 for voice, results in per_voice.items())
+        return (all(results[family][name][0].cut * silence[voice][0].n <= silence[voice][0].cut * silence[voice][0].n - margin + 1e-9
+                    for voice, results in per_voice.items())
                 and per_voice[natural][family][name][0].p95_ms <= p95_ms)
 
     return min((name for name in per_voice[natural][family] if fits(name)),
@@ -474,6 +476,8 @@ def main() -> None:
     parser.add_argument("--model-ms", type=int, default=MODEL_MS)
     parser.add_argument("--text-ms", type=int, default=TEXT_MS)
     parser.add_argument("--p95-ms", type=float, default=1100, help="the p95 bound of the picks for a default")
+    parser.add_argument("--margins", nargs="+", type=int, default=[0],
+                        help="picks with at least this many turns fewer cut off than the silence rule on each half 0")
     parser.add_argument("--plot", type=Path, help="write the curves here (PNG; matplotlib: pip install '.[bench]')")
     parser.add_argument("--endpointer", action="store_true", help="only the endpointer's table, for each of --voices")
     parser.add_argument("--languages", nargs="+", choices=("en", "zh"), help="only the turns in these languages")
@@ -511,15 +515,16 @@ def main() -> None:
         print_voice(voice, sets[voice], results, marks[voice])
     natural = next((v for v in ("piper-turn", "piper") if v in per_voice), args.voices[0])
     silence = {voice: m["the silence rule"] for voice, m in marks.items()}
-    print(f"\npicks for a default, on half 0 (the lowest mean latency on {natural} with p95 <= {args.p95_ms:.0f} ms "
-          f"there and cut-offs <= the silence rule's on every set), and what they do on half 1:")
-    for family in swept:
-        if family == "silence":
-            continue
-        name = choose(per_voice, silence, natural, family, args.p95_ms)
-        rows = "; ".join(f"{voice} {cell(r[family][name][1], 'ms')} p95 {r[family][name][1].p95_ms:.0f}"
-                         for voice, r in per_voice.items()) if name else "none fits"
-        print(f"{family:>22}: {name or ''}  -> {rows}")
+    for margin in args.margins:
+        print(f"\npicks for a default, on half 0 (the lowest mean latency on {natural} with p95 <= {args.p95_ms:.0f} ms "
+              f"there and at least {margin} turns fewer cut off than the silence rule on every set), and what they do on half 1:")
+        for family in swept:
+            if family == "silence":
+                continue
+            name = choose(per_voice, silence, natural, family, args.p95_ms, margin)
+            rows = "; ".join(f"{voice} {cell(r[family][name][1], 'ms')} p95 {r[family][name][1].p95_ms:.0f}"
+                             for voice, r in per_voice.items()) if name else "none fits"
+            print(f"{family:>22}: {name or ''}  -> {rows}")
     print(f"{'the silence rule':>22}: " + "; ".join(f"{voice} {cell(m[1], 'ms')}" for voice, m in silence.items()))
     if args.plot:
         note = (f" {'+'.join(args.languages)}" if args.languages else "") + (
