@@ -2,7 +2,7 @@
 
     python bench/turn_offline.py [--voices espeak piper piper-turn] [--model-ms 80] [--hangover-ms 32]
                                  [--text-ms 64] [--plot docs/turn-taking.png] [--endpointer]
-                                 [--languages zh] [--punctuated zh]
+                                 [--languages zh] [--punctuated zh] [--margins 0 1 2]
 
 No server, no clock: Smart Turn is asked about each boundary of tests/turn_set.py (each pause
 inside a turn, each true end) with the audio a session would give it: the turn so far from
