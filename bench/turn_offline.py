@@ -2,6 +2,7 @@
 
     python bench/turn_offline.py [--voices espeak piper piper-turn] [--model-ms 80] [--hangover-ms 32]
                                  [--text-ms 64] [--plot docs/turn-taking.png] [--endpointer]
+                                 [--languages zh] [--punctuated zh] [--margins 0 1 2]
 
 No server, no clock: Smart Turn is asked about each boundary of tests/turn_set.py (each pause
 inside a turn, each true end) with the audio a session would give it: the turn so far from
@@ -10,7 +11,9 @@ silence heard when it asks, on a 32 ms grid of silences (the VAD's window). The 
 `TurnPolicy` (voicebot/audio/turn.py) is then driven over those answers window by window, as
 voicebot/session/turn_taking.py drives it: each answer `--model-ms` after its question, the
 segment's transcript (the set's words, unpunctuated, as pocketsphinx and paraformer give them;
-the recognizer's errors are not modelled) `--text-ms` after the smart pause ended the segment,
+the recognizer's errors are not modelled; `--punctuated zh`: the Mandarin text as the set writes it,
+"我想要，" at a pause and "。" or "？" at the end, as a recognizer with a punctuation model that
+never errs gives it: asr.paraformer.punc_model's best case) `--text-ms` after the smart pause ended the segment,
 a "complete" said before the transcript waiting for it. A cut-off is a turn in which some pause
 was decided "complete" before the user went on; the latency of an end is the real silence
 (VAD silence plus `--hangover-ms`) when it was decided.
@@ -27,6 +30,8 @@ The model's answers are kept on disk (the temp dir's voicebot-turn-set/smart-tur
 audio, the hangover and the model file): a set is some thousands of calls, minutes of a core, and
 a second run costs the replay only. `--voices`: tests/turn_set.py's voices (piper, piper-turn:
 English, natural prosody; pip install '.[bench]').
+
+`--languages`: only the set's turns in these languages (each keeps the half it has in the whole set).
 
 `--endpointer`: only the endpointer itself on the set (voicebot/audio/endpoint.py, Silero's own
 probabilities), with and without its hangover cut (the quiet speech windows before a silence
@@ -79,7 +84,7 @@ class Boundary:
     language: str
     is_end: bool  # the true end of the turn; else a pause inside it
     length_ms: float  # the pause's length (inf for an end)
-    text: str  # the words said up to here, as the recognizer gives them (unpunctuated)
+    text: str  # the words said up to here, as the recognizer gives them (unpunctuated unless --punctuated)
     p: dict[int, float]  # VAD silence heard (ms, on GRID_MS) -> the model's probability of "complete"
 
 
@@ -158,9 +163,10 @@ def print_endpointer(rendered: list[RenderedTurn]) -> float:
 
 
 
-def boundaries(rendered: list[RenderedTurn], model: SmartTurn, hangover_ms: int, grid: list[int] | None = None) -> list[Boundary]:
+def boundaries(rendered: list[RenderedTurn], model: SmartTurn, hangover_ms: int, grid: list[int] | None = None,
+               punctuated: frozenset[str] = frozenset()) -> list[Boundary]:
     """Every pause and end of `rendered`, the model asked at each silence of `grid` (GRID_MS if none)
-    the boundary lasts for."""
+    the boundary lasts for; the text as the set writes it in the `punctuated` languages, else unpunctuated."""
     grid = grid or GRID_MS
     halves, counts = {}, {}
     for r in rendered:
@@ -175,7 +181,9 @@ def boundaries(rendered: list[RenderedTurn], model: SmartTurn, hangover_ms: int,
             speech = np.concatenate([np.zeros(SAMPLE_RATE * PRE_SPEECH_MS // 1000, np.float32), r.audio[: int(start * SAMPLE_RATE)]])
             # The silences a policy can ask at: the pause itself, less the window that would hear speech again.
             silences = [ms for ms in grid if ms + hangover_ms < length_ms - WINDOW_MS]
-            text = unpunctuated(joiner.join(r.item.parts[: k + 1]))
+            text = joiner.join(r.item.parts[: k + 1])
+            if r.item.language not in punctuated:
+                text = unpunctuated(text)
             out.append(Boundary(r.item.name, halves[r.item.name], r.item.language, is_end, length_ms, text,
                                 _answers(model, speech, hangover_ms, silences)))
     return out
@@ -413,18 +421,20 @@ def print_voice(voice: str, bs: list[Boundary], results: Results, marks: dict[st
 
 
 def choose(per_voice: dict[str, Results], silence: dict[str, tuple[Point, Point]], natural: str, family: str,
-           p95_ms: float) -> str | None:
+           p95_ms: float, margin: int = 0) -> str | None:
     """A pick on half 0 only: the lowest mean latency on the natural voice's set with a p95 within
-    `p95_ms` there and no more cut-offs than the silence rule on any set or voice."""
+    `p95_ms` there and at least `margin` turns fewer cut off than the silence rule on every set or
+    voice (a margin keeps the pick off the edge it is picked at)."""
     def fits(name: str) -> bool:
-        return (all(results[family][name][0].cut <= silence[voice][0].cut + 1e-9 for voice, results in per_voice.items())
+        return (all(results[family][name][0].cut * silence[voice][0].n <= silence[voice][0].cut * silence[voice][0].n - margin + 1e-9
+                    for voice, results in per_voice.items())
                 and per_voice[natural][family][name][0].p95_ms <= p95_ms)
 
     return min((name for name in per_voice[natural][family] if fits(name)),
                key=lambda name: per_voice[natural][family][name][0].mean_ms, default=None)
 
 
-def plot(path: Path, per_voice: dict[str, Results], marks: dict[str, dict[str, tuple[Point, Point]]]) -> None:
+def plot(path: Path, per_voice: dict[str, Results], marks: dict[str, dict[str, tuple[Point, Point]]], note: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -447,7 +457,7 @@ def plot(path: Path, per_voice: dict[str, Results], marks: dict[str, dict[str, t
             ax.axvline(ms, color="lightgrey", linewidth=0.8)
         for c in BUDGETS_CUT:
             ax.axhline(100 * c, color="lightgrey", linewidth=0.8)
-        ax.set_title(f"{voice}: held-out half (each curve's settings picked on the other)", fontsize=10)
+        ax.set_title(f"{voice}{note}: held-out half (each curve's settings picked on the other)", fontsize=10)
         ax.set_xlabel("mean latency, true end of turn to decision (ms)")
         ax.set_ylabel("turns cut off (%)")
         ax.set_xlim(150, 1600)
@@ -466,8 +476,13 @@ def main() -> None:
     parser.add_argument("--model-ms", type=int, default=MODEL_MS)
     parser.add_argument("--text-ms", type=int, default=TEXT_MS)
     parser.add_argument("--p95-ms", type=float, default=1100, help="the p95 bound of the picks for a default")
+    parser.add_argument("--margins", nargs="+", type=int, default=[0],
+                        help="picks with at least this many turns fewer cut off than the silence rule on each half 0")
     parser.add_argument("--plot", type=Path, help="write the curves here (PNG; matplotlib: pip install '.[bench]')")
     parser.add_argument("--endpointer", action="store_true", help="only the endpointer's table, for each of --voices")
+    parser.add_argument("--languages", nargs="+", choices=("en", "zh"), help="only the turns in these languages")
+    parser.add_argument("--punctuated", nargs="+", choices=("en", "zh"), default=[],
+                        help="the text in these languages punctuated as the set writes it (a punctuation model's best case)")
     args = parser.parse_args()
 
     if args.endpointer:
@@ -484,7 +499,9 @@ def main() -> None:
     sets = {}
     for voice in args.voices:
         t0 = time.monotonic()
-        bs = sets[voice] = boundaries(render_all(turn_set(voice), voice=voice), model, args.hangover_ms, grid)
+        rendered = [r for r in render_all(turn_set(voice), voice=voice)
+                    if args.languages is None or r.item.language in args.languages]
+        bs = sets[voice] = boundaries(rendered, model, args.hangover_ms, grid, frozenset(args.punctuated))
         t1 = time.monotonic()
         evaluated = evaluate_all({describe(c): c for family in swept.values() for c in family}, bs, **timing)
         per_voice[voice] = {family: {describe(c): evaluated[describe(c)] for c in cs} for family, cs in swept.items()}
@@ -498,18 +515,21 @@ def main() -> None:
         print_voice(voice, sets[voice], results, marks[voice])
     natural = next((v for v in ("piper-turn", "piper") if v in per_voice), args.voices[0])
     silence = {voice: m["the silence rule"] for voice, m in marks.items()}
-    print(f"\npicks for a default, on half 0 (the lowest mean latency on {natural} with p95 <= {args.p95_ms:.0f} ms "
-          f"there and cut-offs <= the silence rule's on every set), and what they do on half 1:")
-    for family in swept:
-        if family == "silence":
-            continue
-        name = choose(per_voice, silence, natural, family, args.p95_ms)
-        rows = "; ".join(f"{voice} {cell(r[family][name][1], 'ms')} p95 {r[family][name][1].p95_ms:.0f}"
-                         for voice, r in per_voice.items()) if name else "none fits"
-        print(f"{family:>22}: {name or ''}  -> {rows}")
+    for margin in args.margins:
+        print(f"\npicks for a default, on half 0 (the lowest mean latency on {natural} with p95 <= {args.p95_ms:.0f} ms "
+              f"there and at least {margin} turns fewer cut off than the silence rule on every set), and what they do on half 1:")
+        for family in swept:
+            if family == "silence":
+                continue
+            name = choose(per_voice, silence, natural, family, args.p95_ms, margin)
+            rows = "; ".join(f"{voice} {cell(r[family][name][1], 'ms')} p95 {r[family][name][1].p95_ms:.0f}"
+                             for voice, r in per_voice.items()) if name else "none fits"
+            print(f"{family:>22}: {name or ''}  -> {rows}")
     print(f"{'the silence rule':>22}: " + "; ".join(f"{voice} {cell(m[1], 'ms')}" for voice, m in silence.items()))
     if args.plot:
-        plot(args.plot, per_voice, marks)
+        note = (f" {'+'.join(args.languages)}" if args.languages else "") + (
+            f", {'+'.join(args.punctuated)} punctuated" if args.punctuated else "")
+        plot(args.plot, per_voice, marks, note)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ def required_models(settings: Settings) -> list[ModelRef]:
             "asr.paraformer.offline_model": conf.offline_model,
             "asr.paraformer.dialect.model": conf.dialect.model,
             "asr.paraformer.vad_model": conf.vad_model,
+            "asr.paraformer.punc_model": conf.punc_model,
         }
         refs += [ModelRef(key, ref, conf.model_cache) for key, ref in named.items() if ref]
     if settings.tts.engine == "cosyvoice2":

@@ -11,6 +11,7 @@ config, a stream's state is bounded by construction (tests/asr/test_bounded_stat
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import yaml
@@ -18,6 +19,7 @@ import yaml
 from voicebot.asr.base import SAMPLE_RATE, Hypothesis, Recognizer, RecognizerStream
 from voicebot.asr.fsmn_vad import FsmnVad
 from voicebot.asr.funasr_model import Decoded, FunasrModel, state_bytes
+from voicebot.asr.punctuation import Punctuator
 from voicebot.asr.router import Router, to_hypothesis
 from voicebot.asr.sanm.engine import BatchedStreamingModel
 from voicebot.asr.sanm.model import ChunkConfig
@@ -40,6 +42,7 @@ class ParaformerRecognizer(Recognizer):
         self.router = Router()
         # fsmn-vad for /funasr (voicebot.frontends.funasr_ws), when asr.paraformer.vad_model is set.
         self.vad: FsmnVad | None = None
+        self.punctuator: Punctuator | None = None  # asr.paraformer.punc_model: punctuates each final
 
     def _model(self, key: str, ref: str) -> FunasrModel:
         path = resolve(ModelRef(key, ref, self.config.model_cache))
@@ -58,7 +61,8 @@ class ParaformerRecognizer(Recognizer):
         for key, ref in (("asr.paraformer.model", conf.model),
                          ("asr.paraformer.offline_model", conf.offline_model),
                          ("asr.paraformer.dialect.model", conf.dialect.model),
-                         ("asr.paraformer.vad_model", conf.vad_model)):
+                         ("asr.paraformer.vad_model", conf.vad_model),
+                         ("asr.paraformer.punc_model", conf.punc_model)):
             if ref:
                 resolve(ModelRef(key, ref, conf.model_cache))
         self.streaming = self._model("asr.paraformer.model", conf.model)
@@ -75,6 +79,11 @@ class ParaformerRecognizer(Recognizer):
             self.vad = FsmnVad(resolve(ModelRef("asr.paraformer.vad_model", conf.vad_model, conf.model_cache)),
                                conf.device, conf.threads, self.endpoint.endpoint_silence_ms)
             self.vad.load()
+        if conf.punc_model:
+            self.punctuator = Punctuator("asr.paraformer.punc_model",
+                                         resolve(ModelRef("asr.paraformer.punc_model", conf.punc_model, conf.model_cache)),
+                                         conf.device, conf.threads)
+            self.punctuator.load()
 
     def open(self, language: str | None = None) -> ParaformerStream:
         if self.streaming is None:
@@ -82,7 +91,7 @@ class ParaformerRecognizer(Recognizer):
         return ParaformerStream(self)
 
     def info(self) -> EngineInfo:
-        models = {m.name: str(m.path) for m in (self.streaming, self.router.offline, self.router.dialect) if m}
+        models = {m.name: str(m.path) for m in (self.streaming, self.router.offline, self.router.dialect, self.punctuator) if m}
         return EngineInfo(
             kind="asr",
             name=self.name,
@@ -92,12 +101,13 @@ class ParaformerRecognizer(Recognizer):
                 "models": models,
                 "chunk_size": list(self.config.chunk_size),
                 "fallback_threshold": self.config.dialect.fallback_threshold,
-                "pending": {m.name: m.worker.pending for m in (self.streaming, self.router.offline, self.router.dialect) if m},
+                "pending": {m.name: m.worker.pending
+                            for m in (self.streaming, self.router.offline, self.router.dialect, self.punctuator) if m},
             },
         )
 
     def close(self) -> None:
-        for model in (self.streaming, self.router.offline, self.router.dialect, self.vad):
+        for model in (self.streaming, self.router.offline, self.router.dialect, self.vad, self.punctuator):
             if model is not None:
                 model.close()
 
@@ -165,6 +175,7 @@ class ParaformerStream(RecognizerStream):
     def __init__(self, recognizer: ParaformerRecognizer) -> None:
         assert recognizer.streaming is not None
         self._router = recognizer.router
+        self._punctuator = recognizer.punctuator
         self._primary = StreamingPass(recognizer.streaming)
         # With dialect.parallel the dialect model streams the same audio on its own worker.
         self._dialect = StreamingPass(self._router.dialect) if self._router.parallel else None
@@ -193,9 +204,11 @@ class ParaformerStream(RecognizerStream):
         audio = np.concatenate(self._audio) if self._audio else None
         self._clear_audio()
         hypothesis = to_hypothesis(primary, self._primary.model.name)
-        if self._router.needs_audio and audio is None:
-            return hypothesis  # nothing was heard: nothing to re-decode
-        return await self._router.finalize(hypothesis, audio, dialect[0] if dialect else None)
+        if not (self._router.needs_audio and audio is None):  # else nothing was heard: nothing to re-decode
+            hypothesis = await self._router.finalize(hypothesis, audio, dialect[0] if dialect else None)
+        if self._punctuator is not None and hypothesis.text:
+            hypothesis = replace(hypothesis, text=await self._punctuator.punctuate(hypothesis.text))
+        return hypothesis
 
     async def reset(self) -> ResetReport:
         freed = self.state_bytes()

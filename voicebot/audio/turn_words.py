@@ -2,8 +2,9 @@
 
 A turn that stops on a conjunction, a preposition, an article, an auxiliary, a subject pronoun or a
 filler ("I would like to", "we need eggs and", "um") is not over, whatever its prosody; one that
-ends in sentence-final punctuation (a recognizer that punctuates: FunASR's 2pass server with
-ct-punc) or, in Mandarin, on a question or closing particle (吗, 呢, 吧) is. The lists are the
+ends in sentence-final punctuation (a recognizer that punctuates: paraformer with
+`asr.paraformer.punc_model`, FunASR's ct-punc, voicebot/asr/punctuation.py) or, in Mandarin, on a
+question or closing particle (吗, 呢, 吧) is. The lists are the
 languages' closed word classes, not the test set's words. `TurnPolicy` (voicebot/audio/turn.py)
 adds the cue to Smart Turn's answer in log-odds: `smart_words_hold` down, `smart_words_go` up.
 

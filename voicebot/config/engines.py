@@ -62,6 +62,11 @@ class ParaformerConfig(Section):
     # fsmn-vad, used as the endpointer of the /funasr endpoint; None: utterances end only when
     # the client says so (or at endpoint.max_utterance_s).
     vad_model: str | None = None
+    # FunASR's punctuation model (CTTransformer: ct-punc-c = iic/punc_ct-transformer_zh-cn-common-
+    # vocab272727-pytorch, or ct-punc) on each utterance's final text, as FunASR's 2pass server
+    # does: the final clients get, and the turn-taking words' evidence (docs/turn-taking.md).
+    # None: finals unpunctuated. voicebot/asr/punctuation.py.
+    punc_model: str | None = None
     model_cache: Path = REPO_ROOT / "models"
     # In 60 ms frames: [0, 10, 5] decodes every 600 ms with 300 ms look-ahead; [0, 8, 4] every
     # 480 ms with 240 ms (lower latency, slightly more compute per second of audio).
