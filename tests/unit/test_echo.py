@@ -13,7 +13,7 @@ import pytest
 from bench.echo import utterance_starts
 from tests.audio import espeak_speech
 from voicebot.audio.echo import AEC3_FIELD_TRIALS, MAX_FAR_S, EchoCanceller
-from voicebot.audio.endpoint import WINDOW, WINDOW_MS
+from voicebot.audio.endpoint import WINDOW, WINDOW_MS, Endpointer, EventKind
 from voicebot.audio.resample import StreamResampler
 from voicebot.config.stages import EndpointConfig
 from voicebot.serving.silero import SileroVad
@@ -400,12 +400,27 @@ def test_a_voice_over_a_new_reply_leaves_the_linear_hold_where_the_echo_put_it(r
     assert len(resets) == 1, f"the linear hold moved {len(resets)} times (once: onto the 150 ms path)"
 
 
-@pytest.mark.parametrize("delay_ms", [120, 150, pytest.param(180, marks=pytest.mark.xfail(strict=True, reason=(
-    "issue 29, open: at this path AEC3's suppressor takes the words' first ~0.3 s down to its floor (the "
-    "linear output keeps them), so nothing of them rises over it for EchoOnset to reach back to: the utterance "
-    "starts 0.16 s into the words, as the endpoint rule alone has it. Reaching the whole pre-roll before the "
-    "first trace got it to 0.04 s, but the recognizer heard fewer words over a -6 dB echo (bench/echo.py --offline)"))),
-    205, 230, 260])
+# AEC3's suppressor, in double talk over a new reply's echo as loud as the words, takes whole syllables
+# of them to its floor: where the echo's own syllables fall under the words' first ones, nothing of those
+# rises for EchoOnset, and where it takes 0.3 s or more from inside the words, EchoOnset's reach stops
+# at that hole (ECHO_GAP_MS). Which delays that happens at depends on where the reply's syllables fall
+# under the words (the same 180 ms path 2.0 and 2.5 s into the reply loses 10 and 5 dB of them, not 28),
+# not on the delay itself: AEC3's reference aligned by hand (the path inside its filter from the first
+# block) lost as much (23-28 dB at 180 ms); its double-talk settings (field trials: dominant near-end
+# detection at 0.5 and 0.75, transparent or rapidly adjusting suppressor tunings) left the 180 ms case as
+# it is, and no initial state at all, which kept it, let the echo alone barge in (4 of 12 at 50 ms -6 dB,
+# bench/echo.py --offline).
+SUPPRESSOR_TAKES_THE_FIRST_WORDS = pytest.mark.xfail(strict=True, reason=(
+    "issue 29, open: AEC3's suppressor takes the words' first ~0.3 s down to its floor (the linear output "
+    "keeps them), so nothing of them rises over it for EchoOnset: the utterance starts 0.16 s into the words"))
+SUPPRESSOR_HOLE_STOPS_THE_REACH = pytest.mark.xfail(strict=True, reason=(
+    "issue 29, open: the suppressor lets the first word through (too short for the endpoint rule) and takes the "
+    "next ~0.3 s, the second word with it, to its floor, a hole longer than ECHO_GAP_MS: EchoOnset stops there, "
+    "0.55 s into the words"))
+
+
+@pytest.mark.parametrize("delay_ms", [60, 120, 150, pytest.param(180, marks=SUPPRESSOR_TAKES_THE_FIRST_WORDS),
+                                      205, 230, pytest.param(240, marks=SUPPRESSOR_HOLE_STOPS_THE_REACH), 260])
 def test_words_over_a_first_replys_echo_start_the_utterance_on_time(delay_ms):
     # test_turn_taking's echo case offline, deterministically: its reply, at the level the server's
     # espeak speaks it (peak ~0.9, where espeak_speech normalises to 0.5), its -6 dB echo, and the
@@ -429,3 +444,38 @@ def test_words_over_a_first_replys_echo_start_the_utterance_on_time(delay_ms):
     assert start is not None and start <= speech_at_s + 0.1, "the recognizer's audio misses the first words"
     # ... and no further back than the words need: the pre-roll and a window or two of the echo's residual.
     assert start >= speech_at_s - EndpointConfig().pre_speech_ms / 1000 - 0.15
+
+
+def utterances_begun(suppressed: np.ndarray, from_s: float, to_s: float) -> int:
+    """How many utterances the endpoint rule (the default EndpointConfig, Silero) begins in `suppressed` between the two times."""
+    endpointer = Endpointer(EndpointConfig())
+    windows = endpointer.cut(suppressed)
+    begun = 0
+    for k, probability in enumerate(endpointer.vad.probabilities(windows)):
+        for event in endpointer.decide(windows[k : k + 1], np.array([probability])):
+            begun += event.kind is EventKind.START and from_s * 16000 <= endpointer.samples_seen <= to_s * 16000
+    return begun
+
+
+SUPPRESSOR_HOLE_SPLITS_THE_WORDS = pytest.mark.xfail(strict=True, reason=(
+    "issue 29, open: the suppressor takes ~0.45 s from inside the words to its floor (the echo there 10-20 dB over "
+    "them), the endpoint rule hears endpoint_silence_ms of silence, ends the utterance and begins another"))
+
+
+@pytest.mark.parametrize("delay_ms", [120, 180, pytest.param(240, marks=SUPPRESSOR_HOLE_SPLITS_THE_WORDS),
+                                      pytest.param(300, marks=SUPPRESSOR_HOLE_SPLITS_THE_WORDS)])
+def test_words_over_a_first_replys_echo_are_one_utterance(delay_ms):
+    # test_turn_taking's "speech over the bot's echo is transcribed" failed in 3 of 35 runs (2 of 20 beside a
+    # busy process) with three finals: the question, then '' and '' for the words, cut in two utterances.
+    # Its input, captured and run again through a canceller here, was a pure 215 ms (154 ms) delay and
+    # did the same offline: AEC3's suppressor took 0.5 s from inside the words, and the endpoint rule,
+    # which hears its output, ended the utterance there. The same input here, as in the test above.
+    reply = espeak_speech("Here is a long answer that goes on for a while, about the weather and the show and "
+                          "everything else you might want to know.", "en", 24000) * 1.75
+    reply_24k = np.concatenate([reply, np.zeros(12000, np.float32), reply])
+    words = espeak_speech("what time does the show start tomorrow") * 0.7
+    speech_at_s = 1.25
+    _, _, _, suppressed, _ = run_case(reply_24k, delay_ms, -6, words, speech_at_s=speech_at_s)
+    begun = utterances_begun(suppressed, speech_at_s, speech_at_s + len(words) / 16000 + 0.3)
+    print(f"\nwords {speech_at_s} s into a first reply over a {delay_ms} ms -6 dB echo: {begun} utterances")
+    assert begun == 1
