@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.echo import utterance_starts
+from bench.echo import utterance_starts, utterances_begun
 from tests.audio import espeak_speech
 from voicebot.audio.echo import AEC3_FIELD_TRIALS, MAX_FAR_S, EchoCanceller
-from voicebot.audio.endpoint import WINDOW, WINDOW_MS, Endpointer, EventKind
+from voicebot.audio.endpoint import WINDOW, WINDOW_MS
 from voicebot.audio.resample import StreamResampler
 from voicebot.config.stages import EndpointConfig
 from voicebot.serving.silero import SileroVad
@@ -448,17 +448,6 @@ def test_words_over_a_first_replys_echo_start_the_utterance_on_time(delay_ms):
     assert start >= speech_at_s - EndpointConfig().pre_speech_ms / 1000 - 0.15
 
 
-def utterances_begun(suppressed: np.ndarray, from_s: float, to_s: float) -> int:
-    """How many utterances the endpoint rule (the default EndpointConfig, Silero) begins in `suppressed` between the two times."""
-    endpointer = Endpointer(EndpointConfig())
-    windows = endpointer.cut(suppressed)
-    begun = 0
-    for k, probability in enumerate(endpointer.vad.probabilities(windows)):
-        for event in endpointer.decide(windows[k : k + 1], np.array([probability])):
-            begun += event.kind is EventKind.START and from_s * 16000 <= endpointer.samples_seen <= to_s * 16000
-    return begun
-
-
 SUPPRESSOR_HOLE_SPLITS_THE_WORDS = pytest.mark.xfail(strict=True, reason=(
     "issue 29, open: the suppressor takes ~0.45 s from inside the words to its floor (the echo there 10-20 dB over "
     "them), the endpoint rule hears endpoint_silence_ms of silence, ends the utterance and begins another"))
@@ -478,6 +467,6 @@ def test_words_over_a_first_replys_echo_are_one_utterance(delay_ms):
     words = espeak_speech("what time does the show start tomorrow") * 0.7
     speech_at_s = 1.25
     _, _, _, suppressed, _ = run_case(reply_24k, delay_ms, -6, words, speech_at_s=speech_at_s)
-    begun = utterances_begun(suppressed, speech_at_s, speech_at_s + len(words) / 16000 + 0.3)
+    begun = utterances_begun(suppressed, round(speech_at_s * 16000), round(speech_at_s * 16000) + len(words) + 4800)
     print(f"\nwords {speech_at_s} s into a first reply over a {delay_ms} ms -6 dB echo: {begun} utterances")
     assert begun == 1
