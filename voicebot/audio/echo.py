@@ -44,7 +44,8 @@ Still open (tests/unit/test_echo.py, strict xfails): under an echo as loud as th
 reply's first seconds, the suppressor takes whole syllables of them to its floor. Where those are
 the first ~0.3 s, nothing of them rises for EchoOnset; where it takes ~0.5 s from inside the words,
 the endpoint rule hears endpoint_silence_ms of silence and cuts them in two utterances (the live
-test_speech_over_the_bots_echo_is_transcribed's three finals, 3 of 35 runs beside a busy process).
+test_speech_over_the_bots_echo_is_transcribed's three finals: 3 of 35 runs beside one or two busy
+processes).
 It is where the reply's syllables fall under the words, not the path: AEC3's reference aligned by
 hand from the first block lost as much, and none of its field trials (dominant near-end detection,
 suppressor tunings, reverb defaults, no initial state) kept the words without costing elsewhere.
