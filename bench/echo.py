@@ -36,7 +36,9 @@ Per case:
   suppressed output (the recognizer hears the linear output from there): the endpoint rule's own
   start, and EchoOnset's (voicebot/audio/echo_onset.py), with what the recognizer made of each. --offline also applies the barge-in rule (Silero, 300 ms of speech in a
   row) to the suppressed output: of the echo alone (a false barge-in), and of the input with the
-  user (how long after the first word it is met).
+  user (how long after the first word it is met), and how many utterances the endpoint rule cuts the
+  barge-in into on it (two: the suppressor took endpoint_silence_ms from inside the words; the reply
+  plays on offline, where live the barge-in would cut it).
 """
 
 from __future__ import annotations
@@ -124,6 +126,9 @@ class CaseResult:
     # before it), and what the recognizer made of the linear output from there: (the endpoint rule's own, EchoOnset's).
     utterance_start_ms: tuple[float, float] | None = None
     heard_from_start: tuple[str, str] = ("", "")
+    # Offline, how many utterances the endpoint rule began over the barge-in (more than one: the
+    # suppressor took endpoint_silence_ms from inside the words, and they were cut in two).
+    utterances: int = 0
 
 
 class Room:
@@ -266,6 +271,18 @@ def utterance_starts(suppressed: np.ndarray, suppressing: list[bool], chunk: int
     return None
 
 
+def utterances_begun(suppressed: np.ndarray, start: int, end: int) -> int:
+    """How many utterances the endpoint rule (the default EndpointConfig, Silero) begins in
+    `suppressed` between samples `start` and `end` (its START events)."""
+    endpointer = Endpointer(EndpointConfig())
+    windows = endpointer.cut(suppressed)
+    begun = 0
+    for k, probability in enumerate(endpointer.vad.probabilities(windows)):
+        for event in endpointer.decide(windows[k : k + 1], np.array([probability])):
+            begun += event.kind is EventKind.START and start <= endpointer.samples_seen <= end
+    return begun
+
+
 @functools.cache
 def offline_decoder(figure: str):
     """The default config's recognizer, on the phrases of every reply here and the whole barge-in as one
@@ -328,6 +345,7 @@ def words_kept(case: CaseResult, room: Room, end: int, user_from: int, user_len:
         case.linear_echo_down_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(echo_left, echo_left)), 1e-12)))
     words_end = user_from + user_len + RATE * 3 // 10
     case.heard_offline = heard_offline(linear[user_from - RATE // 10 : words_end])
+    case.utterances = utterances_begun(suppressed, user_from, words_end)
     if (starts := utterance_starts(suppressed, suppressing, CHUNK, after=user_from)) is not None:
         case.utterance_start_ms = tuple((start - user_from) * 1000 / RATE for start in starts)
         case.heard_from_start = tuple(heard_offline(linear[start:words_end], figure)
@@ -344,14 +362,15 @@ def offline(delays: list[int], gains: list[int]) -> None:
           f"{len(said)} words, those the recognizer heard in the linear output; the echo under them, down (mean); "
           f"the echo alone barging in (the suppressed output, Silero, 300 ms); the barge-in heard after (p50, max; missed); "
           f"where its utterance starts after the first word (ms, p50 and max; the endpoint rule's own -> EchoOnset's) and the "
-          f"words the recognizer heard from there (the linear output)")
+          f"words the recognizer heard from there (the linear output); the barge-ins cut in two utterances or more by the "
+          f"endpoint rule (the reply playing on: no barge-in cuts it offline)")
     print(f"{'delay':>6} {'gain':>6} {'words heard':>14} {'echo down':>10} {'echo barged in':>15} {'barge-in ms':>14}"
           f" {'utterance starts ms':>24} {'words heard from it':>22}")
     total = cases = 0
     heard_from_total = [0, 0]
     for delay_ms, gain_db in itertools.product(delays, gains):
         heard, down, echo_barged, barge_ms = 0, [], 0, []
-        starts, heard_from = [], [0, 0]
+        starts, heard_from, split = [], [0, 0], 0
         for text, at_s in itertools.product(OFFLINE_REPLIES, OFFLINE_BARGE_AT_S):
             reply = espeak_speech(text, "en-us", RATE)
             room = Room(delay_ms, gain_db)
@@ -364,6 +383,7 @@ def offline(delays: list[int], gains: list[int]) -> None:
             down.append(case.linear_echo_down_db)
             echo_barged += case.echo_barged_in_offline
             barge_ms.append(case.barge_in_offline_ms)
+            split += case.utterances > 1
             if case.utterance_start_ms is not None:
                 starts.append(case.utterance_start_ms)
             for i, text in enumerate(case.heard_from_start):
@@ -376,7 +396,7 @@ def offline(delays: list[int], gains: list[int]) -> None:
         heard_from_total = [t + h for t, h in zip(heard_from_total, heard_from)]
         print(f"{delay_ms:>3} ms {gain_db:>3} dB {heard:>6} of {n:<4} {np.mean(down):>7.1f} dB {echo_barged:>8} of {len(barge_ms)} "
               f"{timing:>11}; {len(barge_ms) - len(found)} {rule:>11} -> {reach:<11} {heard_from[0]:>4} -> {heard_from[1]:>3} of {n}; "
-              f"{len(barge_ms) - len(starts)} no utterance")
+              f"{len(barge_ms) - len(starts)} no utterance, {split} split")
     print(f"{'all':>13} {total:>6} of {cases:<4} ({total / cases:.0%}); from the utterance's start: "
           f"{heard_from_total[0]} -> {heard_from_total[1]} of {cases}")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.echo import utterance_starts
+from bench.echo import utterance_starts, utterances_begun
 from tests.audio import espeak_speech
 from voicebot.audio.echo import AEC3_FIELD_TRIALS, MAX_FAR_S, EchoCanceller
 from voicebot.audio.endpoint import WINDOW, WINDOW_MS
@@ -400,12 +400,29 @@ def test_a_voice_over_a_new_reply_leaves_the_linear_hold_where_the_echo_put_it(r
     assert len(resets) == 1, f"the linear hold moved {len(resets)} times (once: onto the 150 ms path)"
 
 
-@pytest.mark.parametrize("delay_ms", [120, 150, pytest.param(180, marks=pytest.mark.xfail(strict=True, reason=(
-    "issue 29, open: at this path AEC3's suppressor takes the words' first ~0.3 s down to its floor (the "
-    "linear output keeps them), so nothing of them rises over it for EchoOnset to reach back to: the utterance "
-    "starts 0.16 s into the words, as the endpoint rule alone has it. Reaching the whole pre-roll before the "
-    "first trace got it to 0.04 s, but the recognizer heard fewer words over a -6 dB echo (bench/echo.py --offline)"))),
-    205, 230, 260])
+# AEC3's suppressor, in double talk over a new reply's echo as loud as the words, takes whole syllables
+# of them to its floor: where the echo's own syllables fall under the words' first ones, nothing of those
+# rises for EchoOnset, and where it takes 0.3 s or more from inside the words, EchoOnset's reach stops
+# at that hole (ECHO_GAP_MS). Which delays that happens at depends on where the reply's syllables fall
+# under the words (the same 180 ms path 2.0 and 2.5 s into the reply loses 10 and 5 dB of them, not 28),
+# not on the delay itself: AEC3's reference aligned by hand (the path inside its filter from the first
+# block) lost as much (23-28 dB at 180 ms); its double-talk settings (field trials: dominant near-end
+# detection at 0.5 and 0.75, transparent or rapidly adjusting suppressor tunings) left the 180 ms case as
+# it is; no initial state at all, which kept it, let the echo alone barge in (4 of 12 at 50 ms -6 dB,
+# bench/echo.py --offline); a short reverb assumed (UseLowLateReflectionsDefaultGain) kept 180 and 240
+# but reached 0.48 s back over the 60 ms path's echo, and the bench's 300 ms -6 dB row heard 9 fewer of
+# the words from EchoOnset's start (150 ms -6 dB: 8 more; no more echo barge-ins, in rooms either).
+SUPPRESSOR_TAKES_THE_FIRST_WORDS = pytest.mark.xfail(strict=True, reason=(
+    "issue 29, open: AEC3's suppressor takes the words' first ~0.3 s down to its floor (the linear output "
+    "keeps them), so nothing of them rises over it for EchoOnset: the utterance starts 0.16 s into the words"))
+SUPPRESSOR_HOLE_STOPS_THE_REACH = pytest.mark.xfail(strict=True, reason=(
+    "issue 29, open: the suppressor lets the first word through (too short for the endpoint rule) and takes the "
+    "next ~0.3 s, the second word with it, to its floor, a hole longer than ECHO_GAP_MS: EchoOnset stops there, "
+    "0.55 s into the words"))
+
+
+@pytest.mark.parametrize("delay_ms", [60, 120, 150, pytest.param(180, marks=SUPPRESSOR_TAKES_THE_FIRST_WORDS),
+                                      205, 230, pytest.param(240, marks=SUPPRESSOR_HOLE_STOPS_THE_REACH), 260])
 def test_words_over_a_first_replys_echo_start_the_utterance_on_time(delay_ms):
     # test_turn_taking's echo case offline, deterministically: its reply, at the level the server's
     # espeak speaks it (peak ~0.9, where espeak_speech normalises to 0.5), its -6 dB echo, and the
@@ -429,3 +446,27 @@ def test_words_over_a_first_replys_echo_start_the_utterance_on_time(delay_ms):
     assert start is not None and start <= speech_at_s + 0.1, "the recognizer's audio misses the first words"
     # ... and no further back than the words need: the pre-roll and a window or two of the echo's residual.
     assert start >= speech_at_s - EndpointConfig().pre_speech_ms / 1000 - 0.15
+
+
+SUPPRESSOR_HOLE_SPLITS_THE_WORDS = pytest.mark.xfail(strict=True, reason=(
+    "issue 29, open: the suppressor takes ~0.45 s from inside the words to its floor (the echo there 10-20 dB over "
+    "them), the endpoint rule hears endpoint_silence_ms of silence, ends the utterance and begins another"))
+
+
+@pytest.mark.parametrize("delay_ms", [120, 180, pytest.param(240, marks=SUPPRESSOR_HOLE_SPLITS_THE_WORDS),
+                                      pytest.param(300, marks=SUPPRESSOR_HOLE_SPLITS_THE_WORDS)])
+def test_words_over_a_first_replys_echo_are_one_utterance(delay_ms):
+    # test_turn_taking's "speech over the bot's echo is transcribed" failed in 0 of 12 runs alone, 3 of 35 beside
+    # one or two busy processes, with three finals: the question, then '' and '' for the words, cut in two.
+    # Its input, captured and run again through a canceller here, was a pure 215 ms (154 ms) delay and
+    # did the same offline: AEC3's suppressor took 0.5 s from inside the words, and the endpoint rule,
+    # which hears its output, ended the utterance there. The same input here, as in the test above.
+    reply = espeak_speech("Here is a long answer that goes on for a while, about the weather and the show and "
+                          "everything else you might want to know.", "en", 24000) * 1.75
+    reply_24k = np.concatenate([reply, np.zeros(12000, np.float32), reply])
+    words = espeak_speech("what time does the show start tomorrow") * 0.7
+    speech_at_s = 1.25
+    _, _, _, suppressed, _ = run_case(reply_24k, delay_ms, -6, words, speech_at_s=speech_at_s)
+    begun = utterances_begun(suppressed, round(speech_at_s * 16000), round(speech_at_s * 16000) + len(words) + 4800)
+    print(f"\nwords {speech_at_s} s into a first reply over a {delay_ms} ms -6 dB echo: {begun} utterances")
+    assert begun == 1

@@ -28,8 +28,13 @@ from voicebot.audio.rates import LISTEN_RATE
 # echo the grammar recognizer heard fewer of the words after 300 ms of it (bench/echo.py --offline,
 # words heard from the utterance's start: the -6 dB rows lost 9 of 108 each against the endpoint
 # rule's start; from ECHO_MARGIN_MS before, no row lost any, and 531 of 648 became 575).
-# Open: where the suppressor takes the first words down to its floor (a 180 ms path: their first
-# 0.3 s), nothing rises and the endpoint rule's start stands (tests/unit/test_echo.py).
+# Open: where the suppressor takes the first words down to its floor (a 180 ms path 1.5 s into the
+# reply: their first 0.3 s), nothing rises and the endpoint rule's start stands; where it takes more
+# than ECHO_GAP_MS from inside them (240 ms), the reach stops at that hole (tests/unit/test_echo.py).
+# Its output alone cannot tell them from the echo: over the 180 ms path an echo-only window stood 12-14
+# dB over the floor where the words' first stood 3-8. The linear output (MDF 3-10 dB into the echo
+# 1.5 s into a first reply) and an energy double-talk rule on the far end (no false trace on a pure
+# delay, 5-13% of echo-only blocks in rooms with an RT60 of 0.4-0.8 s) were no better evidence.
 ECHO_REACH_S = 1.2
 ECHO_MARGIN_MS = 96
 ECHO_HISTORY_S = 3.0  # per session: 94 windows of (level, suppressing)
