@@ -40,8 +40,9 @@ Rendering many streams together (the device scheduler's API). A stream either re
 `render` runs every request's encoder on its own (≈3 % of the flow), then one Euler schedule for
 all of them: each of the 10 steps is one estimator call over every request's CFG pair, packed
 row by row, attention padded and masked per request (estimator.py), each attending to its own
-prompt state and cached frames (within its window, flow_left_chunks); then one
-HiFT decode over all their mel windows (hift.py `decode_batch`). Requests may differ in voice,
+prompt state and cached frames (within its window, flow_left_chunks); then every stream's f0 and
+source in one batch (hift.py `excitations`) and one HiFT decode over all their mel windows
+(`decode_batch`). Requests may differ in voice,
 prompt length, chunk index, hop and mode. `push`/`finish` are `render([stream.next_chunk()])`.
 A request's audio equals its stream's render alone to fp32 reduction order (test_flow_batch.py).
 Rules: at most one request per stream per render (its next chunk depends on the previous one); a
@@ -64,7 +65,7 @@ from torch import Tensor
 
 from voicebot.serving.model_interfaces import Rendering
 from voicebot.tts.cosyvoice2.flow import Flow, FlowCache, FlowRequest
-from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFT, HiFTStream, SourceNoise
+from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFT, HiFTStream, SourceNoise, SourceRequest
 from voicebot.tts.cosyvoice2.sampling import host_to_device
 
 
@@ -159,8 +160,11 @@ class Token2Wav:
             r.stream._check(r)
         mels = self.flow.render([r.stream._flow_request(r) for r in requests])
         jobs = [r.stream._advance(r, mel) for r, mel in zip(requests, mels)]
-        ready = [job for job in jobs if job is not None]
-        decoded = iter(self.hift.decode_batch([j.mel for j in ready], [j.source for j in ready]) if ready else ())
+        ready = [(r.stream.vocoder, job) for r, job in zip(requests, jobs) if job is not None]
+        if ready:  # every stream's f0 and source in one batch, then every decode in one
+            for (vocoder, job), made in zip(ready, self.hift.excitations([job.source_request for _, job in ready])):
+                vocoder.sourced(job, *made)
+        decoded = iter(self.hift.decode_batch([j.mel for _, j in ready], [j.source for _, j in ready]) if ready else ())
         return [torch.zeros(1, 0) if job is None else r.stream.vocoder.complete(job, next(decoded))
                 for r, job in zip(requests, jobs)]
 
@@ -239,13 +243,17 @@ class ChunkVocoder:
         self.speech_tail: Tensor | None = None  # (1, 3840) held back for the cross-fade
 
     def prepare(self, mel: Tensor, final: bool) -> DecodeJob:
+        """The chunk's decode, its source to be made by HiFT.excitations and handed to `sourced`."""
         if self.mel_cache is not None:
             mel = torch.cat([self.mel_cache, mel], dim=2)
-        noise = _zero_noise(self.hift, mel) if self.zero_noise else None
-        source = self.hift.excitation(mel, self.source_cache, noise, self.generator)
+        noise = None if self.zero_noise else SourceNoise.draw(
+            mel.shape[2] * self.hift.samples_per_frame, self.hift.m_source.n_harmonics, self.generator, mel.device)
         self.mel_cache = mel[:, :, -self.mel_cache_frames :]
+        return DecodeJob(mel, SourceRequest(mel, noise, head=self.source_cache), final)
+
+    def sourced(self, job: DecodeJob, source: Tensor, cycles: Tensor) -> None:
+        job.source = source
         self.source_cache = source[:, :, -self.overlap :]
-        return DecodeJob(mel, source, final)
 
     def complete(self, job: DecodeJob, speech: Tensor) -> Tensor:
         if self.speech_tail is not None:
