@@ -152,20 +152,22 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: Tensor, lengths: list[int] | None = None) -> Tensor:
-        """lengths: each row's own length, past which its convolutions must read zeros (None: all full)."""
+    def forward(self, x: Tensor, own: Tensor | None = None) -> Tensor:
+        """own (B, 1, T): 1 on each row's own samples, 0 past its end, where its convolutions must
+        read zeros, as their own zero padding alone (None: no row is padded)."""
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = x + c2(_zero_padding(a2(c1(_zero_padding(a1(x), lengths))), lengths))
+            x = x + c2(_masked(a2(c1(_masked(a1(x), own))), own))
         return x
 
 
-def _zero_padding(x: Tensor, lengths: list[int] | None) -> Tensor:
-    """x (B, C, T), a fresh activation, with each row zeroed in place past its length: writes only
-    the padding (a few frames), where a mask multiply would pass over the whole tensor."""
-    for row, n in enumerate(lengths or ()):
-        if n < x.shape[2]:
-            x[row, :, n:] = 0
-    return x
+def _masked(x: Tensor, own: Tensor | None) -> Tensor:
+    """x (B, C, T) zeroed past each row's end (`own`, (B, 1, T)); x itself when nothing is padded."""
+    return x if own is None else x * own
+
+
+def _own(lengths: Tensor, size: int, dtype: torch.dtype) -> Tensor:
+    """(B, 1, size): 1 where a position is before its row's length (B,), else 0."""
+    return (torch.arange(size, device=lengths.device) < lengths[:, None]).to(dtype)[:, None]
 
 
 class HiFT(nn.Module):
@@ -232,33 +234,29 @@ class HiFT(nn.Module):
         self.register_buffer("stft_window", torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device="cpu").float(),
                              persistent=False)
 
-    def _stft(self, sources: list[Tensor], n_frames: int) -> Tensor:
-        """Sources (1, 1, L_b) -> their STFT frames in one batch (B, n_fft+2, n_frames) [real | imag]:
-        each row reflect-padded at its own ends, as torch.stft's centring pads it alone (one gather
-        over all rows), its frames past its own L_b/hop + 1 zero."""
+    def _stft(self, source: Tensor, length: Tensor) -> Tensor:
+        """source (B, L), row b's own its first length[b] samples -> its STFT frames (B, n_fft+2,
+        L/hop + 1) [real | imag]: each row reflect-padded at its own ends, as torch.stft's centring
+        pads it alone (one gather over all rows), its frames past its own length/hop + 1 zero."""
         pad = self.n_fft // 2
-        lengths = [src.shape[2] for src in sources]
-        device = sources[0].device
-        flat = torch.cat([src.reshape(-1) for src in sources])
-        length = host_to_device(lengths, device)[:, None]  # (B, 1)
-        offset = host_to_device([sum(lengths[:b]) for b in range(len(lengths))], device)[:, None]
-        j = torch.arange(max(lengths) + 2 * pad, device=device)[None]
+        length = length[:, None]  # (B, 1)
+        j = torch.arange(source.shape[1] + 2 * pad, device=source.device)[None]
         at = (j - pad).abs()  # reflected at the start
-        at = torch.minimum(torch.where(at >= length, 2 * (length - 1) - at, at), length - 1)  # and at the end
-        padded = flat[offset + at] * (j < length + 2 * pad)  # (B, L + n_fft), zero past a row's own
+        at = torch.where(at >= length, 2 * (length - 1) - at, at).clamp(0, source.shape[1] - 1)  # and at the end
+        padded = source.gather(1, at.expand(source.shape[0], -1)) * (j < length + 2 * pad)  # zero past a row's own
         spec = torch.stft(padded, self.n_fft, self.hop_len, self.n_fft, window=self.stft_window, center=False,
                           return_complex=True)
-        own = torch.arange(n_frames, device=device)[None] < length // self.hop_len + 1
+        own = torch.arange(spec.shape[2], device=source.device)[None] < length // self.hop_len + 1
         return torch.cat([spec.real, spec.imag], dim=1) * own[:, None]
 
-    def _istft(self, x: Tensor, n_frames: list[int]) -> Tensor:
+    def _istft(self, x: Tensor, n_frames: Tensor) -> Tensor:
         """conv_post's output x (B, n_fft+2, F) [log-magnitude | phase], row b's own frames its first
         n_frames[b] -> audio (B, hop·(F-1)), row b's first hop·(n_frames[b]-1) samples as torch.istft
         of its own frames alone: one inverse FFT and one overlap-add for all rows, each row divided
         by the window envelope of its own frames."""
         half, pad, hop = self.n_fft // 2 + 1, self.n_fft // 2, self.hop_len
         rows, _, n = x.shape
-        own = (torch.arange(n, device=x.device)[None] < host_to_device(n_frames, x.device)[:, None])[:, None]
+        own = _own(n_frames, n, x.dtype)
         magnitude = torch.clip(torch.exp(x[:, :half]), max=1e2) * own
         phase = torch.sin(x[:, half:])  # the phase channels go through sin, as in the trained model
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
@@ -273,32 +271,56 @@ class HiFT(nn.Module):
         """mel (1, 80, T), source (1, 1, 480T) -> waveform (1, 480T)."""
         return self.decode_batch([mel], [source])[0]
 
-    def decode_batch(self, mels: list[Tensor], sources: list[Tensor]) -> list[Tensor]:
-        """`decode` of several (mel, source) pairs of any lengths in one batch; each result
-        equals its own call. Rows are zero-padded to the longest, and every convolution's input is
-        zeroed past a row's end, which is what the convolution's own zero padding gives
-        it alone; the STFT and iSTFT run batched, each row padded and window-normalised at its own
-        ends as alone."""
+    def decode_batch(self, mels: list[Tensor], sources: list[Tensor], shape: tuple[int, int] | None = None) -> list[Tensor]:
+        """`decode` of several (mel, source) pairs of any lengths in one batch; each result equals
+        its own call. shape (rows, frames): pad the batch to it (a bucket, whose shapes a CUDA graph
+        keeps: `padded_batch`, `decode_padded`), else to the pairs and the longest."""
         lengths = [m.shape[2] for m in mels]
-        longest = max(lengths)
-        mel = torch.cat([F.pad(m, (0, longest - m.shape[2])) for m in mels])  # (B, 80, T)
-        s = self._stft(sources, longest * self.samples_per_frame // self.hop_len + 1)  # (B, n_fft+2, n_stft)
+        # one pair at its own length fills its batch: nothing to mask
+        audio = self.decode_padded(*self.padded_batch(mels, sources, shape), masked=shape is not None or len(mels) > 1)
+        return [audio[b : b + 1, : n * self.samples_per_frame] for b, n in enumerate(lengths)]
+
+    def padded_batch(self, mels: list[Tensor], sources: list[Tensor],
+                     shape: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """decode_padded's inputs for the pairs: mel (B, 80, T) and source (B, 480T) zero-padded,
+        frames (B,) each row's own (1 for a padding row: one zero frame)."""
+        lengths = [m.shape[2] for m in mels]
+        rows, longest = shape or (len(mels), max(lengths))
+        if rows < len(mels) or longest < max(lengths):
+            raise ValueError(f"{len(mels)} mels of up to {max(lengths)} frames in a batch of {rows} × {longest}")
+        spf, empty = self.samples_per_frame, rows - len(mels)
+        mel = torch.cat([F.pad(m, (0, longest - m.shape[2])) for m in mels]
+                        + ([mels[0].new_zeros(empty, mels[0].shape[1], longest)] if empty else []))
+        source = torch.cat([F.pad(s.reshape(1, -1), (0, longest * spf - s.shape[2])) for s in sources]
+                           + ([sources[0].new_zeros(empty, longest * spf)] if empty else []))
+        return mel, source, host_to_device(lengths + [1] * empty, mel.device)
+
+    def decode_padded(self, mel: Tensor, source: Tensor, frames: Tensor, masked: bool = True) -> Tensor:
+        """The decoder over a padded batch: mel (B, 80, T), source (B, 480T), frames (B,) each row's
+        own -> audio (B, 480T), each row's first 480·frames samples as its own call alone.
+
+        Every convolution's input is zeroed past a row's end, which is what the convolution's own
+        zero padding gives it alone; the STFT and iSTFT run batched, each row padded and
+        window-normalised at its own ends as alone. Shapes depend on (B, T) only, and nothing is
+        read back to the host: a CUDA graph captures it per bucket (token2wav.py). masked=False:
+        every row fills the batch (no padding), so nothing is zeroed."""
+        s = self._stft(source, frames * self.samples_per_frame)  # (B, n_fft+2, n_stft)
         rate = 1
         x = self.conv_pre(mel)
         for i, up in enumerate(self.ups):
-            x = up(_zero_padding(F.leaky_relu(x, self.lrelu_slope), [n * rate for n in lengths]))
+            own = _own(frames * rate, x.shape[2], x.dtype) if masked else None
+            x = up(_masked(F.leaky_relu(x, self.lrelu_slope), own))
             rate *= up.stride[0]
             extra = 0
             if i == len(self.ups) - 1:
                 x = F.pad(x, (1, 0), mode="reflect")  # one more frame to line up with the STFT frames
                 extra = 1
-            stage_lengths = [n * rate + extra for n in lengths]
-            x = x + self.source_resblocks[i](self.source_downs[i](s), stage_lengths)
+            own = _own(frames * rate + extra, x.shape[2], x.dtype) if masked else None
+            x = x + self.source_resblocks[i](self.source_downs[i](s), own)
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
-            x = sum(block(x, stage_lengths) for block in blocks) / self.num_kernels
-        x = self.conv_post(_zero_padding(F.leaky_relu(x), stage_lengths))  # default slope 0.01 here
-        audio = torch.clamp(self._istft(x, [n * rate + 1 for n in lengths]), -self.audio_limit, self.audio_limit)
-        return [audio[b : b + 1, : n * self.samples_per_frame] for b, n in enumerate(lengths)]
+            x = sum(block(x, own) for block in blocks) / self.num_kernels
+        x = self.conv_post(_masked(F.leaky_relu(x), own))  # default slope 0.01 here
+        return torch.clamp(self._istft(x, frames * rate + 1), -self.audio_limit, self.audio_limit)
 
     def excitation(
         self, mel: Tensor, cache_source: Tensor | None = None, noise: SourceNoise | None = None,
