@@ -403,20 +403,27 @@ class Flow(nn.Module):
         cache: FlowCache | None, left_chunks: int = -1,
     ) -> CFMInput:
         """The CFM's input for prompt+target `tokens` (1, N), from the cache's end (or frame 0) on."""
+        if cache is not None and not streaming:
+            raise ValueError("a cached flow call needs chunk-causal (streaming) attention")
+        start = 0 if cache is None else cache.n_frames
+        mu, spks, cond = self.conditions(tokens, prompt_feat, embedding, streaming, finalize, start)
+        chunk_frames = self.decoder.estimator.static_chunk_size
+        if cache is not None and not finalize and (start + mu.shape[0]) % chunk_frames:
+            raise ValueError(f"a cached non-final flow call must end on a chunk boundary ({start + mu.shape[0]} frames)")
+        return CFMInput(mu, spks, cond, streaming, cache, left_chunks)
+
+    def conditions(self, tokens: Tensor, prompt_feat: Tensor, embedding: Tensor, streaming: bool, finalize: bool,
+                   start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        """The CFM's conditions for prompt+target `tokens` (1, N) from mel frame `start` on: mu and
+        cond (T, 80) time-major, spks (80,)."""
         dtype = self.encoder_proj.weight.dtype
         embedding, prompt_feat = embedding.to(dtype), prompt_feat.to(dtype)
         spks = self.spk_embed_affine_layer(F.normalize(embedding, dim=1))[0]  # (80,)
         mu = self.encode(tokens, finalize, streaming)[0]  # (T, 80)
-        start = 0 if cache is None else cache.n_frames
-        chunk_frames = self.decoder.estimator.static_chunk_size
-        if cache is not None and not finalize and mu.shape[0] % chunk_frames:
-            raise ValueError(f"a cached non-final flow call must end on a chunk boundary ({mu.shape[0]} frames)")
-        if cache is not None and not streaming:
-            raise ValueError("a cached flow call needs chunk-causal (streaming) attention")
         cond = torch.zeros_like(mu)
         n_prompt = min(prompt_feat.shape[1], mu.shape[0])
         cond[:n_prompt] = prompt_feat[0, :n_prompt]
-        return CFMInput(mu[start:], spks, cond[start:], streaming, cache, left_chunks)
+        return mu[start:], spks, cond[start:]
 
 
 def build_flow(hp: dict[str, Any]) -> Flow:
