@@ -146,3 +146,17 @@ def test_a_bucketed_stream_holds_its_window_whatever_its_length(t2w: Token2Wav, 
         assert isinstance(stream.flow_cache, WindowState)
         held.append((stream.flow_cache.held, stream.flow_cache.nbytes()))
     assert held[2] == held[5] and held[5][0] == 100, held
+
+
+def test_the_encoder_batched_over_streams_equals_each_alone(t2w: Token2Wav) -> None:
+    """Flow.encode_streaming: token rows of different lengths, final (no held-back context) and not,
+    padded to the longest: each row's mu within MEL of its `encode` alone."""
+    flow, g = t2w.flow, torch.Generator().manual_seed(11)
+    tokens = [torch.randint(0, flow.input_embedding.num_embeddings, (1, n), generator=g) for n in (53, 78, 12, 100)]
+    finalize = [False, True, False, True]
+    with torch.inference_mode():
+        mu, ends = flow.encode_streaming(tokens, finalize)
+        for b, (t, final) in enumerate(zip(tokens, finalize)):
+            alone = flow.encode(t, final, True)[0]
+            assert ends[b] == alone.shape[0]
+            assert max_error_to_peak(mu[b, : ends[b]], alone) <= MEL, f"row {b}"

@@ -11,6 +11,10 @@ as a bucketed call reads them, right-aligned in W frames, so a call takes S' sta
 each for keys, values and conv contexts, and hands back each stream's next state as a view of
 the call's output.
 
+Around the graph, a call's streams share their launches as well: one encoder pass over all their
+tokens (Flow.encode_streaming, rows padded and masked), one gather each for the bucket's mu and
+cond, one stack each for the states.
+
 The whole Euler schedule of a bucket (10 estimator calls, CFG, the update) is one function of
 tensors whose shapes depend on (S', Q') alone, with nothing read back to the host: on CUDA it is
 captured as one graph per bucket at start-up (`capture`) and replayed per render (graphs.py);
@@ -27,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from voicebot.tts.cosyvoice2.estimator import Attention, CausalConv1d, EstimatorCache, WindowCall
@@ -128,24 +133,35 @@ class WindowFlow:
     def render(self, requests: list[WindowRequest]) -> list[Tensor]:
         """Each request's new mel (1, 80, n) float32 (the prompt's own frames left out), all of them
         in one call at their bucket; each request's state moves on past its frames."""
-        conditions = [self.flow.conditions(r.tokens, r.prompt_feat, r.embedding, True, r.finalize, r.state.n_frames)
-                      for r in requests]
-        n_new = [mu.shape[0] for mu, _, _ in conditions]
-        for r, n in zip(requests, n_new):
-            if not r.finalize and (r.state.n_frames + n) % self.chunk:
-                raise ValueError(f"a non-final chunk must end on a chunk boundary ({r.state.n_frames + n} frames)")
+        flow, device = self.flow, self._like().device
+        dtype = self._like().dtype
+        mu_all, ends = flow.encode_streaming([r.tokens for r in requests], [r.finalize for r in requests])
+        n_new = [end - r.state.n_frames for end, r in zip(ends, requests)]
+        for r, end in zip(requests, ends):
+            if not r.finalize and end % self.chunk:
+                raise ValueError(f"a non-final chunk must end on a chunk boundary ({end} frames)")
         streams, frames = self.bucket(len(requests), max(n_new))
         empty = streams - len(requests)
-
-        def padded(parts: list[Tensor]) -> Tensor:  # (n, 80) each -> (S', Q', 80)
-            return torch.stack([torch.nn.functional.pad(p, (0, 0, 0, frames - p.shape[0])) for p in parts]
-                               + [parts[0].new_zeros(frames, parts[0].shape[1])] * empty)
-
-        mu = padded([mu for mu, _, _ in conditions])
-        cond = padded([cond for _, _, cond in conditions])
-        spks = torch.stack([spks for _, spks, _ in conditions] + [conditions[0][1].new_zeros(conditions[0][1].shape)] * empty)
+        # every stream's rows of the bucket, gathered with one host-made index each: mu from its
+        # encoder row, cond from its voice's prompt mel (zero past it); padding repeats a frame
+        width, prompt_at, take, take_cond = mu_all.shape[1], 0, [], []
+        for b, (r, n) in enumerate(zip(requests, n_new)):
+            start, n_prompt = r.state.n_frames, r.prompt_feat.shape[1]
+            for q in range(frames):
+                f = start + min(q, n - 1)
+                take.append(b * width + f)
+                take_cond.append(prompt_at + f if f < n_prompt else -1)
+            prompt_at += n_prompt
+        take += [0] * (empty * frames)
+        take_cond = [prompt_at if i < 0 else i for i in take_cond] + [prompt_at] * (empty * frames)
+        take, take_cond = host_to_device([take, take_cond], device)
+        mu = mu_all.reshape(-1, mu_all.shape[2])[take].view(streams, frames, -1)
+        prompts = torch.cat([r.prompt_feat[0].to(dtype) for r in requests] + [mu.new_zeros(1, mu.shape[2])])
+        cond = prompts[take_cond].view(streams, frames, -1)
+        embeddings = torch.cat([r.embedding.to(dtype) for r in requests])
+        spks = F.pad(flow.spk_embed_affine_layer(F.normalize(embeddings, dim=1)), (0, 0, 0, empty))
         at = host_to_device([[r.state.n_frames for r in requests] + [0] * empty,
-                             [r.state.held for r in requests] + [0] * empty, n_new + [0] * empty], mu.device)
+                             [r.state.held for r in requests] + [0] * empty, n_new + [0] * empty], device)
         blank = self._empty_state() if empty else ()  # a padding stream's state: zeros
         keys, values, conv = (torch.stack([getattr(r.state, name) for r in requests] + [b] * empty, dim=dim)
                               for name, dim, b in zip(("keys", "values", "conv"), (2, 2, 1), blank or (None,) * 3))
