@@ -291,7 +291,7 @@ def check_render_graphs(hp: dict, flow: torch.nn.Module, hift: torch.nn.Module, 
         n_graphs = bucketed.capture_graphs()
         print(f"  {n_graphs} graphs captured in {time.perf_counter() - began:.1f} s "
               f"(flow {bucketed.window_flow.buckets[0]}..{bucketed.window_flow.buckets[-1]}, HiFT "
-              f"{bucketed.decode_buckets[0]}..{bucketed.decode_buckets[-1]}, streams × frames); "
+              f"{bucketed.hift_buckets.buckets[0]}..{bucketed.hift_buckets.buckets[-1]}, streams × frames); "
               f"{torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated", flush=True)
         window = bucketed.window_flow
         for streams, frames in window.buckets:  # random inputs in the bucket: the last stream short of it
@@ -310,12 +310,12 @@ def check_render_graphs(hp: dict, flow: torch.nn.Module, hift: torch.nn.Module, 
             state_error = max(max_error_to_peak(g.float().cpu(), e.float().cpu()) for g, e in zip(graphed[1:], eager[1:]))
             report(f"flow bucket {streams} × {frames:3d}: max |graph - eager| / peak (mel; states)", max(error, state_error),
                    bound, f"  mel {error:.2g}, states {state_error:.2g}")
-        for rows, frames in bucketed.decode_buckets:
+        for rows, frames in bucketed.hift_buckets.buckets:
             lengths = [frames - (5 if b == rows - 1 else 0) for b in range(rows)]
             mels = [torch.randn(1, 80, n, generator=gen).to(device) for n in lengths]
             sources = [torch.randn(1, 1, n * hift.samples_per_frame, generator=gen).to(device) * 0.1 for n in lengths]
             padded = hift.padded_batch(mels, sources, (rows, frames))
-            graphed = bucketed.hift_graphs.run((rows, frames), padded)[0].clone()
+            graphed = bucketed.hift_buckets.graphs.run((rows, frames), padded)[0].clone()
             with torch.inference_mode():
                 eager = hift.decode_padded(*padded)
             error = max(max_error_to_peak(graphed[b, : n * hift.samples_per_frame].cpu(),

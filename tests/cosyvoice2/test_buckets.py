@@ -97,8 +97,8 @@ def test_the_bucket_set_is_bounded_and_written_down(t2w: Token2Wav, prompt: Flow
     assert t.window_flow.buckets == [(s, q) for s in (1, 2, 4, 8) for q in (50, 100, 150, 200, 250)]
     context, f0_context = t2w.hift.context_frames()
     longest = 206 + max(8, 2 * context + f0_context)
-    assert {b for _, b in t.decode_buckets} == set(range(32, -(-longest // 32) * 32 + 1, 32))
-    assert {s for s, _ in t.decode_buckets} == {1, 2, 4, 8}
+    assert {b for _, b in t.hift_buckets.buckets} == set(range(32, -(-longest // 32) * 32 + 1, 32))
+    assert {s for s, _ in t.hift_buckets.buckets} == {1, 2, 4, 8}
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         t.window_flow.bucket(1, 251)
     with pytest.raises(ValueError, match="bounded flow window"):

@@ -271,13 +271,13 @@ class HiFT(nn.Module):
         """mel (1, 80, T), source (1, 1, 480T) -> waveform (1, 480T)."""
         return self.decode_batch([mel], [source])[0]
 
-    def decode_batch(self, mels: list[Tensor], sources: list[Tensor], shape: tuple[int, int] | None = None) -> list[Tensor]:
-        """`decode` of several (mel, source) pairs of any lengths in one batch; each result equals
-        its own call. shape (rows, frames): pad the batch to it (a bucket, whose shapes a CUDA graph
-        keeps: `padded_batch`, `decode_padded`), else to the pairs and the longest."""
+    def decode_batch(self, mels: list[Tensor], sources: list[Tensor]) -> list[Tensor]:
+        """`decode` of several (mel, source) pairs of any lengths in one batch, padded to the
+        longest; each result equals its own call. (Token2Wav pads to a bucket instead, whose shapes
+        a CUDA graph keeps: `padded_batch`, `decode_padded`.)"""
         lengths = [m.shape[2] for m in mels]
         # one pair at its own length fills its batch: nothing to mask
-        audio = self.decode_padded(*self.padded_batch(mels, sources, shape), masked=shape is not None or len(mels) > 1)
+        audio = self.decode_padded(*self.padded_batch(mels, sources), masked=len(mels) > 1)
         return [audio[b : b + 1, : n * self.samples_per_frame] for b, n in enumerate(lengths)]
 
     def padded_batch(self, mels: list[Tensor], sources: list[Tensor],

@@ -76,8 +76,9 @@ from torch import Tensor
 from voicebot.serving.model_interfaces import Rendering
 from voicebot.tts.cosyvoice2.flow import Flow, FlowCache, FlowRequest
 from voicebot.tts.cosyvoice2.flow_window import WindowFlow, WindowRequest, WindowState
-from voicebot.tts.cosyvoice2.graphs import BucketGraphs, bucket_of
-from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFT, HiFTStream, SourceNoise, SourceRequest
+from voicebot.tts.cosyvoice2.chunk_vocoder import ChunkVocoder
+from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFT, HiFTStream, SourceNoise
+from voicebot.tts.cosyvoice2.hift_buckets import HiFTBuckets
 from voicebot.tts.cosyvoice2.sampling import host_to_device
 
 
@@ -107,9 +108,6 @@ class StreamSchedule:
     hop_growth: int = 2
     mel_cache_frames: int = 8
 
-
-# HiFT decode windows, bucketed: padded to a multiple of this many mel frames (0.64 s)
-DECODE_FRAME_STEP = 32
 
 Mode = Literal["recompute", "exact", "fast"]
 MODES: tuple[Mode, ...] = ("recompute", "exact", "fast")
@@ -142,16 +140,14 @@ class Token2Wav:
         self.max_render_streams = max_render_streams
         self.max_chunk_frames = self._max_chunk_frames()
         self.window_flow: WindowFlow | None = None
-        self.hift_graphs: BucketGraphs | None = None
+        self.hift_buckets: HiFTBuckets | None = None
         if bucketed:  # flow and HiFT at bucketed static shapes (flow_window.py), captured on CUDA
             pool = torch.cuda.graph_pool_handle() if hift.conv_pre.bias.device.type == "cuda" else None
             streams = tuple(sorted({*(2**i for i in range(max_render_streams.bit_length())), max_render_streams}))
             self.window_flow = WindowFlow(flow, flow_left_chunks, streams, self.max_chunk_frames, pool)
             context, f0_context = hift.context_frames()
-            window = self.max_chunk_frames + max(schedule.mel_cache_frames, 2 * context + f0_context)
-            step = DECODE_FRAME_STEP
-            self.decode_buckets = [(s, t) for s in streams for t in range(step, math.ceil(window / step) * step + 1, step)]
-            self.hift_graphs = BucketGraphs(lambda *padded: (hift.decode_padded(*padded),), self._decode_zeros, pool)
+            longest = self.max_chunk_frames + max(schedule.mel_cache_frames, 2 * context + f0_context)
+            self.hift_buckets = HiFTBuckets(hift, streams, longest, pool)
 
     def _max_chunk_frames(self) -> int:
         """The most new mel frames of one chunk: the longest hop (the first, padded to a chunk
@@ -164,27 +160,7 @@ class Token2Wav:
         """Capture every bucket's CUDA graph, flow and HiFT (start-up, before any render): how many."""
         if self.window_flow is None:
             raise ValueError("graphs are captured for a bucketed Token2Wav")
-        for bucket in self.decode_buckets:
-            self.hift_graphs.capture(bucket)
-        return self.window_flow.capture() + len(self.decode_buckets)
-
-    def _decode_zeros(self, bucket: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
-        rows, frames = bucket
-        like = self.hift.conv_pre.bias
-        return (like.new_zeros(rows, self.hift.conv_pre.in_channels, frames),
-                like.new_zeros(rows, frames * self.hift.samples_per_frame),
-                torch.ones(rows, dtype=torch.long, device=like.device))
-
-    def _decode(self, mels: list[Tensor], sources: list[Tensor]) -> list[Tensor]:
-        """HiFT's decode of the pairs in one batch: at their bucket (bucketed: a CUDA graph's replay
-        on CUDA) or at their own shapes."""
-        if self.hift_graphs is None:
-            return self.hift.decode_batch(mels, sources)
-        bucket = (bucket_of(len(mels), [s for s, _ in self.decode_buckets]),
-                  bucket_of(max(m.shape[2] for m in mels), [t for _, t in self.decode_buckets]))
-        audio, = self.hift_graphs.run(bucket, self.hift.padded_batch(mels, sources, bucket))
-        audio = audio[: len(mels)].clone()  # the graph's output is overwritten by its next replay
-        return [audio[b : b + 1, : m.shape[2] * self.hift.samples_per_frame] for b, m in enumerate(mels)]
+        return self.window_flow.capture() + self.hift_buckets.capture()
 
     def prompt_state(self, prompt: FlowPrompt) -> FlowCache | WindowState:
         """The voice's cached flow prompt state, computed on first use. Requests `fork` it."""
@@ -239,7 +215,8 @@ class Token2Wav:
         if ready:  # every stream's f0 and source in one batch, then every decode in one
             for (vocoder, job), made in zip(ready, self.hift.excitations([job.source_request for _, job in ready])):
                 vocoder.sourced(job, *made)
-        decoded = iter(self._decode([j.mel for _, j in ready], [j.source for _, j in ready]) if ready else ())
+        decode = self.hift.decode_batch if self.hift_buckets is None else self.hift_buckets.decode
+        decoded = iter(decode([j.mel for _, j in ready], [j.source for _, j in ready]) if ready else ())
         return [torch.zeros(1, 0) if job is None else r.stream.vocoder.complete(job, next(decoded))
                 for r, job in zip(requests, jobs)]
 
@@ -303,47 +280,6 @@ class ChunkRequest:
     finalize: bool
 
 
-class ChunkVocoder:
-    """The official streaming vocoder (modes "recompute" and "exact"): each chunk is one HiFT call
-    over the previous chunk's last 8 mel frames and its own, with the previous chunk's source tail
-    in place of the first 3840 samples of source; those samples are cross-faded (Hamming halves,
-    float64) with the previous chunk's held-back tail, and a non-final chunk holds back its own."""
-
-    def __init__(self, hift: HiFT, schedule: StreamSchedule, zero_noise: bool,
-                 generator: torch.Generator | None) -> None:
-        self.hift, self.zero_noise, self.generator = hift, zero_noise, generator
-        self.mel_cache_frames = schedule.mel_cache_frames
-        self.overlap = schedule.mel_cache_frames * hift.samples_per_frame  # 3840 samples
-        # float64, as the official blend; on the vocoder's device from the start (no copy per chunk)
-        self.window = host_to_device(np.hamming(2 * self.overlap).tolist(), hift.conv_pre.bias.device, torch.float64)
-        self.mel_cache: Tensor | None = None  # (1, 80, 8) last mel frames of the previous HiFT input
-        self.source_cache: Tensor | None = None  # (1, 1, 3840) source tail of the previous chunk
-        self.speech_tail: Tensor | None = None  # (1, 3840) held back for the cross-fade
-
-    def prepare(self, mel: Tensor, final: bool) -> DecodeJob:
-        """The chunk's decode, its source to be made by HiFT.excitations and handed to `sourced`."""
-        if self.mel_cache is not None:
-            mel = torch.cat([self.mel_cache, mel], dim=2)
-        noise = None if self.zero_noise else SourceNoise.draw(
-            mel.shape[2] * self.hift.samples_per_frame, self.hift.m_source.n_harmonics, self.generator, mel.device)
-        self.mel_cache = mel[:, :, -self.mel_cache_frames :]
-        return DecodeJob(mel, SourceRequest(mel, noise, head=self.source_cache), final)
-
-    def sourced(self, job: DecodeJob, source: Tensor, cycles: Tensor) -> None:
-        job.source = source
-        self.source_cache = source[:, :, -self.overlap :]
-
-    def complete(self, job: DecodeJob, speech: Tensor) -> Tensor:
-        if self.speech_tail is not None:
-            n, w = self.overlap, self.window
-            head = speech[:, :n] * w[:n] + self.speech_tail * w[n:]  # float64, then back, like the official code
-            speech = torch.cat([head.to(speech.dtype), speech[:, n:]], dim=1)
-        if job.final:
-            return speech
-        self.speech_tail = speech[:, -self.overlap :]
-        return speech[:, : -self.overlap]
-
-
 class Token2WavStream:
     """One request's streaming state. Driven either by itself — `push` tokens as the LM emits them
     and play the chunks it returns, `finish` once the LM has stopped — or by a scheduler that
@@ -367,7 +303,7 @@ class Token2WavStream:
         self.finished = False  # the last chunk has been rendered
         self.vocoder: HiFTStream | ChunkVocoder = (
             HiFTStream(t2w.hift, zero_noise, generator) if mode == "fast"
-            else ChunkVocoder(t2w.hift, t2w.schedule, zero_noise, generator))
+            else ChunkVocoder(t2w.hift, t2w.schedule.mel_cache_frames, zero_noise, generator))
         # this request's flow frames so far, after the voice's shared prompt state; the buffers
         # grow by each chunk's frames (estimator.py), so they hold exactly the frames computed
         self.flow_cache: FlowCache | WindowState | None = None
