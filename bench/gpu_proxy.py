@@ -146,17 +146,26 @@ def measure(args) -> dict:
         attn = flow.decoder.estimator.down_blocks[0][1][0].attn1
         n_attn = sum(isinstance(m, type(attn)) for m in flow.decoder.estimator.modules())
         per_frame = n_attn * 2 * 2 * attn.heads * attn.head_dim  # keys and values of the CFG pair, one step
-        stream = t2w.stream(voice(0), generator=torch.Generator(device).manual_seed(0))
-        stream.add(tokens(max(SPEECH_SECONDS) * TOKENS_PER_SECOND + 10, 0))
-        for seconds in SPEECH_SECONDS:
-            while (r := stream.next_chunk()) is not None and r.n_tokens <= seconds * TOKENS_PER_SECOND:
-                t2w.render([r])
-            steps = stream.flow_cache.steps if stream.flow_cache else []
-            held = sum(t.numel() for step in steps for t in (*step.keys, *step.values) if t is not None)
-            frames = held / per_frame / max(len(steps), 1)
-            out[f"flow frames held per stream after {seconds} s"] = (round(frames), None)
-            out[f"MB held per stream after {seconds} s (released, fp16)"] = (
-                round(frames * released_bytes_per_frame() / 1e6, 1), None)
+        holders = [("", t2w)]
+        try:  # a bucketed stream's state: its window's tensors (what it holds whatever it has held)
+            holders.append((", bucketed", Token2Wav(flow, hift, flow_left_chunks=BUCKETED_WINDOW, bucketed=True)))
+        except TypeError:  # a revision from before them (--ref)
+            pass
+        for label, holder in holders:
+            stream = holder.stream(voice(0), generator=torch.Generator(device).manual_seed(0))
+            stream.add(tokens(max(SPEECH_SECONDS) * TOKENS_PER_SECOND + 10, 0))
+            for seconds in SPEECH_SECONDS:
+                while (r := stream.next_chunk()) is not None and r.n_tokens <= seconds * TOKENS_PER_SECOND:
+                    holder.render([r])
+                state = stream.flow_cache
+                if hasattr(state, "steps"):  # a FlowCache: per Euler step, per layer
+                    held = sum(t.numel() for step in state.steps for t in (*step.keys, *step.values) if t is not None)
+                    frames = held / per_frame / len(state.steps)
+                else:  # a WindowState: (steps, layers, CFG pair, heads, frames, head_dim) keys and values
+                    frames = state.keys.shape[-2]
+                out[f"flow frames held per stream after {seconds} s{label}"] = (round(frames), None)
+                out[f"MB held per stream after {seconds} s (released, fp16){label}"] = (
+                    round(frames * released_bytes_per_frame() / 1e6, 1), None)
     return out
 
 
