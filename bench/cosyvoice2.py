@@ -293,8 +293,9 @@ def main() -> None:
     scheduler.start()
     # the last HiFT input of each run: the final chunk's mel (with the 8 overlap frames before it)
     last_mel: dict[str, torch.Tensor] = {}
-    excitation = hift.excitation
-    hift.excitation = lambda mel, *a: (last_mel.__setitem__(token2wav.mode, mel), excitation(mel, *a))[1]
+    excitations = hift.excitations
+    hift.excitations = lambda requests: (last_mel.__setitem__(token2wav.mode, requests[-1].f0_mel),
+                                         excitations(requests))[1]
     streams: dict[str, tuple[float, float, float]] = {}
     last_chunk: dict[str, np.ndarray] = {}
     for mode in args.modes.split(","):
@@ -316,7 +317,7 @@ def main() -> None:
         streams[f"{mode}+ovl"] = first_audio, rtf, first_step
         rows[f"streaming [{mode}+ovl]: first audio (s)"] = first_audio
         rows[f"streaming [{mode}+ovl]: RTF"] = rtf
-    del hift.excitation  # the streaming runs' HiFT inputs only
+    del hift.excitations  # the streaming runs' HiFT inputs only
 
     # Non-streaming: the same tokens (the sampler is seeded), one flow and one HiFT pass; its
     # matmul/conv FLOPs (attention's are not counted) against this machine's fp32 GEMM rate give

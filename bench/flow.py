@@ -19,7 +19,8 @@ ones to compare; with more threads CPU time also counts threads spinning at barr
    the same sessions one at a time (N × one session's chunk, measured alternately with it).
    Target on CPU at released size: 8 sessions in one call at most 4x one session's chunk.
 3. HiFT: the decode of 1, 2, 4, 8 sessions' mel windows (the fast mode's window, lengths varied by
-   a few frames so padding is paid) in one `decode_batch`, against one at a time.
+   a few frames so padding is paid) in one `decode_batch`, against one at a time; their f0 and
+   source in one `excitations` batch against one at a time.
 
     python -m bench.flow                      # released sizes: a few minutes of 2 busy cores
     python -m bench.flow --size tiny          # the fixture sizes: seconds (tests run this)
@@ -44,7 +45,7 @@ from bench.cosyvoice2 import FIXTURES, OFFICIAL_CPU, cpu_model, released_hparams
 from voicebot.config.base import REPO_ROOT
 from voicebot.tts.cosyvoice2 import estimator as packed
 from voicebot.tts.cosyvoice2.flow import FlowRequest, build_flow
-from voicebot.tts.cosyvoice2.hift import HiFTStream, SourceNoise, build_hift
+from voicebot.tts.cosyvoice2.hift import HiFTStream, SourceNoise, SourceRequest, build_hift
 from voicebot.tts.cosyvoice2.hparams import load_hparams
 from voicebot.tts.cosyvoice2.loader import cpu_weight_layout
 
@@ -232,8 +233,16 @@ def hift_batch(hift, reps: int) -> None:
         mels = [torch.randn(1, 80, window + i % 3 * 4, generator=g) for i in range(max(SESSIONS))]
         sources = [hift.excitation(m, noise=SourceNoise.zeros(m.shape[2] * hift.samples_per_frame,
                                                               hift.m_source.n_harmonics)) for m in mels]
-        excitation = alternate({"e": lambda: HiFTStream(hift, zero_noise=True).prepare(mels[0])}, reps)["e"]
-        show("f0 + source of one window, per session, not batched", excitation)
+        def one_push():  # a fast-mode push up to its decode: the window, then its f0 and source
+            return hift.excitations([HiFTStream(hift, zero_noise=True).prepare(mels[0]).source_request])
+
+        excitation = alternate({"e": one_push}, reps)["e"]
+        show("f0 + source of one window", excitation)
+        requests = [SourceRequest(m, None) for m in mels]
+        med = alternate({"one at a time": lambda: [hift.excitations([r]) for r in requests],
+                         "batched": lambda: hift.excitations(requests)}, reps)
+        show(f"f0 + source of {len(mels)} windows in one batch", med["batched"],
+             f"one at a time {med['one at a time']}: {med['one at a time'].ratio(med['batched'])}")
         for n in SESSIONS:
             med = alternate({"one at a time": lambda n=n: [hift.decode(m, s) for m, s in zip(mels[:n], sources[:n])],
                              "batched": lambda n=n: hift.decode_batch(mels[:n], sources[:n])}, reps)

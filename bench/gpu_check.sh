@@ -58,8 +58,9 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
   # Which LM attention kernel the serving dtype gets (flash_attn when flash-attn imports, else sdpa).
   $python -c "import torch; from voicebot.tts.cosyvoice2.lm import attention_backend; print('LM attention:', attention_backend(torch.device('$device'), torch.$dtype))"
 
-  # 1. Correctness first: fp16 vs fp32, graph = eager per bucket, host syncs per step, batch vs alone.
-  step 120 "correctness" $python bench/gpu_correctness.py --device "$device" --size "$size" --dtype "$dtype"
+  # 1. Correctness first: fp16 vs fp32, graph = eager per bucket (LM step; flow and HiFT renders), host
+  # syncs per step, batch vs alone.
+  step 140 "correctness" $python bench/gpu_correctness.py --device "$device" --size "$size" --dtype "$dtype"
 
   # 2. The GPU-proxy table (aten calls and host syncs per LM step and per render), measured for real.
   if [ -f bench/gpu_proxy.py ] && [ "$device" = cuda ]; then
@@ -82,7 +83,7 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
 
   # 4. CosyVoice 2 end to end, one stream: first audio and RTF per stream mode.
   if [ "$device" = cuda ]; then
-    step 90 "cosyvoice2" $python bench/cosyvoice2.py --size released --device cuda --dtype float16 \
+    step 80 "cosyvoice2" $python bench/cosyvoice2.py --size released --device cuda --dtype float16 \
         --modes exact,fast --int8-modes '' --overlap-modes ''
   else
     step 120 "cosyvoice2" $python bench/cosyvoice2.py --size tiny --device cpu --threads 1 \

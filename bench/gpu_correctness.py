@@ -12,6 +12,11 @@ figures mean anything. Random weights (seeded) at released size on CUDA, tiny si
    LM decode steps run on the default stream: the same audio as on the default stream alone (within
    SIDE_VS_DEFAULT of the peak), no host sync in the launch, and how many LM steps ran meanwhile.
 
+6. Flow and HiFT at bucketed static shapes (Token2Wav(bucketed=True), a 2-chunk flow window): on
+   CUDA every bucket captured as a CUDA graph, each replay against the same function run eagerly on
+   the same inputs (within GRAPH_VS_EAGER of the peak); then, on any device, streams rendered at
+   their buckets against the eager flow at their exact shapes (within BATCH_VS_ALONE).
+
 Each line is printed as it is measured, with its bound and PASS or FAIL; the exit status is 1 if
 any check failed. On CPU the CUDA-only parts say why they are skipped and what runs instead.
 
@@ -270,6 +275,82 @@ def check_side_stream(lm: CosyVoice2LM, t2w: Token2Wav, first_chunks, on_default
     report("host syncs in the render's launch", syncs, 0)
 
 
+def check_render_graphs(hp: dict, flow: torch.nn.Module, hift: torch.nn.Module, device: torch.device,
+                        dtype: torch.dtype, max_streams: int = 4) -> None:
+    print(f"\n6. flow and HiFT at bucketed static shapes (window 2 chunks, up to {max_streams} streams a render)",
+          flush=True)
+    gen = torch.Generator().manual_seed(2)
+    flow, hift = flow.to(device, dtype), hift.to(device)
+    bucketed = Token2Wav(flow, hift, mode="fast", flow_left_chunks=2, max_render_streams=max_streams, bucketed=True)
+    bound = GRAPH_VS_EAGER[dtype]
+    if device.type != "cuda":
+        print("  graph capture skipped: CUDA graphs need CUDA; the padded buckets run eagerly and are compared with "
+              "the eager flow at exact shapes below", flush=True)
+    else:
+        began = time.perf_counter()
+        n_graphs = bucketed.capture_graphs()
+        print(f"  {n_graphs} graphs captured in {time.perf_counter() - began:.1f} s "
+              f"(flow {bucketed.window_flow.buckets[0]}..{bucketed.window_flow.buckets[-1]}, HiFT "
+              f"{bucketed.hift_buckets.buckets[0]}..{bucketed.hift_buckets.buckets[-1]}, streams × frames); "
+              f"{torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated", flush=True)
+        window = bucketed.window_flow
+        for streams, frames in window.buckets:  # random inputs in the bucket: the last stream short of it
+            n_new = [frames - (7 if s == streams - 1 else 0) for s in range(streams)]
+            start = [50 * (2 + s) for s in range(streams)]
+            state = [t.normal_(generator=torch.Generator(device).manual_seed(streams)) for t in window._empty_state(streams)]
+            inputs = (torch.randn(streams, frames, 80, generator=gen).to(device, dtype),
+                      torch.randn(streams, 80, generator=gen).to(device, dtype),
+                      torch.randn(streams, frames, 80, generator=gen).to(device, dtype),
+                      torch.tensor([start, [100] * streams, n_new], device=device), *state)
+            graphed = [t.clone() for t in window.graphs.run((streams, frames), tuple(t.clone() for t in inputs))]
+            with torch.inference_mode():
+                eager = window._solve(*(t.clone() for t in inputs))
+            error = max(max_error_to_peak(g[s, :n].float().cpu(), e[s, :n].float().cpu())
+                        for g, e in zip(graphed[:1], eager[:1]) for s, n in enumerate(n_new))
+            state_error = max(max_error_to_peak(g.float().cpu(), e.float().cpu()) for g, e in zip(graphed[1:], eager[1:]))
+            report(f"flow bucket {streams} × {frames:3d}: max |graph - eager| / peak (mel; states)", max(error, state_error),
+                   bound, f"  mel {error:.2g}, states {state_error:.2g}")
+        for rows, frames in bucketed.hift_buckets.buckets:
+            lengths = [frames - (5 if b == rows - 1 else 0) for b in range(rows)]
+            mels = [torch.randn(1, 80, n, generator=gen).to(device) for n in lengths]
+            sources = [torch.randn(1, 1, n * hift.samples_per_frame, generator=gen).to(device) * 0.1 for n in lengths]
+            padded = hift.padded_batch(mels, sources, (rows, frames))
+            graphed = bucketed.hift_buckets.graphs.run((rows, frames), padded)[0].clone()
+            with torch.inference_mode():
+                eager = hift.decode_padded(*padded)
+            error = max(max_error_to_peak(graphed[b, : n * hift.samples_per_frame].cpu(),
+                                          eager[b, : n * hift.samples_per_frame].cpu()) for b, n in enumerate(lengths))
+            report(f"HiFT bucket {rows} × {frames:3d}: max |graph - eager| / peak", error, GRAPH_VS_EAGER[torch.float32])
+    eager_t2w = Token2Wav(flow, hift, mode="fast", flow_left_chunks=2)
+    prompts, tokens = [], []
+    for i in range(max_streams - 1):  # a padded stream bucket
+        n = 30 + 11 * i
+        prompts.append(FlowPrompt(torch.randint(0, hp["flow"]["vocab_size"], (1, n), generator=gen).to(device),
+                                  torch.randn(1, 2 * n, 80, generator=gen).to(device, dtype),
+                                  torch.randn(1, hp["spk_embed_dim"], generator=gen).to(device, dtype)))
+        tokens.append(torch.randint(0, hp["flow"]["vocab_size"], (260,), generator=gen).tolist())
+
+    def chunks(t2w: Token2Wav) -> list[list[torch.Tensor]]:
+        """Each stream's first three chunks and a final one (50, 100, 200 and 206 tokens' frames)."""
+        streams = [t2w.stream(p, zero_noise=True) for p in prompts]
+        for stream, toks in zip(streams, tokens):
+            stream.add(toks)
+            stream.end()
+        out: list[list[torch.Tensor]] = [[] for _ in streams]
+        while requests := [(i, r) for i, s in enumerate(streams) if (r := s.next_chunk()) is not None]:
+            for (i, _), audio in zip(requests, t2w.render([r for _, r in requests])):
+                out[i].append(audio.float().cpu())
+        return out
+
+    began = time.perf_counter()
+    at_buckets = chunks(bucketed)
+    took = time.perf_counter() - began
+    exact = chunks(eager_t2w)
+    error = max(max_error_to_peak(torch.cat(b, dim=1), torch.cat(e, dim=1)) for b, e in zip(at_buckets, exact))
+    report(f"{len(prompts)} streams' replies: max |at buckets - exact shapes| / peak", error, BATCH_VS_ALONE[dtype],
+           f"  ({'graphs' if device.type == 'cuda' else 'eager'}: {took:.2f} s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -290,6 +371,7 @@ def main() -> None:
     check_graphs(lm, device, args.slots)
     check_syncs(lm, device)
     check_batch_render(hp, flow, hift, device, dtype, lm=lm)
+    check_render_graphs(hp, flow, hift, device, dtype)
     print(f"\ncorrectness: {'all PASS' if not failures else 'FAIL: ' + ', '.join(failures)}", flush=True)
     sys.exit(1 if failures else 0)
 

@@ -21,6 +21,7 @@ stream are counted in mel frames held at this width and converted to the release
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -120,39 +121,82 @@ def measure(args) -> dict:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
     if "render" in args.only:
-        voices = [voice(0), voice(1)]
-        for v in voices:
-            t2w.prompt_state(v)
-        for n in STREAMS:
-            streams = [t2w.stream(voices[i % 2], generator=torch.Generator(device).manual_seed(i)) for i in range(n)]
-            for i, s in enumerate(streams):
-                s.add(tokens(400, i))
-            for chunk in ("first", "second"):
-                requests = [s.next_chunk() for s in streams]
-                with DeviceWork() as c:
-                    t2w.render(requests)
-                out[f"render {chunk} chunk, {n} stream{'s' * (n > 1)}"] = (c.calls, c.total_syncs)
+        renderers = [("", t2w)]
+        try:  # flow and HiFT at bucketed shapes, each bucket's work one graph replay on CUDA
+            renderers.append((", bucketed (graphs)", Token2Wav(flow, hift, flow_left_chunks=BUCKETED_WINDOW, bucketed=True)))
+        except TypeError:  # a revision from before them (--ref)
+            pass
+        for label, renderer in renderers:
+            voices = [voice(0), voice(1)]
+            for v in voices:
+                renderer.prompt_state(v)
+            for n in STREAMS:
+                streams = [renderer.stream(voices[i % 2], generator=torch.Generator(device).manual_seed(i))
+                           for i in range(n)]
+                for i, s in enumerate(streams):
+                    s.add(tokens(400, i))
+                for chunk in ("first", "second"):
+                    requests = [s.next_chunk() for s in streams]
+                    with DeviceWork() as c, graph_replays(c):
+                        renderer.render(requests)
+                    out[f"render {chunk} chunk, {n} stream{'s' * (n > 1)}{label}"] = (c.calls, c.total_syncs)
     if "window" in args.only:
         out.update(measure_window(args.fixtures))
     if "memory" in args.only:
         attn = flow.decoder.estimator.down_blocks[0][1][0].attn1
         n_attn = sum(isinstance(m, type(attn)) for m in flow.decoder.estimator.modules())
         per_frame = n_attn * 2 * 2 * attn.heads * attn.head_dim  # keys and values of the CFG pair, one step
-        stream = t2w.stream(voice(0), generator=torch.Generator(device).manual_seed(0))
-        stream.add(tokens(max(SPEECH_SECONDS) * TOKENS_PER_SECOND + 10, 0))
-        for seconds in SPEECH_SECONDS:
-            while (r := stream.next_chunk()) is not None and r.n_tokens <= seconds * TOKENS_PER_SECOND:
-                t2w.render([r])
-            steps = stream.flow_cache.steps if stream.flow_cache else []
-            held = sum(t.numel() for step in steps for t in (*step.keys, *step.values) if t is not None)
-            frames = held / per_frame / max(len(steps), 1)
-            out[f"flow frames held per stream after {seconds} s"] = (round(frames), None)
-            out[f"MB held per stream after {seconds} s (released, fp16)"] = (
-                round(frames * released_bytes_per_frame() / 1e6, 1), None)
+        holders = [("", t2w)]
+        try:  # a bucketed stream's state: its window's tensors (what it holds whatever it has held)
+            holders.append((", bucketed", Token2Wav(flow, hift, flow_left_chunks=BUCKETED_WINDOW, bucketed=True)))
+        except TypeError:  # a revision from before them (--ref)
+            pass
+        for label, holder in holders:
+            stream = holder.stream(voice(0), generator=torch.Generator(device).manual_seed(0))
+            stream.add(tokens(max(SPEECH_SECONDS) * TOKENS_PER_SECOND + 10, 0))
+            for seconds in SPEECH_SECONDS:
+                while (r := stream.next_chunk()) is not None and r.n_tokens <= seconds * TOKENS_PER_SECOND:
+                    holder.render([r])
+                state = stream.flow_cache
+                if hasattr(state, "steps"):  # a FlowCache: per Euler step, per layer
+                    held = sum(t.numel() for step in state.steps for t in (*step.keys, *step.values) if t is not None)
+                    frames = held / per_frame / len(state.steps)
+                else:  # a WindowState: (steps, layers, CFG pair, heads, frames, head_dim) keys and values
+                    frames = state.keys.shape[-2]
+                out[f"flow frames held per stream after {seconds} s{label}"] = (round(frames), None)
+                out[f"MB held per stream after {seconds} s (released, fp16){label}"] = (
+                    round(frames * released_bytes_per_frame() / 1e6, 1), None)
     return out
 
 
 WINDOWS = (0, 1, 2, 4)
+BUCKETED_WINDOW = 2  # bucketed shapes need a bounded flow window: the render rows' in chunks
+
+
+@contextlib.contextmanager
+def graph_replays(counter: DeviceWork):
+    """While counting: a bucket's work (graphs.BucketGraphs.run) counted as what the host launches
+    on CUDA, where it is a captured graph: the inputs' copies into the static ones and one replay
+    (the caller's copies of the outputs are counted as they run). Its captured work runs uncounted. No-op for a revision without it."""
+    try:
+        from voicebot.tts.cosyvoice2.graphs import BucketGraphs
+    except ModuleNotFoundError:
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def run(self, bucket, inputs):
+        with _disable_current_modes():
+            outputs = self.fn(*inputs)
+        counter.calls += len(inputs) + 1  # the copies in, the replay
+        return outputs
+
+    original = BucketGraphs.run
+    BucketGraphs.run = run
+    try:
+        yield
+    finally:
+        BucketGraphs.run = original
 
 
 def measure_window(fixtures: Path) -> dict:

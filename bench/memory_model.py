@@ -15,7 +15,11 @@ Qwen2 geometry) and the estimator's structure, not measured on a GPU:
   for every row (x, qkv, the feed-forward hidden layer, the conv windows) plus the padded keys,
   values and bias of one attention layer — and the LM decode step's (small). An estimate from the
   shapes: a CUDA graph pool holds at least a captured region's peak; bench/gpu_check.sh measures
-  the real peak on the device.
+  the real peak on the device;
+- bucketed renders (a window, CUDA graphs: voicebot/tts/cosyvoice2/flow_window.py): the graphs'
+  static inputs hold the largest bucket's streams' window states, and a render stacks its streams'
+  states once more to copy them in: 2 × RENDER_BUCKET window states. A stream's own state is its
+  window either way (a copy of its rows of the call's output).
 
     python -m bench.memory_model                      # the table for a few configurations
     python -m bench.memory_model --left-chunks 2 --reply-s 30 --dtype float16
@@ -50,6 +54,7 @@ class Config:
     reply_s: float = 30.0  # what an unbounded flow cache grows to
     prompt_s: float = 6.0
     voices: int = 4
+    bucketed: bool = False  # flow and HiFT at bucketed shapes as CUDA graphs (needs a window)
 
 
 def flow_frame_bytes(elem: int) -> int:
@@ -79,6 +84,8 @@ def breakdown(c: Config) -> dict[str, float]:
         * q["num_key_value_heads"] * head_dim * c.dtype_bytes,
         "voice states (flow prompt)": c.voices * prompt_frames * flow_frame_bytes(c.dtype_bytes),
         "graph pools / activations (est.)": (rows * widest + attention) * c.dtype_bytes,
+        "bucketed render states (graph inputs)": 2 * RENDER_BUCKET * (held_frames * flow_frame_bytes(c.dtype_bytes)
+                                                                      + conv_bytes) if c.bucketed else 0,
         "per stream: flow cache": held_frames * flow_frame_bytes(c.dtype_bytes) + conv_bytes,
     }
 
@@ -89,17 +96,22 @@ def main() -> None:
     parser.add_argument("--left-chunks", type=int, default=None)
     parser.add_argument("--reply-s", type=float, default=None)
     parser.add_argument("--slots", type=int, default=None)
+    parser.add_argument("--bucketed", action="store_true", default=None,
+                        help="flow and HiFT as CUDA graphs at bucketed shapes (needs --left-chunks >= 0)")
     args = parser.parse_args()
     configs = [Config("fp16, unbounded, 10 s replies", reply_s=10), Config("fp16, unbounded, 30 s replies"),
                Config("fp16, window 2 chunks", left_chunks=2), Config("fp16, window 4 chunks", left_chunks=4),
                Config("fp32, window 2 chunks", dtype_bytes=4, left_chunks=2),
-               Config("fp16, window 2, 64 LM slots", left_chunks=2, batch_slots=64)]
+               Config("fp16, window 2, 64 LM slots", left_chunks=2, batch_slots=64),
+               Config("fp16, window 2, 64 LM slots, bucketed render graphs", left_chunks=2, batch_slots=64,
+                      bucketed=True)]
     if any(v is not None for v in vars(args).values()):
         c = Config("this configuration")
         c.dtype_bytes = {"float16": 2, "float32": 4}.get(args.dtype, c.dtype_bytes)
         c.left_chunks = c.left_chunks if args.left_chunks is None else args.left_chunks
         c.reply_s = c.reply_s if args.reply_s is None else args.reply_s
         c.batch_slots = c.batch_slots if args.slots is None else args.slots
+        c.bucketed = args.bucketed
         configs = [c]
     for c in configs:
         parts = breakdown(c)

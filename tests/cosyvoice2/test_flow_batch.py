@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from golden_bounds import MEL, SPEECH, assert_close_to_peak, max_error_to_peak
+from golden_bounds import MEL, SOURCE, SPEECH, assert_close_to_peak, max_error_to_peak
 from voicebot.config.base import REPO_ROOT
 from voicebot.tts.cosyvoice2.flow import FlowRequest
-from voicebot.tts.cosyvoice2.hift import SourceNoise
+from voicebot.tts.cosyvoice2.hift import SourceNoise, SourceRequest
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 
 pytestmark = pytest.mark.golden
@@ -162,6 +162,34 @@ def test_hift_decode_batch_equals_each_alone(t2w: Token2Wav) -> None:
         together = hift.decode_batch(mels, sources)
         for i, (mel, source, wav) in enumerate(zip(mels, sources, together)):
             assert_close_to_peak(wav, hift.decode(mel, source), SPEECH, f"mel {i} of {mel.shape[2]} frames")
+
+
+def test_hift_excitations_batch_equals_each_alone(t2w: Token2Wav) -> None:
+    """Every stream's f0 and source in one batch (HiFT.excitations): rows of different lengths,
+    fresh and continuing utterances (rand_ini against a carried phase), an f0 context cut off on
+    the left, a source head, noise on and off: each row as its request alone. The source's phase
+    is a running sum in float64, so the batch reaches the same values bit for bit but for the f0
+    predictor's convolutions (blocked differently for another row count): the SOURCE bound."""
+    hift, h, spf = t2w.hift, t2w.hift.m_source.n_harmonics, t2w.hift.samples_per_frame
+    g = torch.Generator().manual_seed(5)
+
+    def request(frames: int, f0_from: int = 0, noise: bool = True, carried: bool = False, head: int = 0):
+        mel = torch.randn(1, 80, frames, generator=g) * 2 - 5
+        n = (frames - f0_from) * spf
+        return SourceRequest(mel, SourceNoise(torch.rand(1, h, generator=g), torch.randn(1, n, h, generator=g))
+                             if noise else None, f0_from,
+                             torch.rand(1, h, 1, generator=g, dtype=torch.float64) * 40 if carried else None,
+                             torch.randn(1, 1, head, generator=g) if head else None)
+
+    requests = [request(7), request(30, 6, carried=True), request(1, noise=False), request(58, 20, head=3840),
+                request(30, noise=False, carried=True)]
+    with torch.inference_mode():
+        together = hift.excitations(requests)
+        for i, (r, (source, cycles)) in enumerate(zip(requests, together)):
+            alone_source, alone_cycles = hift.excitations([r])[0]
+            assert source.shape == alone_source.shape and cycles.shape == alone_cycles.shape
+            assert_close_to_peak(source, alone_source, SOURCE, f"request {i}: source")
+            assert_close_to_peak(cycles, alone_cycles, SOURCE, f"request {i}: phase")
 
 
 def test_render_refuses_a_stale_request_and_two_of_one_stream(t2w: Token2Wav, prompt: FlowPrompt) -> None:

@@ -1,7 +1,8 @@
 """A render (flow + HiFT of several streams' chunks) asks nothing of the device's results on the
 host: no host sync, counted by bench/gpu_counts.py's DeviceWork (the counter bench/gpu_proxy.py
 prints with), first and later chunks, one stream and several, noise drawn and not, in both serving
-modes (fast: HiFTStream; exact: the official chunk vocoder's cross-fade)."""
+modes (fast: HiFTStream; exact: the official chunk vocoder's cross-fade), eager and at bucketed
+shapes (what a CUDA graph captures must not read back either: a capture fails on a sync)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 pytestmark = pytest.mark.golden
 
 
+@pytest.mark.parametrize("bucketed", [False, True])
 @pytest.mark.parametrize("mode", ["fast", "exact"])
-def test_a_render_waits_for_the_device_nowhere(t2w: Token2Wav, prompt: FlowPrompt, mode: str):
+def test_a_render_waits_for_the_device_nowhere(t2w: Token2Wav, prompt: FlowPrompt, mode: str, bucketed: bool):
+    if bucketed:
+        t2w = Token2Wav(t2w.flow, t2w.hift, flow_left_chunks=1, bucketed=True)
     vocab = t2w.flow.input_embedding.num_embeddings
     g = torch.Generator().manual_seed(0)
     streams = [t2w.stream(prompt, zero_noise=i == 0, generator=torch.Generator().manual_seed(i), mode=mode)

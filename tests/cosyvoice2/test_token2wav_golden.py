@@ -22,7 +22,7 @@ def _record_calls(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> list[dict]
     """Wrap the flow and HiFT of `t2w` so that each call is logged in golden_meta's format: a
     flow call per rendered request, a HiFT call per chunk (its excitation, then its decode)."""
     calls: list[dict] = []
-    flow_render, excitation, decode_batch = t2w.flow.render, t2w.hift.excitation, t2w.hift.decode_batch
+    flow_render, excitations, decode_batch = t2w.flow.render, t2w.hift.excitations, t2w.hift.decode_batch
 
     def flow_call(requests):
         mels = flow_render(requests)
@@ -31,12 +31,13 @@ def _record_calls(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> list[dict]
                           "finalize": r.finalize, "mel_frames": mel.shape[2], "mel_full": mel})
         return mels
 
-    def excitation_call(mel, cache_source=None, noise=None, generator=None):
-        source = excitation(mel, cache_source, noise, generator)
-        n_cache = 0 if cache_source is None else cache_source.shape[2]
-        calls.append({"call": "hift", "mel_in_frames": mel.shape[2], "cache_source_len": n_cache,
-                      "mel_in": mel, "cache_source_in": cache_source, "source": source})
-        return source
+    def excitations_call(requests):
+        made = excitations(requests)
+        for r, (source, _) in zip(requests, made):
+            n_cache = 0 if r.head is None else r.head.shape[2]
+            calls.append({"call": "hift", "mel_in_frames": r.f0_mel.shape[2], "cache_source_len": n_cache,
+                          "mel_in": r.f0_mel, "cache_source_in": r.head, "source": source})
+        return made
 
     def decode_call(mels, sources):
         speeches = decode_batch(mels, sources)
@@ -47,7 +48,7 @@ def _record_calls(t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch) -> list[dict]
         return speeches
 
     monkeypatch.setattr(t2w.flow, "render", flow_call)
-    monkeypatch.setattr(t2w.hift, "excitation", excitation_call)
+    monkeypatch.setattr(t2w.hift, "excitations", excitations_call)
     monkeypatch.setattr(t2w.hift, "decode_batch", decode_call)
     return calls
 

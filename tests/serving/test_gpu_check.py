@@ -25,6 +25,9 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert "graph capture skipped: CUDA graphs need CUDA" in out and "set_sync_debug_mode needs CUDA" in out
     assert re.search(r"float16 against float32\n.*LM logits.*PASS\n.*flow mel.*PASS", out)
     assert re.search(r"streams' first chunks in one render.*\n.*batch - alone.*PASS", out)
+    # Flow and HiFT at bucketed shapes: the capture skipped with its reason, the padded buckets compared.
+    assert re.search(r"bucketed static shapes.*\n.*graph capture skipped: CUDA graphs need CUDA.*\n"
+                     r".*at buckets - exact shapes.*PASS", out)
     # The serve passes all ended (bounded by work), so the comparison and capacity lines printed.
     for mode in ("batched", "unbatched"):
         for n in (1, 2):

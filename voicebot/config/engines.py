@@ -121,7 +121,8 @@ class Cosyvoice2Config(Section):
     # Flow + HiFT chunks of different sessions rendered in one call, at most this many (each call
     # holds the LM for its whole duration: on CPU, keep it to a few chunks).
     render_batch: int = Field(8, ge=1, le=64)
-    # The LM decode step as CUDA graphs per bucketed batch size (CUDA only).
+    # CUDA graphs (CUDA only): the LM decode step per bucketed batch size and, with flow_left_chunks >= 0,
+    # flow and HiFT per render bucket (voicebot/tts/cosyvoice2/flow_window.py), all captured at start-up.
     cuda_graphs: bool = True
     # Admission: the share of its time a session is expected to speak; sessions are admitted while
     # that many speaking at once stay in real time at the measured step costs.

@@ -18,6 +18,11 @@ with one index from its own segment's frames and cached left context; attention 
 over all segments padded to the longest, masked per segment (`PackedCall`). So the number of
 kernel launches of a call does not grow with the number of requests, and no value is read back
 to the host. Batch 1 is the same code with one segment, with nothing padded.
+
+The layers reach the other frames through the call only (`call.windows` for a causal conv,
+`call.attention` for an attention layer), so the same network runs in a second layout: `WindowCall`,
+the static shapes of a bucket (flow_window.py: streams × frames padded, windowed caches held in
+fixed tensors), which a CUDA graph captures.
 """
 
 from __future__ import annotations
@@ -268,6 +273,70 @@ class PackedCall:
         self._add(f"conv{left_pad}", windows, (self.n_rows * (left_pad + 1),))
         self._add(f"tail{left_pad}", tails, (len(tails),))
 
+    def attention(self, attn: Attention, qkv: Tensor) -> Tensor:
+        """qkv (R, 3·inner) -> the heads' outputs (R, inner), every segment in one SDPA call over
+        [prompt frames | own cached frames | new frames] padded to the longest (the class docstring);
+        each cached segment keeps this call's keys and values (`_keep`)."""
+        heads, d, inner = attn.heads, attn.head_dim, attn.heads * attn.head_dim
+        k_blocks, v_blocks = [], []  # (2, H, frames, d) each, every segment's in frame order
+        for seg, rows, (n_base, n_own, _) in zip(self.segments, self.rows, self.blocks):
+            if n_base:
+                base = seg.cache.base
+                k_blocks.append(base.keys[attn.cache_slot][:, :, -n_base:])
+                v_blocks.append(base.values[attn.cache_slot][:, :, -n_base:])
+            if n_own:
+                k_blocks.append(seg.cache.keys[attn.cache_slot][:, :, -n_own:])
+                v_blocks.append(seg.cache.values[attn.cache_slot][:, :, -n_own:])
+            new = qkv[rows].view(2, seg.n_new, 3, heads, d)
+            k_blocks.append(new[:, :, 1].transpose(1, 2))
+            v_blocks.append(new[:, :, 2].transpose(1, 2))
+        keys, values = (torch.cat(b, dim=2) if len(b) > 1 else b[0] for b in (k_blocks, v_blocks))
+        n_seg = len(self.segments)
+        # 4-D (segments·2, H, frames, d), which SDPA's fused CPU kernel takes (5-D falls back to
+        # its math path, 3x slower at these sizes)
+        if self.padded:
+            q = qkv[:, :inner].index_select(0, self.plan("q")).view(n_seg * 2, self.q_max, heads, d).transpose(1, 2)
+            k, v = (t.index_select(2, self.plan("keys")).view(2, heads, n_seg, self.k_max, d).permute(2, 0, 1, 3, 4)
+                    .reshape(n_seg * 2, heads, self.k_max, d) for t in (keys, values))
+        else:
+            q = qkv.view(2, self.q_max, 3, heads, d)[:, :, 0].transpose(1, 2)
+            k, v = keys, values
+        out = attend(q, k, v, self.bias).transpose(1, 2).reshape(n_seg * 2 * self.q_max, inner)
+        if self.padded:
+            out = out.index_select(0, self.plan("out"))
+        if self.cached:
+            self._keep(attn, keys, values)
+        return out
+
+    def _keep(self, attn: Attention, keys: Tensor, values: Tensor) -> None:
+        """Each cached segment's keys/values from PackedCall.kept_from on, as views of one gathered
+        tensor per call (not of `keys`, which holds prompt frames and, uncached, the whole qkv)."""
+        n_cached, o_max = len(self.cached), self.o_max
+        if o_max:
+            kept_k, kept_v = (t.index_select(2, self.plan("own")).view(*t.shape[:2], n_cached, o_max, t.shape[3])
+                              for t in (keys, values))
+        else:  # a window of 0 chunks keeps no frame
+            kept_k = kept_v = keys.new_empty(*keys.shape[:2], n_cached, 0, keys.shape[3])
+        for c, i in enumerate(self.cached):
+            cache, n_kept = self.segments[i].cache, self.ends[i] - self.own_from[i]
+            cache.keys[attn.cache_slot] = kept_k[:, :, c, :n_kept]
+            cache.values[attn.cache_slot] = kept_v[:, :, c, :n_kept]
+
+
+
+    def windows(self, conv: CausalConv1d, x: Tensor) -> Tensor:
+        """(R, C) -> every row's window of kernel frames (R, kernel·C), gathered with one index from
+        [x | each segment's cached context | a zero row]; each cached segment's context is replaced
+        by its last kernel−1 input frames."""
+        lp = conv.left_pad
+        contexts = [self.segments[i].cache.conv[conv.cache_slot].reshape(2 * lp, -1) for i in self.contexts]
+        src = torch.cat([x, *contexts, x.new_zeros(1, x.shape[1])])
+        if self.cached:
+            tails = src.index_select(0, self.plan(f"tail{lp}")).view(len(self.cached), 2, lp, -1)
+            for tail, i in zip(tails, self.cached):
+                self.segments[i].cache.conv[conv.cache_slot] = tail
+        return src.index_select(0, self.plan(f"conv{lp}")).view(self.n_rows, -1)
+
     def _attention_bias(self, like: Tensor) -> Tensor | None:
         """(segments·2, 1, queries, keys) additive bias (the CFG pair's rows share theirs): each
         query sees the keys of its own chunk
@@ -293,6 +362,69 @@ class PackedCall:
         return bias[:, None].expand(-1, 2, -1, -1).reshape(len(segs) * 2, 1, self.q_max, self.k_max)
 
 
+class WindowCall:
+    """One Euler step's estimator call at a bucket's static shapes (flow_window.py): S streams of Q
+    new frames each, rows (S, CFG pair, Q) time-major, a stream's rows past its `n_new` padding;
+    each stream's cache is a window of W frames held right-aligned in `keys`/`values` (n_attn, S,
+    2, H, W, d), its last `held` valid, and its causal convs' contexts in `conv` (S, 2, lp, ΣC),
+    conv i's channels at `conv_at[i]`. Attention runs over [window | new frames] with `bias`
+    masking each stream's chunks, window, invalid and padded frames (a padded query sees only
+    itself); afterwards each stream's window and contexts are overwritten in place with its last
+    W frames and last lp input frames (`keep`, `keep_conv`: their positions in [window | new]).
+    Shapes depend on (S, Q, W) only and no value is read back to the host: a CUDA graph captures it.
+    """
+
+    def __init__(self, keys: Tensor, values: Tensor, conv: Tensor, conv_at: list[int], bias: Tensor,
+                 keep: Tensor, keep_conv: Tensor) -> None:
+        self.keys, self.values, self.conv, self.conv_at = keys, values, conv, conv_at
+        self.bias, self.keep, self.keep_conv = bias, keep, keep_conv
+        self.streams, self.window = keys.shape[1], keys.shape[4]
+        self.frames = bias.shape[2]  # Q
+
+    @staticmethod
+    def masks(start: Tensor, held: Tensor, n_new: Tensor, frames: int, window: int, chunk: int, left_chunks: int,
+              left_pad: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """(bias (S·2, 1, Q, W+Q), keep (S, W), keep_conv (S, lp)) for streams whose new frames begin
+        at frame `start` (S,), after `held` (S,) valid window frames, `n_new` (S,) of them valid."""
+        i = torch.arange(frames, device=start.device)
+        p = torch.arange(window + frames, device=start.device)
+        q_frame = start[:, None, None] + i[None, :, None]  # (S, Q, 1)
+        k_frame = start[:, None, None] - window + p[None, None, :]  # (S, 1, W+Q): the window, then the new frames
+        q_chunk = q_frame // chunk
+        valid = torch.where(p[None] < window, p[None] >= window - held[:, None], p[None] - window < n_new[:, None])
+        allowed = valid[:, None] & (k_frame < (q_chunk + 1) * chunk) & (k_frame >= (q_chunk - left_chunks) * chunk)
+        padded_query = (i[None, :, None] >= n_new[:, None, None]) & (p[None, None] == window + i[None, :, None])
+        allowed |= padded_query
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=start.device).masked_fill_(~allowed, -torch.inf)
+        bias = bias[:, None].expand(-1, 2, -1, -1).reshape(-1, 1, frames, window + frames)
+        keep = n_new[:, None] + torch.arange(window, device=start.device)[None]
+        keep_conv = n_new[:, None] + torch.arange(left_pad, device=start.device)[None]
+        return bias, keep, keep_conv
+
+    def attention(self, attn: Attention, qkv: Tensor) -> Tensor:
+        """qkv (R, 3·inner) -> the heads' outputs (R, inner); the stream's window keeps its last W frames."""
+        s, q, w, h, d = self.streams, self.frames, self.window, attn.heads, attn.head_dim
+        qkv = qkv.view(s, 2, q, 3, h, d).permute(3, 0, 1, 4, 2, 5)  # (3, S, 2, H, Q, d)
+        keys = torch.cat([self.keys[attn.cache_slot], qkv[1]], dim=3)  # (S, 2, H, W+Q, d)
+        values = torch.cat([self.values[attn.cache_slot], qkv[2]], dim=3)
+        out = attend(qkv[0].reshape(s * 2, h, q, d), keys.view(s * 2, h, w + q, d), values.view(s * 2, h, w + q, d),
+                     self.bias)
+        at = self.keep[:, None, None, :, None].expand(-1, 2, h, -1, d)
+        self.keys[attn.cache_slot].copy_(keys.gather(3, at))
+        self.values[attn.cache_slot].copy_(values.gather(3, at))
+        return out.view(s, 2, h, q, d).permute(0, 1, 3, 2, 4).reshape(s * 2 * q, h * d)
+
+    def windows(self, conv: CausalConv1d, x: Tensor) -> Tensor:
+        """(R, C) -> every row's window of kernel frames (R, kernel·C) from [context | new rows];
+        the stream's context becomes its last lp input frames."""
+        s, q, lp, c = self.streams, self.frames, conv.left_pad, x.shape[1]
+        at = self.conv_at[conv.cache_slot]
+        context = self.conv[:, :, :, at : at + c]  # (S, 2, lp, C), a view of the state
+        frames = torch.cat([context, x.view(s, 2, q, c)], dim=2)  # (S, 2, lp+Q, C)
+        context.copy_(frames.gather(2, self.keep_conv[:, None, :, None].expand(-1, 2, -1, c)))
+        return torch.cat([frames[:, :, j : j + q] for j in range(lp + 1)], dim=3).view(s * 2 * q, (lp + 1) * c)
+
+
 def pointwise(conv: nn.Conv1d, x: Tensor) -> Tensor:
     """A kernel-1 Conv1d on packed rows (R, C) -> (R, C'): a linear layer."""
     return F.linear(x, conv.weight[:, :, 0], conv.bias)
@@ -315,19 +447,11 @@ class CausalConv1d(nn.Conv1d):
         self.left_pad = kernel_size - 1
         self.cache_slot = -1  # set by the decoder that owns it
 
-    def forward(self, x: Tensor, call: PackedCall) -> Tensor:  # (R, C) -> (R, C')
-        """As one GEMM over each row's window of kernel frames, gathered with one index for all
-        segments (PackedCall). A segment's cached context, the previous call's last input frames,
-        stands in for the zero padding (zeros on its first call); it is replaced by this call's."""
-        lp = self.left_pad
-        contexts = [call.segments[i].cache.conv[self.cache_slot].reshape(2 * lp, -1) for i in call.contexts]
-        src = torch.cat([x, *contexts, x.new_zeros(1, x.shape[1])])
-        if call.cached:
-            tails = src.index_select(0, call.plan(f"tail{lp}")).view(len(call.cached), 2, lp, -1)
-            for tail, i in zip(tails, call.cached):
-                call.segments[i].cache.conv[self.cache_slot] = tail
-        windows = src.index_select(0, call.plan(f"conv{lp}")).view(call.n_rows, -1)
-        return F.linear(windows, self.window_weight(), self.bias)
+    def forward(self, x: Tensor, call: PackedCall | WindowCall) -> Tensor:  # (R, C) -> (R, C')
+        """As one GEMM over each row's window of kernel frames, which the call gathers for all its
+        segments: a segment's cached context, the previous call's last input frames, stands in for
+        the zero padding (zeros on its first call); the call keeps this one's for the next."""
+        return F.linear(call.windows(self, x), self.window_weight(), self.bias)
 
     def window_weight(self) -> Tensor:
         """The weight as (C', kernel·C), in the gathered windows' (kernel, C) order; rebuilt when
@@ -398,55 +522,11 @@ class Attention(nn.Module):
             self._qkv = fused, tuple((p.weight.data_ptr(), p.weight._version) for p in projs)
         return self._qkv[0]
 
-    def heads_out(self, x: Tensor, call: PackedCall) -> Tensor:
+    def heads_out(self, x: Tensor, call: PackedCall | WindowCall) -> Tensor:
         """(R, C) -> (R, inner): the heads' outputs before to_out (TransformerBlock adds that
-        projection to its residual), every segment in one SDPA call (PackedCall); a cached
+        projection to its residual), every segment in one SDPA call (the call's); a cached
         segment's queries attend to its cached frames too, and its cache keeps this call's."""
-        heads, d, inner = self.heads, self.head_dim, self.heads * self.head_dim
-        qkv = F.linear(x, self.qkv_weight())  # (R, 3·inner)
-        k_blocks, v_blocks = [], []  # (2, H, frames, d) each, every segment's in frame order
-        for seg, rows, (n_base, n_own, _) in zip(call.segments, call.rows, call.blocks):
-            if n_base:
-                base = seg.cache.base
-                k_blocks.append(base.keys[self.cache_slot][:, :, -n_base:])
-                v_blocks.append(base.values[self.cache_slot][:, :, -n_base:])
-            if n_own:
-                k_blocks.append(seg.cache.keys[self.cache_slot][:, :, -n_own:])
-                v_blocks.append(seg.cache.values[self.cache_slot][:, :, -n_own:])
-            new = qkv[rows].view(2, seg.n_new, 3, heads, d)
-            k_blocks.append(new[:, :, 1].transpose(1, 2))
-            v_blocks.append(new[:, :, 2].transpose(1, 2))
-        keys, values = (torch.cat(b, dim=2) if len(b) > 1 else b[0] for b in (k_blocks, v_blocks))
-        n_seg = len(call.segments)
-        # 4-D (segments·2, H, frames, d), which SDPA's fused CPU kernel takes (5-D falls back to
-        # its math path, 3x slower at these sizes)
-        if call.padded:
-            q = qkv[:, :inner].index_select(0, call.plan("q")).view(n_seg * 2, call.q_max, heads, d).transpose(1, 2)
-            k, v = (t.index_select(2, call.plan("keys")).view(2, heads, n_seg, call.k_max, d).permute(2, 0, 1, 3, 4)
-                    .reshape(n_seg * 2, heads, call.k_max, d) for t in (keys, values))
-        else:
-            q = qkv.view(2, call.q_max, 3, heads, d)[:, :, 0].transpose(1, 2)
-            k, v = keys, values
-        out = attend(q, k, v, call.bias).transpose(1, 2).reshape(n_seg * 2 * call.q_max, inner)
-        if call.padded:
-            out = out.index_select(0, call.plan("out"))
-        if call.cached:
-            self._keep(call, keys, values)
-        return out
-
-    def _keep(self, call: PackedCall, keys: Tensor, values: Tensor) -> None:
-        """Each cached segment's keys/values from PackedCall.kept_from on, as views of one gathered
-        tensor per call (not of `keys`, which holds prompt frames and, uncached, the whole qkv)."""
-        n_cached, o_max = len(call.cached), call.o_max
-        if o_max:
-            kept_k, kept_v = (t.index_select(2, call.plan("own")).view(*t.shape[:2], n_cached, o_max, t.shape[3])
-                              for t in (keys, values))
-        else:  # a window of 0 chunks keeps no frame
-            kept_k = kept_v = keys.new_empty(*keys.shape[:2], n_cached, 0, keys.shape[3])
-        for c, i in enumerate(call.cached):
-            cache, n_kept = call.segments[i].cache, call.ends[i] - call.own_from[i]
-            cache.keys[self.cache_slot] = kept_k[:, :, c, :n_kept]
-            cache.values[self.cache_slot] = kept_v[:, :, c, :n_kept]
+        return call.attention(self, F.linear(x, self.qkv_weight()))
 
 
 class GELUProjection(nn.Module):
@@ -561,6 +641,15 @@ class CausalConditionalDecoder(nn.Module):
         call = PackedCall(segments, self.static_chunk_size, x, self.conv_left_pads)
         if call.n_rows != x.shape[0]:
             raise ValueError(f"segments cover {call.n_rows} rows, the input has {x.shape[0]}")
+        velocity = self.run(x, mu, spks, cond, t, call)
+        for seg in segments:
+            if seg.cache is not None:
+                seg.cache.advance(seg.n_new)
+        return velocity
+
+    def run(self, x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, t: Tensor, call: PackedCall | WindowCall) -> Tensor:
+        """The network over rows (R, 80) of the call's layout (`forward`; flow_window.py's static
+        one), its causal convs and attention layers served by the call -> the velocity (R, 80)."""
         temb = self.time_mlp(sinusoidal_time_embedding(t.reshape(1), self.in_channels))  # (1, 4·ch)
         x = torch.cat([x, mu, spks, cond], dim=1)  # (R, 320)
 
@@ -579,9 +668,6 @@ class CausalConditionalDecoder(nn.Module):
         x = transformers(resnet(torch.cat([x, skip], dim=1), temb, call), blocks)
         x = conv(x, call)
         x = self.final_block(x, call)
-        for seg in segments:
-            if seg.cache is not None:
-                seg.cache.advance(seg.n_new)
         return pointwise(self.final_proj, x)
 
 

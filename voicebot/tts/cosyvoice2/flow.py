@@ -140,13 +140,12 @@ class PreLookaheadLayer(nn.Module):
         self.conv1 = nn.Conv1d(channels, channels, lookahead + 1)
         self.conv2 = nn.Conv1d(channels, channels, 3)
 
-    def forward(self, x: Tensor, context: Tensor) -> Tensor:
-        """x (B, T, D); context (B, ≤lookahead, D): the embedded tokens after x (zeros if absent)."""
-        h = torch.cat([x, context], dim=1).transpose(1, 2)  # (B, D, T+c)
-        h = F.pad(h, (0, self.lookahead - context.shape[1]))
-        h = F.leaky_relu(self.conv1(h), 0.01)  # (B, D, T)
+    def forward(self, seq: Tensor, frames: int) -> Tensor:
+        """seq (B, T + lookahead, D): each row's embedded tokens, then the tokens after them that it
+        sees (its lookahead context), then zeros -> (B, T, D) for its first T = `frames` positions."""
+        h = F.leaky_relu(self.conv1(seq.transpose(1, 2)), 0.01)  # (B, D, T)
         h = self.conv2(F.pad(h, (self.conv2.kernel_size[0] - 1, 0)))  # causal
-        return h.transpose(1, 2) + x
+        return h.transpose(1, 2) + seq[:, :frames]
 
 
 class Upsample1D(nn.Module):
@@ -183,19 +182,38 @@ class UpsampleConformerEncoder(nn.Module):
 
         Returns (B, stride·T, D).
         """
-        x = self.embed(x)
+        seq = self.embed(torch.cat([x, context], dim=1))
+        return self.run(F.pad(seq, (0, 0, 0, self.pre_lookahead_layer.lookahead - context.shape[1])), x.shape[1],
+                        streaming)
+
+    def run(self, seq: Tensor, frames: int, streaming: bool, lengths: Tensor | None = None) -> Tensor:
+        """seq (B, T + lookahead, D): embedded tokens, each row's lookahead context after its own and
+        zeros after that; T = `frames`. lengths (B,): each row's own tokens when rows are padded to T
+        (their padding is masked out of attention; causal convolutions never read it), None: all T.
+        Returns (B, stride·T, D), row b's first stride·lengths[b] its own."""
+        mask = chunk_mask(frames, self.chunk_size if streaming else 0, seq.device)
+        x = self.pre_lookahead_layer(seq, frames)
         pos_emb = rel_pos_table(x)
-        mask = chunk_mask(x.shape[1], self.chunk_size if streaming else 0, x.device)
-        x = self.pre_lookahead_layer(x, self.embed(context))
         for layer in self.encoders:
-            x = layer(x, pos_emb, mask)
+            x = layer(x, pos_emb, _own_keys(mask, lengths, frames))
         x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)
         x = self.up_embed(x)
         pos_emb = rel_pos_table(x)
-        mask = chunk_mask(x.shape[1], self.chunk_size * self.up_layer.stride if streaming else 0, x.device)
+        stride = self.up_layer.stride
+        mask = chunk_mask(x.shape[1], self.chunk_size * stride if streaming else 0, x.device)
+        mask = _own_keys(mask, None if lengths is None else lengths * stride, x.shape[1])
         for layer in self.up_encoders:
             x = layer(x, pos_emb, mask)
         return self.after_norm(x)
+
+
+def _own_keys(mask: Tensor | None, lengths: Tensor | None, size: int) -> Tensor | None:
+    """The attention mask (T, T) or None, and with `lengths` (B,) each row's padding keys masked:
+    (B, 1, T, T)."""
+    if lengths is None:
+        return mask
+    own = (torch.arange(size, device=lengths.device)[None] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, T)
+    return own if mask is None else own & mask
 
 
 def rand_noise(channels: int = 80) -> Tensor:
@@ -344,6 +362,24 @@ class Flow(nn.Module):
         x, context = x[:, :split], x[:, split:]
         return self.encoder_proj(self.encoder(x, context, streaming))
 
+    def encode_streaming(self, tokens: list[Tensor], finalize: list[bool]) -> tuple[Tensor, list[int]]:
+        """`encode` (streaming) of several requests' tokens (1, N_b) in one batch, rows padded to
+        the longest: (mu (B, ratio·T, 80), each row's own frames). Row b equals its call alone but
+        for the GEMMs' blocking: its padding is zeroed after the embedding, masked out of attention
+        and after its lookahead context, where the causal convolutions never read it."""
+        look = self.pre_lookahead_len
+        own = [t.shape[1] - (0 if final else look) for t, final in zip(tokens, finalize)]  # tokens before the context
+        seen = [t.shape[1] for t in tokens]  # with the context
+        frames = max(own)
+        width = frames + look
+        device = tokens[0].device
+        ids = torch.cat([F.pad(t.long().clamp(min=0), (0, width - t.shape[1])) for t in tokens])  # (B, T + lookahead)
+        seen_t, own_t = host_to_device([seen, own], device)
+        seq = self.encoder.embed(self.input_embedding(ids))
+        seq = seq * (torch.arange(width, device=device)[None] < seen_t[:, None])[:, :, None].to(seq.dtype)
+        mu = self.encoder_proj(self.encoder.run(seq, frames, True, own_t))
+        return mu, [n * self.token_mel_ratio for n in own]
+
     def new_cache(self, left_chunks: int = -1) -> FlowCache:
         """An empty flow state; `left_chunks` ≥ 0 bounds the estimator's attention (and so what the
         state holds) to that many chunks before a query's own (estimator.EstimatorCache)."""
@@ -367,16 +403,22 @@ class Flow(nn.Module):
 
     @torch.inference_mode()
     def render(self, requests: list[FlowRequest]) -> list[Tensor]:
-        """`inference` for several requests at once: each one's encoder runs on its own (3 % of
-        the time), the estimator on all of them together. Each result equals its call alone."""
+        """`inference` for several requests at once: the encoder (3 % of the time) once over all
+        streaming requests' tokens (encode_streaming) and on its own for each full-attention one,
+        the estimator on all of them together. Each result equals its call alone."""
         inputs, skip = [], []
-        for r in requests:
+        tokens = [torch.cat([r.prompt_token, r.token], dim=1) for r in requests]
+        streaming = [i for i, r in enumerate(requests) if r.streaming]
+        encoded: dict[int, Tensor] = {}
+        if len(streaming) > 1:
+            mu, ends = self.encode_streaming([tokens[i] for i in streaming], [requests[i].finalize for i in streaming])
+            encoded = {i: mu[k, :end] for k, (i, end) in enumerate(zip(streaming, ends))}
+        for i, r in enumerate(requests):
             start = 0 if r.cache is None else r.cache.n_frames
-            tokens = torch.cat([r.prompt_token, r.token], dim=1)
             if r.cache is not None and r.cache.left_chunks != r.left_chunks:
                 raise ValueError(f"a cache of window {r.cache.left_chunks} in a request of window {r.left_chunks}")
-            inputs.append(self._conditions(tokens, r.prompt_feat, r.embedding, r.streaming, r.finalize, r.cache,
-                                           r.left_chunks))
+            inputs.append(self._conditions(tokens[i], r.prompt_feat, r.embedding, r.streaming, r.finalize, r.cache,
+                                           r.left_chunks, encoded.get(i)))
             skip.append(max(0, r.prompt_feat.shape[1] - start))  # the prompt's own frames are not returned
         mels = self.decoder.solve(inputs, self.n_timesteps)
         return [mel[:, :, n:] for mel, n in zip(mels, skip)]
@@ -400,19 +442,21 @@ class Flow(nn.Module):
 
     def _conditions(
         self, tokens: Tensor, prompt_feat: Tensor, embedding: Tensor, streaming: bool, finalize: bool,
-        cache: FlowCache | None, left_chunks: int = -1,
+        cache: FlowCache | None, left_chunks: int = -1, mu: Tensor | None = None,
     ) -> CFMInput:
-        """The CFM's input for prompt+target `tokens` (1, N), from the cache's end (or frame 0) on."""
+        """The CFM's input for prompt+target `tokens` (1, N), from the cache's end (or frame 0) on;
+        mu (T, 80): their encoding, when made already (encode_streaming)."""
+        if cache is not None and not streaming:
+            raise ValueError("a cached flow call needs chunk-causal (streaming) attention")
         dtype = self.encoder_proj.weight.dtype
         embedding, prompt_feat = embedding.to(dtype), prompt_feat.to(dtype)
         spks = self.spk_embed_affine_layer(F.normalize(embedding, dim=1))[0]  # (80,)
-        mu = self.encode(tokens, finalize, streaming)[0]  # (T, 80)
+        if mu is None:
+            mu = self.encode(tokens, finalize, streaming)[0]  # (T, 80)
         start = 0 if cache is None else cache.n_frames
         chunk_frames = self.decoder.estimator.static_chunk_size
         if cache is not None and not finalize and mu.shape[0] % chunk_frames:
             raise ValueError(f"a cached non-final flow call must end on a chunk boundary ({mu.shape[0]} frames)")
-        if cache is not None and not streaming:
-            raise ValueError("a cached flow call needs chunk-causal (streaming) attention")
         cond = torch.zeros_like(mu)
         n_prompt = min(prompt_feat.shape[1], mu.shape[0])
         cond[:n_prompt] = prompt_feat[0, :n_prompt]

@@ -8,10 +8,10 @@ Weight norm uses torch's parametrizations, so parameter names match hift.pt
 and additive noise); `SourceNoise` makes them explicit so tests can zero or inject them.
 `HiFTStream` vocodes a mel that arrives in pieces with the same result as one call over all of it.
 
-Vocoding is split in two, so that the decoder (all but the f0 predictor and the source: about 97 %
-of HiFT's work) runs for several streams in one call: `excitation` (f0 and source, per utterance:
-it carries the utterance's phase and noise) and `decode_batch` (mels of any lengths, zero-padded to
-the longest and zeroed past each row's end so that each equals its own call alone).
+Vocoding is split in two, each run for several streams in one batch: `excitations` (f0 and source;
+each utterance's phase and noise travel with its `SourceRequest`) and `decode_batch` (the decoder,
+about 97 % of HiFT's work). Both take rows of any lengths, zero-padded to the longest and zeroed
+past each row's end, so that each equals its own call alone.
 """
 
 from __future__ import annotations
@@ -75,30 +75,32 @@ class SineSource(nn.Module):
         self.sine_amp, self.noise_std, self.voiced_threshold = sine_amp, noise_std, voiced_threshold
         self.l_linear = nn.Linear(self.n_harmonics, 1)
 
-    def forward(self, f0: Tensor, noise: SourceNoise, start_cycles: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """f0 (1, L, 1) -> (source (1, L, 1), cycles (1, H, L/480) float64: the running phase, in
-        cycles, through each frame).
+    def forward(self, f0: Tensor, sine_noise: Tensor, rand_ini: Tensor, start_cycles: Tensor,
+                edge: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """f0 (B, L, 1) at audio rate -> (source (B, L, 1), cycles (B, H, L/480) float64: the running
+        phase, in cycles, through each frame), each row on its own.
 
-        start_cycles (1, H, 1) float64: the running phase before the first frame, when this is a
-        later piece of a streamed utterance; None at the utterance's start.
+        sine_noise (B, L, H): the per-sample noise draws; rand_ini (B, H): the initial phase (cycles)
+        added at the first sample, zero for a row that continues a streamed utterance (and in the
+        fundamental's column); start_cycles (B, H, 1) float64: the running phase before the first
+        frame (zeros at an utterance's start). edge (B, 1, T): for rows padded past their own
+        frames, each frame's index with the padding pointing at the row's last frame: the phase's
+        up-interpolation reads one frame beyond, which alone is its last frame again (clamped).
         """
         harmonics = torch.arange(1, self.n_harmonics + 1, device=f0.device, dtype=f0.dtype)
-        rad = (f0 * harmonics / self.sampling_rate) % 1  # (1, L, H) phase increment in cycles per sample
-        if start_cycles is None:  # the utterance's first sample gets the random initial phase
-            rand_ini = noise.rand_ini.clone()
-            rand_ini[:, 0] = 0
-            rad[:, 0, :] = rad[:, 0, :] + rand_ini
-            start_cycles = torch.zeros(1, self.n_harmonics, 1, device=f0.device, dtype=torch.float64)
-        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample_scale, mode="linear")  # (1, H, T)
+        rad = (f0 * harmonics / self.sampling_rate) % 1  # (B, L, H) phase increment in cycles per sample
+        rad[:, 0, :] += rand_ini
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample_scale, mode="linear")  # (B, H, T)
         # A float32 cumsum accumulates in float64 on CPU and rounds each step; continuing a float64
         # running sum therefore gives a streamed utterance the same phases as one whole call.
         cycles = torch.cumsum(torch.cat([start_cycles, rad.double()], dim=2), dim=2)[:, :, 1:]
-        phase = cycles.to(f0.dtype) * 2 * math.pi
+        edged = cycles if edge is None else cycles.gather(2, edge.expand(-1, cycles.shape[1], -1))
+        phase = edged.to(f0.dtype) * 2 * math.pi
         phase = F.interpolate(phase * self.upsample_scale, scale_factor=self.upsample_scale, mode="linear")
-        sines = torch.sin(phase).transpose(1, 2) * self.sine_amp  # (1, L, H)
-        uv = (f0 > self.voiced_threshold).to(f0.dtype)  # (1, L, 1)
+        sines = torch.sin(phase).transpose(1, 2) * self.sine_amp  # (B, L, H)
+        uv = (f0 > self.voiced_threshold).to(f0.dtype)  # (B, L, 1)
         noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
-        sines = sines * uv + noise_amp * noise.sine_noise
+        sines = sines * uv + noise_amp * sine_noise
         return torch.tanh(self.l_linear(sines)), cycles
 
 
@@ -114,8 +116,13 @@ class F0Predictor(nn.Module):
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cond_channels, num_class)
 
-    def forward(self, mel: Tensor) -> Tensor:  # (B, 80, T) -> (B, T)
-        return torch.abs(self.classifier(self.condnet(mel).transpose(1, 2)).squeeze(-1))
+    def forward(self, mel: Tensor, own: Tensor | None = None) -> Tensor:  # (B, 80, T) -> (B, T)
+        """own (B, 1, T): 1 on each row's own frames, 0 on its padding, which every convolution
+        then reads as zeros, as its own zero padding alone (None: no row is padded)."""
+        x = mel
+        for layer in self.condnet:
+            x = layer(x if own is None or not isinstance(layer, nn.Conv1d) else x * own)
+        return torch.abs(self.classifier(x.transpose(1, 2)).squeeze(-1))
 
 
 class Snake(nn.Module):
@@ -145,20 +152,22 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: Tensor, lengths: list[int] | None = None) -> Tensor:
-        """lengths: each row's own length, past which its convolutions must read zeros (None: all full)."""
+    def forward(self, x: Tensor, own: Tensor | None = None) -> Tensor:
+        """own (B, 1, T): 1 on each row's own samples, 0 past its end, where its convolutions must
+        read zeros, as their own zero padding alone (None: no row is padded)."""
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = x + c2(_zero_padding(a2(c1(_zero_padding(a1(x), lengths))), lengths))
+            x = x + c2(_masked(a2(c1(_masked(a1(x), own))), own))
         return x
 
 
-def _zero_padding(x: Tensor, lengths: list[int] | None) -> Tensor:
-    """x (B, C, T), a fresh activation, with each row zeroed in place past its length: writes only
-    the padding (a few frames), where a mask multiply would pass over the whole tensor."""
-    for row, n in enumerate(lengths or ()):
-        if n < x.shape[2]:
-            x[row, :, n:] = 0
-    return x
+def _masked(x: Tensor, own: Tensor | None) -> Tensor:
+    """x (B, C, T) zeroed past each row's end (`own`, (B, 1, T)); x itself when nothing is padded."""
+    return x if own is None else x * own
+
+
+def _own(lengths: Tensor, size: int, dtype: torch.dtype) -> Tensor:
+    """(B, 1, size): 1 where a position is before its row's length (B,), else 0."""
+    return (torch.arange(size, device=lengths.device) < lengths[:, None]).to(dtype)[:, None]
 
 
 class HiFT(nn.Module):
@@ -225,33 +234,29 @@ class HiFT(nn.Module):
         self.register_buffer("stft_window", torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device="cpu").float(),
                              persistent=False)
 
-    def _stft(self, sources: list[Tensor], n_frames: int) -> Tensor:
-        """Sources (1, 1, L_b) -> their STFT frames in one batch (B, n_fft+2, n_frames) [real | imag]:
-        each row reflect-padded at its own ends, as torch.stft's centring pads it alone (one gather
-        over all rows), its frames past its own L_b/hop + 1 zero."""
+    def _stft(self, source: Tensor, length: Tensor) -> Tensor:
+        """source (B, L), row b's own its first length[b] samples -> its STFT frames (B, n_fft+2,
+        L/hop + 1) [real | imag]: each row reflect-padded at its own ends, as torch.stft's centring
+        pads it alone (one gather over all rows), its frames past its own length/hop + 1 zero."""
         pad = self.n_fft // 2
-        lengths = [src.shape[2] for src in sources]
-        device = sources[0].device
-        flat = torch.cat([src.reshape(-1) for src in sources])
-        length = host_to_device(lengths, device)[:, None]  # (B, 1)
-        offset = host_to_device([sum(lengths[:b]) for b in range(len(lengths))], device)[:, None]
-        j = torch.arange(max(lengths) + 2 * pad, device=device)[None]
+        length = length[:, None]  # (B, 1)
+        j = torch.arange(source.shape[1] + 2 * pad, device=source.device)[None]
         at = (j - pad).abs()  # reflected at the start
-        at = torch.minimum(torch.where(at >= length, 2 * (length - 1) - at, at), length - 1)  # and at the end
-        padded = flat[offset + at] * (j < length + 2 * pad)  # (B, L + n_fft), zero past a row's own
+        at = torch.where(at >= length, 2 * (length - 1) - at, at).clamp(0, source.shape[1] - 1)  # and at the end
+        padded = source.gather(1, at.expand(source.shape[0], -1)) * (j < length + 2 * pad)  # zero past a row's own
         spec = torch.stft(padded, self.n_fft, self.hop_len, self.n_fft, window=self.stft_window, center=False,
                           return_complex=True)
-        own = torch.arange(n_frames, device=device)[None] < length // self.hop_len + 1
+        own = torch.arange(spec.shape[2], device=source.device)[None] < length // self.hop_len + 1
         return torch.cat([spec.real, spec.imag], dim=1) * own[:, None]
 
-    def _istft(self, x: Tensor, n_frames: list[int]) -> Tensor:
+    def _istft(self, x: Tensor, n_frames: Tensor) -> Tensor:
         """conv_post's output x (B, n_fft+2, F) [log-magnitude | phase], row b's own frames its first
         n_frames[b] -> audio (B, hop·(F-1)), row b's first hop·(n_frames[b]-1) samples as torch.istft
         of its own frames alone: one inverse FFT and one overlap-add for all rows, each row divided
         by the window envelope of its own frames."""
         half, pad, hop = self.n_fft // 2 + 1, self.n_fft // 2, self.hop_len
         rows, _, n = x.shape
-        own = (torch.arange(n, device=x.device)[None] < host_to_device(n_frames, x.device)[:, None])[:, None]
+        own = _own(n_frames, n, x.dtype)
         magnitude = torch.clip(torch.exp(x[:, :half]), max=1e2) * own
         phase = torch.sin(x[:, half:])  # the phase channels go through sin, as in the trained model
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
@@ -267,49 +272,115 @@ class HiFT(nn.Module):
         return self.decode_batch([mel], [source])[0]
 
     def decode_batch(self, mels: list[Tensor], sources: list[Tensor]) -> list[Tensor]:
-        """`decode` of several (mel, source) pairs of any lengths in one batch; each result
-        equals its own call. Rows are zero-padded to the longest, and every convolution's input is
-        zeroed past a row's end, which is what the convolution's own zero padding gives
-        it alone; the STFT and iSTFT run batched, each row padded and window-normalised at its own
-        ends as alone."""
+        """`decode` of several (mel, source) pairs of any lengths in one batch, padded to the
+        longest; each result equals its own call. (Token2Wav pads to a bucket instead, whose shapes
+        a CUDA graph keeps: `padded_batch`, `decode_padded`.)"""
         lengths = [m.shape[2] for m in mels]
-        longest = max(lengths)
-        mel = torch.cat([F.pad(m, (0, longest - m.shape[2])) for m in mels])  # (B, 80, T)
-        s = self._stft(sources, longest * self.samples_per_frame // self.hop_len + 1)  # (B, n_fft+2, n_stft)
+        # one pair at its own length fills its batch: nothing to mask
+        audio = self.decode_padded(*self.padded_batch(mels, sources), masked=len(mels) > 1)
+        return [audio[b : b + 1, : n * self.samples_per_frame] for b, n in enumerate(lengths)]
+
+    def padded_batch(self, mels: list[Tensor], sources: list[Tensor],
+                     shape: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """decode_padded's inputs for the pairs: mel (B, 80, T) and source (B, 480T) zero-padded,
+        frames (B,) each row's own (1 for a padding row: one zero frame)."""
+        lengths = [m.shape[2] for m in mels]
+        rows, longest = shape or (len(mels), max(lengths))
+        if rows < len(mels) or longest < max(lengths):
+            raise ValueError(f"{len(mels)} mels of up to {max(lengths)} frames in a batch of {rows} × {longest}")
+        spf, empty = self.samples_per_frame, rows - len(mels)
+        mel = torch.cat([F.pad(m, (0, longest - m.shape[2])) for m in mels]
+                        + ([mels[0].new_zeros(empty, mels[0].shape[1], longest)] if empty else []))
+        source = torch.cat([F.pad(s.reshape(1, -1), (0, longest * spf - s.shape[2])) for s in sources]
+                           + ([sources[0].new_zeros(empty, longest * spf)] if empty else []))
+        return mel, source, host_to_device(lengths + [1] * empty, mel.device)
+
+    def decode_padded(self, mel: Tensor, source: Tensor, frames: Tensor, masked: bool = True) -> Tensor:
+        """The decoder over a padded batch: mel (B, 80, T), source (B, 480T), frames (B,) each row's
+        own -> audio (B, 480T), each row's first 480·frames samples as its own call alone.
+
+        Every convolution's input is zeroed past a row's end, which is what the convolution's own
+        zero padding gives it alone; the STFT and iSTFT run batched, each row padded and
+        window-normalised at its own ends as alone. Shapes depend on (B, T) only, and nothing is
+        read back to the host: a CUDA graph captures it per bucket (token2wav.py). masked=False:
+        every row fills the batch (no padding), so nothing is zeroed."""
+        s = self._stft(source, frames * self.samples_per_frame)  # (B, n_fft+2, n_stft)
         rate = 1
         x = self.conv_pre(mel)
         for i, up in enumerate(self.ups):
-            x = up(_zero_padding(F.leaky_relu(x, self.lrelu_slope), [n * rate for n in lengths]))
+            own = _own(frames * rate, x.shape[2], x.dtype) if masked else None
+            x = up(_masked(F.leaky_relu(x, self.lrelu_slope), own))
             rate *= up.stride[0]
             extra = 0
             if i == len(self.ups) - 1:
                 x = F.pad(x, (1, 0), mode="reflect")  # one more frame to line up with the STFT frames
                 extra = 1
-            stage_lengths = [n * rate + extra for n in lengths]
-            x = x + self.source_resblocks[i](self.source_downs[i](s), stage_lengths)
+            own = _own(frames * rate + extra, x.shape[2], x.dtype) if masked else None
+            x = x + self.source_resblocks[i](self.source_downs[i](s), own)
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
-            x = sum(block(x, stage_lengths) for block in blocks) / self.num_kernels
-        x = self.conv_post(_zero_padding(F.leaky_relu(x), stage_lengths))  # default slope 0.01 here
-        audio = torch.clamp(self._istft(x, [n * rate + 1 for n in lengths]), -self.audio_limit, self.audio_limit)
-        return [audio[b : b + 1, : n * self.samples_per_frame] for b, n in enumerate(lengths)]
+            x = sum(block(x, own) for block in blocks) / self.num_kernels
+        x = self.conv_post(_masked(F.leaky_relu(x), own))  # default slope 0.01 here
+        return torch.clamp(self._istft(x, frames * rate + 1), -self.audio_limit, self.audio_limit)
 
     def excitation(
         self, mel: Tensor, cache_source: Tensor | None = None, noise: SourceNoise | None = None,
         generator: torch.Generator | None = None,
     ) -> Tensor:
         """The source (1, 1, 480T) `inference` gives `decode` for mel (1, 80, T); see there."""
-        n_samples = mel.shape[2] * self.samples_per_frame
         if noise is None:
-            noise = SourceNoise.draw(n_samples, self.m_source.n_harmonics, generator, mel.device)
-        source, _ = self.source(self.f0_predictor(mel), noise)
-        if cache_source is not None and cache_source.shape[2] > 0:
-            source[:, :, : cache_source.shape[2]] = cache_source
-        return source
+            noise = SourceNoise.draw(mel.shape[2] * self.samples_per_frame, self.m_source.n_harmonics, generator,
+                                     mel.device)
+        return self.excitations([SourceRequest(mel, noise, head=cache_source)])[0][0]
 
     def source(self, f0: Tensor, noise: SourceNoise, start_cycles: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """f0 (1, T) in Hz -> (NSF source (1, 1, 480T), running phase (1, H, T), see SineSource)."""
-        f0 = F.interpolate(f0[:, None], scale_factor=float(self.samples_per_frame), mode="nearest")  # (1, 1, L)
-        source, cycles = self.m_source(f0.transpose(1, 2), noise, start_cycles)
+        return self._sources(f0, [noise], [start_cycles], [f0.shape[1]])
+
+    def excitations(self, requests: list[SourceRequest]) -> list[tuple[Tensor, Tensor]]:
+        """Each request's (source (1, 1, 480T), running phase (1, H, T) float64), all of them in one
+        batch: the f0 predictor over their mels zero-padded to the longest (each convolution's input
+        zeroed past a row's end), the source over their frames padded to the most. Each equals its
+        request alone (the same operations, row by row)."""
+        device = requests[0].f0_mel.device
+        f0_lengths = [r.f0_mel.shape[2] for r in requests]
+        frames = [n - r.f0_from for n, r in zip(f0_lengths, requests)]
+        longest, most = max(f0_lengths), max(frames)
+        if len(requests) == 1:
+            f0 = self.f0_predictor(requests[0].f0_mel)[:, requests[0].f0_from :]
+        else:
+            mel = torch.cat([F.pad(r.f0_mel, (0, longest - n)) for r, n in zip(requests, f0_lengths)])
+            own = torch.arange(longest, device=device) < host_to_device(f0_lengths, device)[:, None]
+            f0 = self.f0_predictor(mel, own[:, None].to(mel.dtype))
+            # each row's frames from its f0_from on (past its own: its last, which the source cuts off)
+            take = host_to_device([[r.f0_from + min(t, n - 1) for t in range(most)]
+                                   for r, n in zip(requests, frames)], device)
+            f0 = f0.gather(1, take)  # (B, most)
+        source, cycles = self._sources(f0, [r.noise for r in requests], [r.start_cycles for r in requests], frames)
+        for b, r in enumerate(requests):
+            if r.head is not None and r.head.shape[2] > 0:
+                source[b, :, : r.head.shape[2]] = r.head[0]
+        spf = self.samples_per_frame
+        return [(source[b : b + 1, :, : n * spf], cycles[b : b + 1, :, :n]) for b, n in enumerate(frames)]
+
+    def _sources(self, f0: Tensor, noises: list[SourceNoise | None], start_cycles: list[Tensor | None],
+                 frames: list[int]) -> tuple[Tensor, Tensor]:
+        """f0 (B, T) in Hz, row b's own its first frames[b] -> (source (B, 1, 480T), phase (B, H, T)).
+        A row's noise None: zero noise; its start_cycles None: the utterance's start (its rand_ini
+        then sets the initial phases)."""
+        spf, h, device = self.samples_per_frame, self.m_source.n_harmonics, f0.device
+        n_samples = f0.shape[1] * spf
+        f0 = F.interpolate(f0[:, None], scale_factor=float(spf), mode="nearest")  # (B, 1, L)
+        zeros = f0.new_zeros(1, n_samples, h)
+        sine_noise = torch.cat([zeros if n is None else F.pad(n.sine_noise, (0, 0, 0, n_samples - n.sine_noise.shape[1]))
+                                for n in noises])
+        rand_ini = torch.cat([n.rand_ini if n is not None and c is None else zeros[:, 0]
+                              for n, c in zip(noises, start_cycles)])
+        rand_ini[:, 0] = 0  # the fundamental starts at phase 0
+        start = torch.cat([f0.new_zeros(1, h, 1, dtype=torch.float64) if c is None else c for c in start_cycles])
+        edge = None
+        if min(frames) < f0.shape[2] // spf:
+            edge = host_to_device([[min(t, n - 1) for t in range(f0.shape[2] // spf)] for n in frames], device)[:, None]
+        source, cycles = self.m_source(f0.transpose(1, 2), sine_noise, rand_ini, start, edge)
         return source.transpose(1, 2), cycles
 
     def context_frames(self) -> tuple[int, int]:
@@ -362,14 +433,34 @@ class HiFT(nn.Module):
 
 
 @dataclass
+class SourceRequest:
+    """One piece of an utterance for `HiFT.excitations`: the f0 predictor runs over `f0_mel`
+    (1, 80, T_f) and the source over its f0 from frame `f0_from` on (T = T_f − f0_from frames,
+    480T samples), with `noise`'s draws for those samples (None: zero noise), continuing the running
+    phase `start_cycles` (1, H, 1) float64 (None: the utterance's first sample, which gets
+    noise.rand_ini); `head` (1, 1, C): samples that replace the source's first C (the previous
+    chunk's source tail, in the official chunk vocoder)."""
+
+    f0_mel: Tensor
+    noise: SourceNoise | None
+    f0_from: int = 0
+    start_cycles: Tensor | None = None
+    head: Tensor | None = None
+
+
+@dataclass
 class DecodeJob:
-    """A streaming vocoder's pending decode: `mel` (1, 80, T) with `source` (1, 1, 480T); `final`:
-    the utterance's last; `keep`: the samples of the decoded window that become its audio."""
+    """A streaming vocoder's pending decode: `mel` (1, 80, T) with its source (1, 1, 480T), which
+    `HiFT.excitations` makes from `source_request` and the vocoder's `sourced` sets; `final`: the
+    utterance's last; `keep`: the samples of the decoded window that become its audio;
+    `phase_at`: the frame whose running phase the vocoder keeps for its next piece (None: none)."""
 
     mel: Tensor
-    source: Tensor
+    source_request: SourceRequest
     final: bool
     keep: slice = field(default_factory=lambda: slice(None))
+    phase_at: int | None = None
+    source: Tensor | None = None
 
 
 class HiFTStream:
@@ -399,11 +490,11 @@ class HiFTStream:
         self.rand_ini: Tensor | None = None
         self.sine_noise: Tensor | None = None  # (1, n, H) from the next window's first sample on
 
-    def _noise(self, start: int, end: int, device: torch.device) -> SourceNoise:
-        """The source noise of frames [start, end), drawing the samples not drawn before."""
+    def _noise(self, start: int, end: int, device: torch.device) -> SourceNoise | None:
+        """The source noise of frames [start, end), drawing the samples not drawn before (None: off)."""
         spf, h = self.hift.samples_per_frame, self.n_harmonics
         if self.zero_noise:
-            return SourceNoise.zeros((end - start) * spf, h, device)
+            return None
         if self.rand_ini is None:
             self.rand_ini = torch.rand(1, h, generator=self.generator, device=device)
             self.sine_noise = torch.zeros(1, 0, h, device=device)
@@ -419,11 +510,13 @@ class HiFTStream:
         job = self.prepare(mel, final)
         if job is None:
             return mel.new_zeros(1, 0)
+        self.sourced(job, *self.hift.excitations([job.source_request])[0])
         return self.complete(job, self.hift.decode(job.mel, job.source))
 
     def prepare(self, mel: Tensor, final: bool = False) -> DecodeJob | None:
-        """`push` up to the decode, which the caller runs (with other streams' in `decode_batch`)
-        and hands to `complete`; the stream's state has already moved on. None: nothing to voice."""
+        """`push` up to the source and the decode, which the caller runs (with other streams' in
+        `HiFT.excitations` and `decode_batch`), handing the source to `sourced` and the audio to
+        `complete`; the stream's state has moved on but for its phase (`sourced`). None: nothing to voice."""
         self.mel = mel if self.mel is None else torch.cat([self.mel, mel], dim=2)
         self.n_frames += mel.shape[2]
         done = self.n_frames if final else max(self.voiced, self.n_frames - self.lookahead)
@@ -431,20 +524,26 @@ class HiFTStream:
             return None
         start = max(0, self.voiced - self.context)  # the decode window is [start, n_frames)
         window = self.mel[:, :, start - self.mel_start :]
-        f0 = self.hift.f0_predictor(self.mel)[:, start - self.mel_start :]
-        source, cycles = self.hift.source(f0, self._noise(start, self.n_frames, mel.device), self.start_cycles)
+        request = SourceRequest(self.mel, self._noise(start, self.n_frames, mel.device), start - self.mel_start,
+                                self.start_cycles)
         spf = self.hift.samples_per_frame
-        job = DecodeJob(window, source, final, keep=slice((self.voiced - start) * spf, (done - start) * spf))
-        # Move the state to the next window; its f0 there was exact (well inside this window).
+        # Move the state to the next window; its f0 there is exact (well inside this window).
         next_start = max(0, done - self.context)
-        if next_start > start:
-            self.start_cycles = cycles[:, :, next_start - start - 1 : next_start - start]
-            if self.sine_noise is not None:
-                self.sine_noise = self.sine_noise[:, (next_start - start) * spf :]
+        job = DecodeJob(window, request, final, keep=slice((self.voiced - start) * spf, (done - start) * spf),
+                        phase_at=next_start - start - 1 if next_start > start else None)
+        if next_start > start and self.sine_noise is not None:
+            self.sine_noise = self.sine_noise[:, (next_start - start) * spf :]
         keep_from = max(0, next_start - self.f0_context)
         self.mel = self.mel[:, :, keep_from - self.mel_start :]
         self.mel_start, self.voiced = keep_from, done
         return job
+
+    def sourced(self, job: DecodeJob, source: Tensor, cycles: Tensor) -> None:
+        """The prepared job's source and running phase (HiFT.excitations): keep the phase the next
+        window starts from."""
+        job.source = source
+        if job.phase_at is not None:
+            self.start_cycles = cycles[:, :, job.phase_at : job.phase_at + 1]
 
     def complete(self, job: DecodeJob, wav: Tensor) -> Tensor:
         """The audio of a prepared push, from its decoded window (1, 480·frames)."""

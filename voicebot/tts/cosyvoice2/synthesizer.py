@@ -101,9 +101,18 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.model_dir, self.hparams, self.lm = modules.model_dir, modules.hparams, modules.lm
         if self.config.lm_int8:  # after the strict checkpoint load: the wrappers change the module tree
             quantize_lm(self.lm)
+        # On CUDA with a bounded flow window, flow and HiFT run at bucketed static shapes, every
+        # bucket captured as a CUDA graph now, before any render (token2wav.py, flow_window.py).
+        bucketed = self.device.type == "cuda" and self.config.cuda_graphs and self.config.flow_left_chunks >= 0
         self.token2wav = Token2Wav(modules.flow, modules.hift, mode=self.config.stream_mode,
                                    max_prompt_states=self.config.flow_prompt_states,
-                                   flow_left_chunks=self.config.flow_left_chunks)
+                                   flow_left_chunks=self.config.flow_left_chunks,
+                                   max_render_streams=self.config.render_batch, bucketed=bucketed)
+        if bucketed:
+            began = time.perf_counter()
+            n_graphs = self.token2wav.capture_graphs()
+            log.info("cosyvoice2: %d render graphs (flow and HiFT buckets) captured in %.1f s", n_graphs,
+                     time.perf_counter() - began)
         if self.default_voice not in library:
             raise ValueError(f"tts.voice {self.default_voice!r} is not a CosyVoice 2 voice; have {library.names()}")
         self.library = library

@@ -40,10 +40,21 @@ Rendering many streams together (the device scheduler's API). A stream either re
 `render` runs every request's encoder on its own (≈3 % of the flow), then one Euler schedule for
 all of them: each of the 10 steps is one estimator call over every request's CFG pair, packed
 row by row, attention padded and masked per request (estimator.py), each attending to its own
-prompt state and cached frames (within its window, flow_left_chunks); then one
-HiFT decode over all their mel windows (hift.py `decode_batch`). Requests may differ in voice,
+prompt state and cached frames (within its window, flow_left_chunks); then every stream's f0 and
+source in one batch (hift.py `excitations`) and one HiFT decode over all their mel windows
+(`decode_batch`). Requests may differ in voice,
 prompt length, chunk index, hop and mode. `push`/`finish` are `render([stream.next_chunk()])`.
 A request's audio equals its stream's render alone to fp32 reduction order (test_flow_batch.py).
+One render call is bounded: at most `max_render_streams` streams (more are rendered in successive
+calls of at most that many, in order, every request answered), each chunk at most
+`max_chunk_frames` new mel frames (the schedule's longest: a 100-token hop and the 3-token
+lookahead, 206 frames, 4.1 s of audio).
+
+`bucketed=True` (a bounded flow window needed): the cached flow chunks run at bucketed static shapes
+(flow_window.py), HiFT's decode likewise (padded rows and frames masked), so that on CUDA every
+bucket is one CUDA graph, all captured by `capture_graphs` at start-up; elsewhere the same padded
+shapes run eagerly (tests/cosyvoice2/test_buckets.py: equal to the eager flow at exact shapes).
+Uncached chunks (the official "recompute", "exact"'s full-attention final chunk) stay eager.
 Rules: at most one request per stream per render (its next chunk depends on the previous one); a
 request is valid until its stream renders (`render` refuses a stale one); a cancelled stream is
 simply not asked again, and its state goes with it.
@@ -64,7 +75,10 @@ from torch import Tensor
 
 from voicebot.serving.model_interfaces import Rendering
 from voicebot.tts.cosyvoice2.flow import Flow, FlowCache, FlowRequest
+from voicebot.tts.cosyvoice2.flow_window import WindowFlow, WindowRequest, WindowState
+from voicebot.tts.cosyvoice2.chunk_vocoder import ChunkVocoder
 from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFT, HiFTStream, SourceNoise
+from voicebot.tts.cosyvoice2.hift_buckets import HiFTBuckets
 from voicebot.tts.cosyvoice2.sampling import host_to_device
 
 
@@ -110,7 +124,8 @@ class Token2Wav:
     """
 
     def __init__(self, flow: Flow, hift: HiFT, schedule: StreamSchedule = StreamSchedule(),
-                 mode: Mode = "exact", max_prompt_states: int = 4, flow_left_chunks: int = -1) -> None:
+                 mode: Mode = "exact", max_prompt_states: int = 4, flow_left_chunks: int = -1,
+                 max_render_streams: int = 8, bucketed: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         if flow_left_chunks < -1:
@@ -118,24 +133,52 @@ class Token2Wav:
         self.flow, self.hift, self.schedule, self.mode = flow, hift, schedule, mode
         self.flow_left_chunks = flow_left_chunks
         self.max_prompt_states = max_prompt_states
-        self._prompt_states: OrderedDict[str, FlowCache] = OrderedDict()
+        self._prompt_states: OrderedDict[str, FlowCache | WindowState] = OrderedDict()
+        # One render call's bound: at most max_render_streams streams, each at most
+        # `max_chunk_frames` new mel frames (the schedule's longest chunk); more streams are split
+        # into calls of at most that many (render), so every call fits the largest bucket.
+        self.max_render_streams = max_render_streams
+        self.max_chunk_frames = self._max_chunk_frames()
+        self.window_flow: WindowFlow | None = None
+        self.hift_buckets: HiFTBuckets | None = None
+        if bucketed:  # flow and HiFT at bucketed static shapes (flow_window.py), captured on CUDA
+            pool = torch.cuda.graph_pool_handle() if hift.conv_pre.bias.device.type == "cuda" else None
+            streams = tuple(sorted({*(2**i for i in range(max_render_streams.bit_length())), max_render_streams}))
+            self.window_flow = WindowFlow(flow, flow_left_chunks, streams, self.max_chunk_frames, pool)
+            context, f0_context = hift.context_frames()
+            longest = self.max_chunk_frames + max(schedule.mel_cache_frames, 2 * context + f0_context)
+            self.hift_buckets = HiFTBuckets(hift, streams, longest, pool)
 
-    def prompt_state(self, prompt: FlowPrompt) -> FlowCache:
+    def _max_chunk_frames(self) -> int:
+        """The most new mel frames of one chunk: the longest hop (the first, padded to a chunk
+        boundary, is under twice the first hop) and the lookahead, at 2 frames a token."""
+        hop = self.schedule.hop_tokens or self.flow.encoder.chunk_size
+        tokens = max(2 * hop - 1, self.schedule.max_hop_tokens) + self.flow.pre_lookahead_len
+        return tokens * self.flow.token_mel_ratio
+
+    def capture_graphs(self) -> int:
+        """Capture every bucket's CUDA graph, flow and HiFT (start-up, before any render): how many."""
+        if self.window_flow is None:
+            raise ValueError("graphs are captured for a bucketed Token2Wav")
+        return self.window_flow.capture() + self.hift_buckets.capture()
+
+    def prompt_state(self, prompt: FlowPrompt) -> FlowCache | WindowState:
         """The voice's cached flow prompt state, computed on first use. Requests `fork` it."""
-        state = self._prompt_states.get(prompt.key())
-        if state is None:
-            state = self.new_prompt_state(prompt)
-        self.put_prompt_state(prompt, state)
-        return state
+        key = prompt.key()
+        state = self._prompt_states.get(key)
+        self.put_prompt_state(prompt, self.new_prompt_state(prompt) if state is None else state)
+        return self._prompt_states[key]
 
     def new_prompt_state(self, prompt: FlowPrompt) -> FlowCache:
         """The voice's flow prompt state, computed and not cached: another thread may make it while
         this one renders (the weights are only read), then `put_prompt_state` it between renders."""
         return self.flow.prompt_cache(prompt.token, prompt.feat, prompt.embedding, self.flow_left_chunks)
 
-    def put_prompt_state(self, prompt: FlowPrompt, state: FlowCache) -> None:
+    def put_prompt_state(self, prompt: FlowPrompt, state: FlowCache | WindowState) -> None:
         """Cache `state` as the voice's, the most recently used; the least recently used past
-        max_prompt_states are dropped."""
+        max_prompt_states are dropped. Bucketed, it is kept in the layout a bucketed call reads."""
+        if self.window_flow is not None and isinstance(state, FlowCache):
+            state = self.window_flow.state(state)
         key = prompt.key()
         self._prompt_states[key] = state
         self._prompt_states.move_to_end(key)
@@ -157,12 +200,28 @@ class Token2Wav:
             raise ValueError("one chunk per stream in a render: a stream's next chunk needs its previous one")
         for r in requests:
             r.stream._check(r)
-        mels = self.flow.render([r.stream._flow_request(r) for r in requests])
+        if len(requests) > self.max_render_streams:  # the call's bound: split, in order, nothing lost
+            return [audio for at in range(0, len(requests), self.max_render_streams)
+                    for audio in self.render(requests[at : at + self.max_render_streams])]
+        flow_requests = [r.stream._flow_request(r) for r in requests]
+        mels: list[Tensor | None] = [None] * len(requests)
+        for kind, render in ((FlowRequest, self.flow.render), (WindowRequest, self._render_window)):
+            at = [i for i, f in enumerate(flow_requests) if isinstance(f, kind)]
+            if at:
+                for i, mel in zip(at, render([flow_requests[i] for i in at])):
+                    mels[i] = mel
         jobs = [r.stream._advance(r, mel) for r, mel in zip(requests, mels)]
-        ready = [job for job in jobs if job is not None]
-        decoded = iter(self.hift.decode_batch([j.mel for j in ready], [j.source for j in ready]) if ready else ())
+        ready = [(r.stream.vocoder, job) for r, job in zip(requests, jobs) if job is not None]
+        if ready:  # every stream's f0 and source in one batch, then every decode in one
+            for (vocoder, job), made in zip(ready, self.hift.excitations([job.source_request for _, job in ready])):
+                vocoder.sourced(job, *made)
+        decode = self.hift.decode_batch if self.hift_buckets is None else self.hift_buckets.decode
+        decoded = iter(decode([j.mel for _, j in ready], [j.source for _, j in ready]) if ready else ())
         return [torch.zeros(1, 0) if job is None else r.stream.vocoder.complete(job, next(decoded))
                 for r, job in zip(requests, jobs)]
+
+    def _render_window(self, requests: list[WindowRequest]) -> list[Tensor]:
+        return self.window_flow.render(requests)
 
     def launch(self, requests: list[ChunkRequest], side: torch.cuda.Stream) -> Rendering:
         """`render` launched on the CUDA stream `side` and handed back still running: the caller
@@ -221,43 +280,6 @@ class ChunkRequest:
     finalize: bool
 
 
-class ChunkVocoder:
-    """The official streaming vocoder (modes "recompute" and "exact"): each chunk is one HiFT call
-    over the previous chunk's last 8 mel frames and its own, with the previous chunk's source tail
-    in place of the first 3840 samples of source; those samples are cross-faded (Hamming halves,
-    float64) with the previous chunk's held-back tail, and a non-final chunk holds back its own."""
-
-    def __init__(self, hift: HiFT, schedule: StreamSchedule, zero_noise: bool,
-                 generator: torch.Generator | None) -> None:
-        self.hift, self.zero_noise, self.generator = hift, zero_noise, generator
-        self.mel_cache_frames = schedule.mel_cache_frames
-        self.overlap = schedule.mel_cache_frames * hift.samples_per_frame  # 3840 samples
-        # float64, as the official blend; on the vocoder's device from the start (no copy per chunk)
-        self.window = host_to_device(np.hamming(2 * self.overlap).tolist(), hift.conv_pre.bias.device, torch.float64)
-        self.mel_cache: Tensor | None = None  # (1, 80, 8) last mel frames of the previous HiFT input
-        self.source_cache: Tensor | None = None  # (1, 1, 3840) source tail of the previous chunk
-        self.speech_tail: Tensor | None = None  # (1, 3840) held back for the cross-fade
-
-    def prepare(self, mel: Tensor, final: bool) -> DecodeJob:
-        if self.mel_cache is not None:
-            mel = torch.cat([self.mel_cache, mel], dim=2)
-        noise = _zero_noise(self.hift, mel) if self.zero_noise else None
-        source = self.hift.excitation(mel, self.source_cache, noise, self.generator)
-        self.mel_cache = mel[:, :, -self.mel_cache_frames :]
-        self.source_cache = source[:, :, -self.overlap :]
-        return DecodeJob(mel, source, final)
-
-    def complete(self, job: DecodeJob, speech: Tensor) -> Tensor:
-        if self.speech_tail is not None:
-            n, w = self.overlap, self.window
-            head = speech[:, :n] * w[:n] + self.speech_tail * w[n:]  # float64, then back, like the official code
-            speech = torch.cat([head.to(speech.dtype), speech[:, n:]], dim=1)
-        if job.final:
-            return speech
-        self.speech_tail = speech[:, -self.overlap :]
-        return speech[:, : -self.overlap]
-
-
 class Token2WavStream:
     """One request's streaming state. Driven either by itself — `push` tokens as the LM emits them
     and play the chunks it returns, `finish` once the LM has stopped — or by a scheduler that
@@ -281,10 +303,10 @@ class Token2WavStream:
         self.finished = False  # the last chunk has been rendered
         self.vocoder: HiFTStream | ChunkVocoder = (
             HiFTStream(t2w.hift, zero_noise, generator) if mode == "fast"
-            else ChunkVocoder(t2w.hift, t2w.schedule, zero_noise, generator))
+            else ChunkVocoder(t2w.hift, t2w.schedule.mel_cache_frames, zero_noise, generator))
         # this request's flow frames so far, after the voice's shared prompt state; the buffers
         # grow by each chunk's frames (estimator.py), so they hold exactly the frames computed
-        self.flow_cache: FlowCache | None = None
+        self.flow_cache: FlowCache | WindowState | None = None
         if mode != "recompute":
             self.flow_cache = t2w.prompt_state(prompt).fork()
 
@@ -338,11 +360,14 @@ class Token2WavStream:
         if request.stream is not self or request.offset != self.offset or self.finished:
             raise ValueError("stale chunk request: the stream has rendered a chunk since")
 
-    def _flow_request(self, request: ChunkRequest) -> FlowRequest:
+    def _flow_request(self, request: ChunkRequest) -> FlowRequest | WindowRequest:
         p = self.prompt
         # pinned and non-blocking on CUDA: a pageable copy would make the host wait for the device
         token = host_to_device(self.tokens[: request.n_tokens], p.token.device, torch.int32)[None]
         window = self.t2w.flow_left_chunks
+        if self._cached(request) and isinstance(self.flow_cache, WindowState):  # at a bucket's shapes
+            return WindowRequest(torch.cat([p.token, token], dim=1), p.feat, p.embedding, request.finalize,
+                                 self.flow_cache)
         if self._cached(request):  # chunk-causal, new frames only
             return FlowRequest(token, p.token, p.feat, p.embedding, True, request.finalize, self.flow_cache, window)
         # non-final chunks use chunk-causal attention; the final one full attention (official behaviour)
