@@ -308,7 +308,7 @@ def test_a_synthesizer_failing_mid_reply_ends_the_reply_and_keeps_only_what_was_
 
 
 def test_a_job_that_raises_systemexit_on_a_worker_does_not_stop_the_server(voice):
-    worker = voice.runtime.audio_worker  # a Worker every session uses (pocketsphinx's decode in processes)
+    worker = voice.runtime.synthesizer.workers()[0]  # a Worker every session uses (espeak-ng's)
 
     def exits():
         raise SystemExit("a library called exit()")

@@ -16,25 +16,26 @@ from tests.conftest import TEST_PHRASES, VoiceClient, make_settings, running_ser
 from voicebot.session.listening import FrontEnd
 
 CHUNK_MS = 20
-STALL_S = 1.0  # the audio worker held this long
+STALL_S = 1.0  # the input clock held this long
 # A lag the slowest sane machine stays under once the stall is over (a chunk's trip takes milliseconds).
 CAUGHT_UP_LAG_S = 1.0
 
 
 def test_a_session_behind_a_stalled_pool_catches_up_in_one_trip_while_others_load_it(monkeypatch):
     trips: list[tuple[int, float]] = []  # (chunks, when) of each front-end call of the probe session
-    prepare = FrontEnd._prepare
+    prepare = FrontEnd.prepare
     probe_rate = 8000  # the probe's own sample rate tells its calls from the others'
+    stall, release = threading.Event(), threading.Event()
 
     def recorded(self, *chunks):
+        if stall.is_set() and not release.is_set():
+            release.wait()  # the input clock's thread held: every session's input waits
         if self.input_rate == probe_rate:
             trips.append((len(chunks), time.monotonic()))
         return prepare(self, *chunks)
 
-    monkeypatch.setattr(FrontEnd, "_prepare", recorded)
+    monkeypatch.setattr(FrontEnd, "prepare", recorded)
     with running_server(make_settings()) as server:
-        rt = server.runtime
-        release = threading.Event()
         speech = speech_pcm(TEST_PHRASES[0])
         probe_audio = bytes(2 * probe_rate * 4)  # 4 s of silence at 8 kHz: 200 chunks of 20 ms
 
@@ -48,9 +49,8 @@ def test_a_session_behind_a_stalled_pool_catches_up_in_one_trip_while_others_loa
                 step = 2 * probe_rate * CHUNK_MS // 1000
                 start = time.monotonic()
                 for k, i in enumerate(range(0, len(probe_audio), step)):
-                    if k == 50:  # 1 s in: both audio worker threads held for STALL_S
-                        for _ in range(rt.audio_worker.threads):
-                            rt.audio_worker.submit(release.wait)
+                    if k == 50:  # 1 s in: the input clock held for STALL_S
+                        stall.set()
                         threading.Timer(STALL_S, release.set).start()
                     await asyncio.sleep(max(0.0, start + k * CHUNK_MS / 1000 - time.monotonic()))
                     await client.ws.send(probe_audio[i : i + step])

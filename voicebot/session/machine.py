@@ -218,8 +218,8 @@ class Session:
         self.asr = self.rt.recognizer.open(self.choices.language)
         if message.echo_cancellation:  # /obs/audio asks for it (voicebot/frontends/obs_plugin.py)
             self.echo = EchoCanceller()
-        front_end = FrontEnd(self.sample_rate, self.settings.gate, self.settings.endpoint, self.echo, vad=self.rt.vad)
-        self.listening = Listening(front_end, self.asr, self.rt.audio_worker, self.rt.metrics, self.outbox, self.id,
+        front_end = FrontEnd(self.sample_rate, self.settings.gate, self.settings.endpoint, self.echo)
+        self.listening = Listening(front_end, self.asr, self.rt.input_clock, self.rt.metrics, self.outbox, self.id,
                                    self.rt.input_lag)
         self.turn_taking = TurnTaking(self.settings.endpoint, None, front_end, self.outbox, self.rt.metrics,
                                       self._queue_turn, self._prepare_reply)
