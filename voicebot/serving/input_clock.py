@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 # while the clock is busy, none when it was idle); the clock wakes at most 50 times a second.
 TICK_S = 0.02
 MAX_BATCH = 64
+# What a session whose chunk found the clock full is told (retry_after_s): it drains every tick.
+INPUT_RETRY_AFTER_S = 1
 
 
 class InputOverloaded(RuntimeError):
@@ -132,6 +134,17 @@ class InputClock:
     @property
     def pending(self) -> int:
         return len(self._incoming)
+
+    @property
+    def ident(self) -> int:
+        """Its thread's id (admission watches its CPU with the event loop's: they share the GIL)."""
+        if self._thread is None or self._thread.ident is None:
+            raise RuntimeError("the input clock is not started")
+        return self._thread.ident
+
+    def stats(self) -> dict:
+        return {"ticks": self.ticks, "jobs_per_tick": round(self.jobs / self.ticks, 2) if self.ticks else None,
+                "pending": self.pending, "max_pending": self.max_pending, "thread_faults": self.thread_faults}
 
     async def hear(self, front_end: FrontEnd, chunks: Sequence[object]) -> Heard:
         """One session's consecutive chunks through its front end and Silero, at the next tick."""
