@@ -131,7 +131,8 @@ class Runtime:
         pools = [self.input_clock, self.vad, *self.recognizer.workers(), *self.synthesizer.workers(),
                  ServerCpu(lambda: sum(child.busy_s for child in children))]
         self.input_lag = InputLag(s.limits.max_input_lag_s, self.metrics.input_lag, self.metrics.input_deadline_misses)
-        self.admission = Admission(pools, s.limits.max_worker_load, self.input_lag, s.limits.cold_start_sessions)
+        self.admission = Admission(pools, s.limits.max_worker_load, self.input_lag, s.limits.cold_start_sessions,
+                                   gil_threads=[self.input_clock.ident])
         register_input_cpu(self.metrics.registry, lambda: {
             "front_end": self.input_clock.front_end_busy_s, "vad": self.input_clock.vad_busy_s + self.vad.busy_s,
             "asr": sum(pool.busy_s for pool in self.recognizer.workers())})
