@@ -313,6 +313,10 @@ def test_lateness_at_fewer_sessions_than_before_lowers_the_limit_and_one_late_se
     clock, worker = Clock(), BusyWorker(threads=1)
     adm, lag = lag_admission(clock, worker)
     late_window(adm, worker, lag, clock, sessions=12, late=True)
+    for _ in range(4):  # 8 leave; the window still holds the lateness of when they were there
+        clock.now += SAMPLE_S
+        adm.sample(4)
+    assert adm.late_levels.limit()[0] == 12  # not 4 or a mean on the way down
     late_window(adm, worker, lag, clock, sessions=8, late=True)  # another tenant took the box meanwhile
     assert adm.late_levels.limit()[0] == 8
     late_window(adm, worker, lag, clock, sessions=10, late=False)  # on time with 10: 8 is no limit now

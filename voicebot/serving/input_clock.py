@@ -2,8 +2,8 @@
 
 A session hands its waiting chunks to the clock (`hear`: its FrontEnd and the chunks) and awaits
 their VAD windows and speech probabilities. One thread, woken by the first chunk after it was idle
-and then at most once per TICK_S, takes every session's chunks that arrived since its last tick
-and runs, for each, the resampler, echo canceller, gate and window cutting (`FrontEnd.prepare`),
+and otherwise by its own timer, its ticks at least TICK_S apart, takes every session's chunks that
+arrived since its last tick and runs, for each, the resampler, echo canceller, gate and window cutting (`FrontEnd.prepare`),
 then Silero on every session's windows together (one `silero_step` per step: the next window of
 each session that has one), and hands all the answers back to the event loop in one call.
 
@@ -13,7 +13,7 @@ two or three times per chunk per session (a profile at 16 live speakers: 140 µs
 GIL time per chunk in waking the audio worker alone); a thread woken while another holds the GIL
 waits for it, so on a busy box the cost of a chunk grew with the sessions waiting. Here the
 wake-ups and hand-backs are one per tick whatever the number of sessions; a chunk waits at most
-one tick (TICK_S) for its turn, less when the clock was idle.
+TICK_S for its tick, not at all when the clock was idle.
 
 Each session's Silero state is its own (`FrontEnd.silero`), so its probabilities do not
 depend on who else is in a step (the VAD batcher's tests, same call). The /funasr route's segmenter
@@ -43,13 +43,16 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from voicebot.serving.silero import SileroVad, silero_step
+from voicebot.serving.silero import SileroVad, silero_session, silero_step
 
 log = logging.getLogger(__name__)
 
-# 20 ms: a live microphone's chunk. A chunk waits at most this long for its tick (10 ms on average
-# while the clock is busy, none when it was idle); the clock wakes at most 50 times a second.
-TICK_S = 0.02
+# Ticks begin at least this far apart: what arrives meanwhile waits for the next (up to 10 ms; none
+# when the clock was idle longer), and the clock wakes at most 100 times a second however many
+# sessions send. Shorter than a microphone's 20 ms chunk on purpose: with spacing as long as the
+# chunks' period, each tick (begun a wake-up's latency after its chunk) pushed the next later, until
+# every chunk of a lone speaker waited a whole tick (measured: 20 ms a chunk, p50; now 1.2 ms).
+TICK_S = 0.01
 MAX_BATCH = 64
 # What a session whose chunk found the clock full is told (retry_after_s): it drains every tick.
 INPUT_RETRY_AFTER_S = 1
@@ -116,11 +119,12 @@ class InputClock:
         self.thread_faults = 0
         self._incoming: list[_Job] = []
         self._cond = threading.Condition()
-        self._idle = False  # waiting for a job: the next `hear` wakes it
+        self._idle = False  # nothing to do and a tick's spacing over: the next `hear` wakes it
         self._stopping = False
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        silero_session()  # the graph loaded before the first session needs it
         self._thread = threading.Thread(target=self._run, name="input-clock", daemon=True)
         self._thread.start()
 
@@ -162,19 +166,24 @@ class InputClock:
         return await job.future
 
     def _run(self) -> None:
+        next_tick = 0.0  # the earliest the next tick may begin
         while True:
             with self._cond:
-                while not (self._incoming or self._stopping):
-                    self._idle = True
-                    self._cond.wait()
-                self._idle = False
+                while not self._stopping:
+                    now = time.monotonic()
+                    if now < next_tick:  # what arrives until then waits for it: no wake-up of its own
+                        self._cond.wait(next_tick - now)
+                    elif self._incoming:
+                        break
+                    else:
+                        self._idle = True
+                        self._cond.wait()
+                        self._idle = False
                 jobs, self._incoming = self._incoming, []
                 if self._stopping:
                     break
-            began = time.monotonic()
+            next_tick = time.monotonic() + self.tick_s
             self._tick(jobs)
-            # What arrives from here to the next tick waits for it: one wake-up per tick.
-            time.sleep(max(0.0, began + self.tick_s - time.monotonic()))
         for job in jobs:
             job.error = InputClockStopped("the input clock has stopped")
         self._answer(jobs)

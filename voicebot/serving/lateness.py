@@ -11,8 +11,9 @@ LATE_SESSIONS sessions (one late session alone is its own matter: its decoding p
 its client sending a backlog at once). What makes it late need not show in any pool's CPU load: the
 main process's threads take turns holding one GIL, and on a shared box its holder can be
 descheduled with it, so a burst of every session's chunks waits though every pool has room.
-`LateLevels` remembers the number of sessions connected over each whole window the input was late
-in, so that admission does not let a burst of connects back up to it (each of those windows is an
+`LateLevels` remembers the most sessions connected during each whole window the input was late in
+(the most, not the mean: as sessions leave, the window still holds the lateness of when they were
+there, and a limit learnt then would be too low), so that admission does not let a burst of connects back up to it (each of those windows is an
 experiment the listeners already paid for): a level is forgotten once a whole window at that many
 sessions or more is on time (the box had room again: another tenant's load gone), or after
 LATE_MEMORY_S without being late again, when one more session may try it.
@@ -120,7 +121,8 @@ class LateLevels:
         self._sessions_since = now if self._sessions_since is None else self._sessions_since
         if self._sessions_since > now - WINDOW_S:
             return  # not a whole window with sessions in it yet
-        level = round(float(np.mean([n for _, n in self._connected])))
+        # The most connected in the window: its late chunks may be from before some left.
+        level = max(n for _, n in self._connected)
         share, pool, sessions_late = self.lag.late_share()
         if share > LATE_SHARE and sessions_late >= LATE_SESSIONS:
             self.late[level] = (now, pool or "-")
