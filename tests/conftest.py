@@ -266,6 +266,17 @@ def start_server_process(config_dir, server: dict, stdout: int | None = None):
 
 
 @pytest.fixture
+def input_clock():
+    """A running input clock (voicebot/serving/input_clock.py), stopped after the test."""
+    from voicebot.serving.input_clock import InputClock
+
+    clock = InputClock()
+    clock.start()
+    yield clock
+    clock.stop()
+
+
+@pytest.fixture
 def batcher():
     """A running VAD batcher of up to 4 rows a call, stopped after the test."""
     from voicebot.serving.vad import VadBatcher

@@ -103,6 +103,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "capacity": rt.admission.report() if rt.admission else {},
             # Each pool's input lag over the last 5 s (p50, p95) and deadline misses since start.
             "input_lag": rt.input_lag.report() if rt.input_lag else {},
+            # Numbers of sessions connected the input was late at (s since): admission stops short of them.
+            "input_late_at_sessions": rt.admission.late_levels.report() if rt.admission else {},
+            "input_clock": rt.input_clock.stats(),  # ticks, sessions' jobs per tick, faults
             "vad": rt.vad.stats(),  # the VAD batcher: requests waiting, rows per call
             "uptime_s": round(time.monotonic() - rt.started_at, 1),
             "cluster": None if rt.cluster is None else {"redis_up": rt.cluster.link.up},

@@ -169,7 +169,7 @@ class _ProcessesLost(Collector):
 
 def register_input_cpu(registry: CollectorRegistry, stages: Callable[[], dict[str, float]]) -> None:
     """Export voicebot_input_cpu_seconds_total{stage}: the CPU seconds the input path's pools spent
-    (front_end: the audio worker's resampler, echo canceller and gate; vad; asr: the recognizer's
+    (front_end: the input clock's resampler, echo canceller and gate; vad; asr: the recognizer's
     pools, finishes included), read at scrape time; over voicebot_input_audio_seconds_total, the
     input path's cost per second of audio."""
     registry.register(_InputCpu(stages))

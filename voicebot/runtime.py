@@ -29,6 +29,7 @@ from voicebot.reply.base import Responder
 from voicebot.reply.resume import ConversationStore
 from voicebot.reply.safety import SpeechFilter
 from voicebot.serving.capacity import Admission, InputLag, ServerCpu
+from voicebot.serving.input_clock import InputClock
 from voicebot.serving.metrics import register_vad_metrics
 from voicebot.serving.vad import VadBatcher
 from voicebot.serving.worker import Worker
@@ -67,9 +68,11 @@ class Runtime:
     synthesizer: Synthesizer | None = None
     responders: dict[str, Responder] = field(default_factory=dict)
     default_responder: str = "echo"
-    # Resampler, echo canceller and gate for every session: small numpy calls, kept off the event loop.
-    audio_worker: Worker = field(default_factory=lambda: Worker("audio", threads=2))
-    # Silero VAD for every session: their windows in shared onnxruntime calls (voicebot/serving/vad.py).
+    # Resampler, echo canceller, gate and Silero VAD for every live session, one job per tick, off the
+    # event loop (voicebot/serving/input_clock.py).
+    input_clock: InputClock = field(default_factory=InputClock)
+    # Silero VAD for /funasr's segmenter and the transcription endpoint: their windows in shared
+    # onnxruntime calls (voicebot/serving/vad.py).
     vad: VadBatcher = field(default_factory=VadBatcher)
     # Smart Turn v3.2, shared by every session (endpoint.turn: smart); None: the silence rule.
     smart_turn: SmartTurn | None = None
@@ -117,6 +120,7 @@ class Runtime:
         self.responders = build_responders(s)
         self.default_responder = s.reply.engine
         self.vad.start()
+        self.input_clock.start()
         for engine in (self.recognizer, self.synthesizer, *self.responders.values()):
             engine.load()
         self.recognizer.register_metrics(self.metrics.registry)
@@ -124,12 +128,13 @@ class Runtime:
         register_vad_metrics(self.metrics.registry, self.vad)
         # The decoding children's CPU (pocketsphinx's processes), for the whole server's load.
         children = getattr(self.recognizer, "processes", [])
-        pools = [self.audio_worker, self.vad, *self.recognizer.workers(), *self.synthesizer.workers(),
+        pools = [self.input_clock, self.vad, *self.recognizer.workers(), *self.synthesizer.workers(),
                  ServerCpu(lambda: sum(child.busy_s for child in children))]
         self.input_lag = InputLag(s.limits.max_input_lag_s, self.metrics.input_lag, self.metrics.input_deadline_misses)
-        self.admission = Admission(pools, s.limits.max_worker_load, self.input_lag, s.limits.cold_start_sessions)
+        self.admission = Admission(pools, s.limits.max_worker_load, self.input_lag, s.limits.cold_start_sessions,
+                                   gil_threads=[self.input_clock.ident])
         register_input_cpu(self.metrics.registry, lambda: {
-            "front_end": self.audio_worker.busy_s, "vad": self.vad.busy_s,
+            "front_end": self.input_clock.front_end_busy_s, "vad": self.input_clock.vad_busy_s + self.vad.busy_s,
             "asr": sum(pool.busy_s for pool in self.recognizer.workers())})
         if s.endpoint.turn == "smart":
             try:
@@ -171,7 +176,7 @@ class Runtime:
                 engine.close()
         for responder in self.responders.values():
             await responder.aclose()
-        self.audio_worker.shutdown()
+        self.input_clock.stop()
         self.vad.stop()
         if self.smart_turn is not None:
             self.smart_turn.close()

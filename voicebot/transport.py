@@ -16,7 +16,6 @@ is the client's answer. uvicorn's sans-I/O WebSocket logs a traceback for each s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Collection
 from typing import Protocol
@@ -46,11 +45,36 @@ def is_closed(ws: Socket) -> bool:
 
 async def receive_loop(ws: Socket, on_message: MessageHandler, *, until: Collection[asyncio.Future] = ()) -> None:
     """Hand each text or binary message to `on_message`, in order, until the client goes away
-    or one of `until` (e.g. the sender task, a close request) is done."""
+    or one of `until` (e.g. the sender task, a close request) is done: while waiting for a message,
+    at once; while handling one, once it is handled.
+
+    The wait is the socket's own receive, in this task: one of `until` done meanwhile cancels it
+    (a done-callback, set once). Not a task and an asyncio.wait per message: with 16 live speakers'
+    20 ms chunks, that cost the event loop 30-70 µs a message, under the GIL every session's input
+    shares (voicebot/serving/input_clock.py)."""
+    task = asyncio.current_task()
+    receiving = interrupted = False
+
+    def interrupt(_: asyncio.Future) -> None:
+        nonlocal interrupted
+        if receiving and not interrupted:
+            interrupted = True
+            task.cancel()
+
+    for future in until:
+        future.add_done_callback(interrupt)
     try:
         while not any(f.done() for f in until):
-            message = await _next(ws, until)
-            if message is None or message["type"] == "websocket.disconnect":
+            receiving = True
+            try:
+                message = await ws.receive()
+            except asyncio.CancelledError:
+                if interrupted and task.uncancel() == 0:  # ours alone, not the caller's too
+                    return
+                raise
+            finally:
+                receiving = False
+            if message["type"] == "websocket.disconnect":
                 return
             if message.get("text") is not None:
                 await on_message(message["text"])
@@ -62,20 +86,9 @@ async def receive_loop(ws: Socket, on_message: MessageHandler, *, until: Collect
         if is_closed(ws):
             return
         raise
-
-
-async def _next(ws: Socket, until: Collection[asyncio.Future]) -> dict | None:
-    """The next ASGI message, or None once one of `until` is done first."""
-    if not until:
-        return await ws.receive()
-    receive = asyncio.ensure_future(ws.receive())
-    await asyncio.wait({receive, *until}, return_when=asyncio.FIRST_COMPLETED)
-    if receive.done():
-        return receive.result()
-    receive.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await receive
-    return None
+    finally:
+        for future in until:
+            future.remove_done_callback(interrupt)
 
 
 class _OneLineForInvalidUtf8(logging.Filter):

@@ -30,6 +30,7 @@ from tests.conftest import (
 )
 from tests.reply.sse_server import Behaviour, SSEServer
 from voicebot.protocol import CloseCode
+from voicebot.serving import input_clock as clock_module
 from voicebot.serving import vad as vad_module
 
 FIRST, SECOND = TEST_PHRASES[1], TEST_PHRASES[2]
@@ -308,7 +309,7 @@ def test_a_synthesizer_failing_mid_reply_ends_the_reply_and_keeps_only_what_was_
 
 
 def test_a_job_that_raises_systemexit_on_a_worker_does_not_stop_the_server(voice):
-    worker = voice.runtime.audio_worker  # a Worker every session uses (pocketsphinx's decode in processes)
+    worker = voice.runtime.synthesizer.workers()[0]  # a Worker every session uses (espeak-ng's)
 
     def exits():
         raise SystemExit("a library called exit()")
@@ -449,7 +450,7 @@ def test_any_responder_that_hangs_is_cut_off_by_the_reply_deadline_and_the_next_
 # ---- the VAD batcher's step raising mid-utterance ------------------------------------------------
 
 class FailingStep:
-    """The VAD batcher's silero_step, raising `fault` at its first call once armed (from the test)."""
+    """A silero_step (the input clock's or the VAD batcher's), raising `fault` at its first call once armed (from the test)."""
 
     def __init__(self, real, fault: type[BaseException]) -> None:
         self.real, self.fault = real, fault
@@ -463,10 +464,19 @@ class FailingStep:
         return self.real(vads, windows)
 
 
-@pytest.fixture(params=[EngineFault, SystemExit], ids=["exception", "systemexit"])  # SystemExit: failed as JobAborted
+@pytest.fixture(params=[EngineFault, SystemExit], ids=["exception", "systemexit"])  # SystemExit: failed as InputClockFault
 def failing_vad_step(request, monkeypatch):
+    """A live session's (the input clock's thread looks silero_step up at each step)."""
+    step = FailingStep(clock_module.silero_step, request.param)
+    monkeypatch.setattr(clock_module, "silero_step", step)
+    return step
+
+
+@pytest.fixture(params=[EngineFault, SystemExit], ids=["exception", "systemexit"])  # SystemExit: failed as JobAborted
+def failing_batcher_step(request, monkeypatch):
+    """A /funasr stream's (the VAD batcher's thread looks silero_step up at each step)."""
     step = FailingStep(vad_module.silero_step, request.param)
-    monkeypatch.setattr(vad_module, "silero_step", step)  # the batcher's thread looks it up at each step
+    monkeypatch.setattr(vad_module, "silero_step", step)
     return step
 
 
@@ -512,9 +522,9 @@ def test_a_vad_step_failing_mid_utterance_loses_that_utterance_and_the_next_turn
     assert dropped(voice, "overload") == overloaded_before
 
 
-def test_a_full_vad_batcher_answers_busy_and_loses_that_utterance_and_the_next_turn_works(voice):
+def test_a_full_input_clock_answers_busy_and_loses_that_utterance_and_the_next_turn_works(voice):
     """Overload is not a broken engine: `busy` with a retry-after, counted apart from failures."""
-    batcher = voice.runtime.vad
+    batcher = voice.runtime.input_clock
     counted, overloads = failures(voice, "vad", "chunk"), voice.metric("voicebot_engine_overloads_total", 'engine="vad"')
     engine_errors, dropped_before = dropped(voice, "engine_error"), dropped(voice, "overload")
 
@@ -527,7 +537,7 @@ def test_a_full_vad_batcher_answers_busy_and_loses_that_utterance_and_the_next_t
             batcher.max_pending = bound
 
     started, error, (events_after_fault, history_after_fault), messages = _fault_mid_utterance(voice, full)
-    assert error["code"] == "busy" and error["engine"] == "vad" and error["overloaded"] == "vad"
+    assert error["code"] == "busy" and error["engine"] == "vad" and error["overloaded"] == "input"
     assert error["retry_after_s"] > 0 and error["utterance_id"] == started["utterance_id"]
     assert not [e for e in events_after_fault if e["type"] in ("asr.final", "turn.end", "reply.delta", "audio.start")]
     assert history_after_fault == []
@@ -562,12 +572,12 @@ async def funasr_stream(url: str, pcm: bytes, arm: threading.Event | None = None
     return results, ws.close_code
 
 
-def test_a_vad_step_failing_on_funasr_ends_the_stream_with_an_error_result_and_the_next_stream_works(voice, failing_vad_step):
+def test_a_vad_step_failing_on_funasr_ends_the_stream_with_an_error_result_and_the_next_stream_works(voice, failing_batcher_step):
     url = voice.ws_url.replace("/v1/voice", "/funasr")
     counted = failures(voice, "vad", "chunk")
     errors = voice.metric("voicebot_errors_total", 'code="engine_error"')
-    results, code = asyncio.run(funasr_stream(url, speech_pcm(FIRST), arm=failing_vad_step.armed))
-    assert failing_vad_step.fired.is_set()
+    results, code = asyncio.run(funasr_stream(url, speech_pcm(FIRST), arm=failing_batcher_step.armed))
+    assert failing_batcher_step.fired.is_set()
     final = results[-1]
     assert final["is_final"] and final["mode"] == "2pass-offline" and final["wav_name"] == "w"
     assert final["text"].startswith("ERROR. an engine failed") and final["error"]

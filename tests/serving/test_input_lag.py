@@ -13,28 +13,29 @@ import time
 import numpy as np
 
 from tests.conftest import TEST_PHRASES, VoiceClient, make_settings, running_server, speech_pcm
-from voicebot.session.listening import FrontEnd
+from voicebot.session.listening import FrontEnd, Listening
 
 CHUNK_MS = 20
-STALL_S = 1.0  # the audio worker held this long
+STALL_S = 1.0  # the input clock held this long
 # A lag the slowest sane machine stays under once the stall is over (a chunk's trip takes milliseconds).
 CAUGHT_UP_LAG_S = 1.0
 
 
 def test_a_session_behind_a_stalled_pool_catches_up_in_one_trip_while_others_load_it(monkeypatch):
     trips: list[tuple[int, float]] = []  # (chunks, when) of each front-end call of the probe session
-    prepare = FrontEnd._prepare
+    prepare = FrontEnd.prepare
     probe_rate = 8000  # the probe's own sample rate tells its calls from the others'
+    stall, release = threading.Event(), threading.Event()
 
     def recorded(self, *chunks):
+        if stall.is_set() and not release.is_set():
+            release.wait()  # the input clock's thread held: every session's input waits
         if self.input_rate == probe_rate:
             trips.append((len(chunks), time.monotonic()))
         return prepare(self, *chunks)
 
-    monkeypatch.setattr(FrontEnd, "_prepare", recorded)
+    monkeypatch.setattr(FrontEnd, "prepare", recorded)
     with running_server(make_settings()) as server:
-        rt = server.runtime
-        release = threading.Event()
         speech = speech_pcm(TEST_PHRASES[0])
         probe_audio = bytes(2 * probe_rate * 4)  # 4 s of silence at 8 kHz: 200 chunks of 20 ms
 
@@ -48,9 +49,8 @@ def test_a_session_behind_a_stalled_pool_catches_up_in_one_trip_while_others_loa
                 step = 2 * probe_rate * CHUNK_MS // 1000
                 start = time.monotonic()
                 for k, i in enumerate(range(0, len(probe_audio), step)):
-                    if k == 50:  # 1 s in: both audio worker threads held for STALL_S
-                        for _ in range(rt.audio_worker.threads):
-                            rt.audio_worker.submit(release.wait)
+                    if k == 50:  # 1 s in: the input clock held for STALL_S
+                        stall.set()
                         threading.Timer(STALL_S, release.set).start()
                     await asyncio.sleep(max(0.0, start + k * CHUNK_MS / 1000 - time.monotonic()))
                     await client.ws.send(probe_audio[i : i + step])
@@ -116,3 +116,51 @@ def test_a_burst_of_connects_before_any_cost_is_known_is_let_in_as_configured_an
         assert readyz.status_code == 503 and readyz.json()["full"]
         assert busy["code"] == "busy" and busy["cause"] == "cold_start" and busy["retry_after_s"] > 0 and busy["overloaded"]
         assert server.metric("voicebot_sessions_refused_total", 'reason="cold_start"') == 1
+
+
+def test_a_session_s_input_keeps_to_the_wall_clock_while_six_others_load_the_pools(monkeypatch):
+    """No stall: six sessions stream speech at twice real time (the recognizer's children, Smart Turn,
+    espeak's replies and the input clock all busy) while a probe streams 4 s of silence in live 20 ms
+    chunks. Each of its chunks is counted once by the server's own accounting (Listening._heard:
+    arrival to the end of its trip), and they stay within a generous bound of real time."""
+    probe_rate = 8000
+    lags: list[float] = []
+    heard = Listening._heard
+
+    def recorded(self, chunks):
+        if self.front_end.input_rate == probe_rate:
+            now = time.monotonic()
+            lags.extend(now - c.arrived for c in chunks)
+        return heard(self, chunks)
+
+    monkeypatch.setattr(Listening, "_heard", recorded)
+    with running_server(make_settings()) as server:
+        speech = speech_pcm(TEST_PHRASES[0])
+        probe_audio = bytes(2 * probe_rate * 4)
+
+        async def other(client: VoiceClient) -> None:
+            for _ in range(3):
+                await client.stream(speech, chunk_ms=CHUNK_MS, speed=2)
+
+        async def probe() -> int:
+            async with VoiceClient.connect(server.ws_url, sample_rate=probe_rate) as client:
+                step = 2 * probe_rate * CHUNK_MS // 1000
+                start, sent = time.monotonic(), 0
+                for k, i in enumerate(range(0, len(probe_audio), step)):
+                    await asyncio.sleep(max(0.0, start + k * CHUNK_MS / 1000 - time.monotonic()))
+                    await client.ws.send(probe_audio[i : i + step])
+                    sent += 1
+                await asyncio.sleep(0.5)
+                return sent
+
+        async def run() -> int:
+            async with contextlib.AsyncExitStack() as stack:
+                others = [await stack.enter_async_context(VoiceClient.connect(server.ws_url)) for _ in range(6)]
+                loads = [asyncio.create_task(other(c)) for c in others]
+                sent = await probe()
+                await asyncio.gather(*loads)
+            return sent
+
+        sent = asyncio.run(run())
+    assert len(lags) == sent  # every chunk through, once
+    assert np.percentile(lags, 95) < CAUGHT_UP_LAG_S and max(lags) < 2 * CAUGHT_UP_LAG_S

@@ -3,12 +3,14 @@ load and learnt costs, the cold start, and the input lag."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from voicebot.serving.capacity import LATE_SHARE, MARGINAL_FLOOR, SAMPLE_S, WINDOW_S, Admission, InputLag, LoopThread, ServerCpu
+from voicebot.serving.capacity import LATE_SHARE, MARGINAL_FLOOR, SAMPLE_S, WINDOW_S, Admission, GilThreads, InputLag, ServerCpu
+from voicebot.serving.lateness import LATE_MEMORY_S
 from voicebot.serving.worker import Worker
 
 
@@ -57,12 +59,27 @@ def test_the_pool_measures_the_cpu_time_of_its_calls():
         worker.shutdown()
 
 
-def test_the_loop_pool_is_the_cpu_time_of_the_thread_that_built_it():
-    loop = LoopThread()
-    before = loop.busy_s
+def test_the_gil_pool_is_the_cpu_time_of_the_thread_that_built_it_and_of_those_given():
+    go, done = threading.Event(), threading.Event()
+
+    def clock_thread():  # as the input clock: computes when told, lives on
+        go.wait()
+        spin(0.05)
+        done.set()
+        go.clear()
+        go.wait()
+
+    other = threading.Thread(target=clock_thread, daemon=True)
+    other.start()
+    gil = GilThreads([other.ident])
+    before = gil.busy_s
     spin(0.05)
     time.sleep(0.1)
-    assert 0.05 <= loop.busy_s - before < 0.1
+    assert 0.05 <= gil.busy_s - before < 0.1  # its own thread's
+    go.set()
+    done.wait()
+    assert 0.1 <= gil.busy_s - before < 0.2  # and the other's
+    go.set()
 
 
 def test_an_idle_pool_admits_and_a_saturated_one_refuses():
@@ -254,3 +271,58 @@ def test_a_flat_line_from_noisy_levels_is_not_taken_for_free_sessions():
     assert marginal == pytest.approx(MARGINAL_FLOOR * least_average)  # a share of it, not 0
     assert adm.refuse(5) is None  # about 0.28 + 6 x 0.05
     assert adm.refuse(20).reason == "pool_load"  # about 0.28 + 21 x 0.05 = 1.33: the floor still bounds it
+
+
+def late_window(adm: Admission, worker: BusyWorker, lag: InputLag, clock: Clock, sessions: int, late: bool) -> None:
+    """A whole window with `sessions` connected; when `late`, two of them have 10 % of their chunks late."""
+    for _ in range(int(WINDOW_S / SAMPLE_S) + 1):
+        clock.now += SAMPLE_S
+        worker.busy += 0.1 * SAMPLE_S
+        lag.observe("pocketsphinx-0", "s1", [0.01] * 9 + [0.5 if late else 0.01])
+        lag.observe("pocketsphinx-0", "s2", [0.01] * 9 + [0.5 if late else 0.01])
+        adm.sample(sessions)
+
+
+def test_a_number_of_sessions_the_input_was_late_at_is_not_let_in_again_while_it_is_remembered():
+    """A burst of connects is kept from the number of sessions the input was late at (the pools' lines
+    do not see the GIL): until a window with as many on time, or LATE_MEMORY_S."""
+    clock, worker = Clock(), BusyWorker(threads=1)
+    adm, lag = lag_admission(clock, worker)
+    late_window(adm, worker, lag, clock, sessions=12, late=False)
+    late_window(adm, worker, lag, clock, sessions=12, late=True)
+    assert adm.late_levels.limit() == (12, "pocketsphinx-0") and adm.late_levels.report() == {"12": 0.0}
+    # Everyone leaves and the lag window turns over: nothing is late now, the level is remembered.
+    run_for(adm, worker, clock, WINDOW_S + SAMPLE_S, load=0.0, sessions=0)
+    assert lag.late_share()[0] == 0.0
+    assert adm.refuse(10) is None  # 11 connected: fewer than were late
+    refusal = adm.refuse(11)
+    assert (refusal.reason, refusal.pool) == ("input_lag", "pocketsphinx-0") and refusal.retry_after_s > 0
+    assert "12 sessions" in refusal.message
+    # A whole window with 12 on time: there is room at 12 again.
+    late_window(adm, worker, lag, clock, sessions=12, late=False)
+    assert adm.late_levels.limit() is None and adm.refuse(11) is None
+    # Late again at 12, then not seen again for LATE_MEMORY_S: one more may try it.
+    late_window(adm, worker, lag, clock, sessions=12, late=True)
+    run_for(adm, worker, clock, WINDOW_S + SAMPLE_S, load=0.0, sessions=0)
+    assert adm.refuse(11) is not None
+    clock.now += LATE_MEMORY_S
+    assert adm.refuse(11) is None
+
+
+def test_lateness_at_fewer_sessions_than_before_lowers_the_limit_and_one_late_session_does_not():
+    clock, worker = Clock(), BusyWorker(threads=1)
+    adm, lag = lag_admission(clock, worker)
+    late_window(adm, worker, lag, clock, sessions=12, late=True)
+    for _ in range(4):  # 8 leave; the window still holds the lateness of when they were there
+        clock.now += SAMPLE_S
+        adm.sample(4)
+    assert adm.late_levels.limit()[0] == 12  # not 4 or a mean on the way down
+    late_window(adm, worker, lag, clock, sessions=8, late=True)  # another tenant took the box meanwhile
+    assert adm.late_levels.limit()[0] == 8
+    late_window(adm, worker, lag, clock, sessions=10, late=False)  # on time with 10: 8 is no limit now
+    assert 10 < adm.late_levels.limit()[0] <= 12  # 12, or a window's mean on the way down from it
+    for _ in range(int(WINDOW_S / SAMPLE_S) + 1):  # one session late alone: its own matter
+        clock.now += SAMPLE_S
+        lag.observe("pocketsphinx-1", "s9", [2.0] * 10)
+        adm.sample(6)
+    assert 6 not in adm.late_levels.late

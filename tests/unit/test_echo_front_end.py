@@ -13,7 +13,6 @@ from voicebot.audio.echo import Cancelled
 from voicebot.audio.endpoint import EventKind
 from voicebot.config.stages import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
-from voicebot.serving.worker import Worker
 from voicebot.session.listening import FrontEnd
 
 
@@ -26,30 +25,26 @@ class HalvingCanceller:
         return Cancelled(audio, audio * np.float32(0.5))
 
 
-def test_the_recognizer_gets_the_linear_output_where_the_endpointer_heard_the_suppressed(batcher):
+def test_the_recognizer_gets_the_linear_output_where_the_endpointer_heard_the_suppressed(input_clock):
     rate = 16000
     speech = espeak_speech("what time does the show start tomorrow") * 0.5
     room = np.random.default_rng(0).normal(0, 1e-3, rate).astype(np.float32)
     click = room.copy()
     click[rate // 2 + 800 : rate // 2 + 816] = 0.9  # 1 ms, in the pre-speech audio: the gate mutes it
     audio = np.concatenate([room, click, speech, room, room])
-    worker = Worker("audio", threads=1)
 
     async def run(echo) -> tuple[FrontEnd, list, list[np.ndarray]]:
-        front = FrontEnd(rate, GateConfig(), EndpointConfig(), echo, vad=batcher)
+        front = FrontEnd(rate, GateConfig(), EndpointConfig(), echo)
         events, heard = [], []
         for start in range(0, len(audio), 3200):  # 200 ms chunks
-            out = await front.process(AudioIn(to_pcm16(audio[start : start + 3200]), time.monotonic()), worker)
+            out = await front.process(AudioIn(to_pcm16(audio[start : start + 3200]), time.monotonic()), input_clock)
             events += out.events
             if any(e.kind is EventKind.START for e in out.events):
                 heard.append(front.audio_since(front.speech_start_sample))
         return front, events, heard
 
-    try:
-        plain, plain_events, plain_heard = asyncio.run(run(None))
-        split, split_events, split_heard = asyncio.run(run(HalvingCanceller()))
-    finally:
-        worker.shutdown()
+    plain, plain_events, plain_heard = asyncio.run(run(None))
+    split, split_events, split_heard = asyncio.run(run(HalvingCanceller()))
     assert plain.gate.muted_samples > 0 and split.gate.muted_samples == plain.gate.muted_samples
     assert [(e.kind, len(e.audio)) for e in split_events] == [(e.kind, len(e.audio)) for e in plain_events]
     assert [e.kind for e in plain_events].count(EventKind.START) == 1

@@ -9,7 +9,6 @@ import pytest
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.config.stages import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
-from voicebot.serving.vad import VadBatcher
 from voicebot.audio.endpoint import WINDOW, WINDOW_MS
 from voicebot.audio.echo_onset import ECHO_MARGIN_MS, ECHO_REACH_S, EchoOnset
 from voicebot.session.listening import FrontEnd
@@ -17,10 +16,10 @@ from voicebot.session.listening import FrontEnd
 
 def fed(input_rate: int, chunk_ms: int, arrivals: list[float]) -> FrontEnd:
     """A front end that has taken one chunk of silence per arrival time."""
-    front = FrontEnd(input_rate, GateConfig(enabled=False), EndpointConfig(), vad=VadBatcher())
+    front = FrontEnd(input_rate, GateConfig(enabled=False), EndpointConfig())
     pcm = np.zeros(input_rate * chunk_ms // 1000, "<i2").tobytes()
     for arrived in arrivals:
-        front._prepare(AudioIn(pcm, arrived))  # the worker's part: what dates the samples
+        front.prepare(AudioIn(pcm, arrived))  # the input clock's part: what dates the samples
     return front
 
 
@@ -39,21 +38,18 @@ def test_a_sample_not_yet_arrived_is_dated_now():
     assert front.time_of_sample(641) > 1.0
 
 
-def test_chunks_that_waited_go_through_the_front_end_in_one_trip_as_one_at_a_time_would():
+def test_chunks_that_waited_go_through_the_front_end_in_one_trip_as_one_at_a_time_would(input_clock):
     """A session behind its input hands the front end every waiting chunk at once (Session._listen):
-    one worker call and one VAD request, with the same windows, speech probabilities, events and
+    one job at the input clock's tick, with the same windows, speech probabilities, events and
     arrival dates as those chunks one by one."""
     import asyncio
 
     from tests.audio import espeak_speech, to_pcm16
-    from voicebot.serving.worker import Worker
 
     audio = np.concatenate([np.zeros(8000, np.float32), espeak_speech("turn on the lights"), np.zeros(16000, np.float32)])
     pcm = to_pcm16(audio)
     step = 2 * 320  # 20 ms chunks at 16 kHz
     chunks = [AudioIn(pcm[i : i + step], 100.0 + i / step * 0.02) for i in range(0, len(pcm), step)]
-    batcher, worker = VadBatcher(), Worker("audio", threads=1)
-    batcher.start()
 
     def shape(events):
         """Each utterance's audio (its start's and audio events', which a trip of many chunks
@@ -68,22 +64,18 @@ def test_chunks_that_waited_go_through_the_front_end_in_one_trip_as_one_at_a_tim
         return utterances
 
     async def heard(runs: list[list[AudioIn]]):
-        front = FrontEnd(16000, GateConfig(), EndpointConfig(), vad=batcher)
+        front = FrontEnd(16000, GateConfig(), EndpointConfig())
         calls = []
-        prepare = front._prepare
-        front._prepare = lambda *c: calls.append(len(c)) or prepare(*c)
+        prepare = front.prepare
+        front.prepare = lambda *c: calls.append(len(c)) or prepare(*c)
         events = []
         for run in runs:
-            events += (await front.process(run, worker)).events
+            events += (await front.process(run, input_clock)).events
         return shape(events + front.end()), calls, [front.time_of_sample(s) for s in (160, 16000, 32000)]
 
-    try:
-        one_by_one = asyncio.run(heard([[c] for c in chunks]))
-        # 1.2 s of chunks waited behind a stalled trip, then the rest one by one
-        behind = asyncio.run(heard([chunks[:60], *([c] for c in chunks[60:])]))
-    finally:
-        batcher.stop()
-        worker.shutdown()
+    one_by_one = asyncio.run(heard([[c] for c in chunks]))
+    # 1.2 s of chunks waited behind a stalled trip, then the rest one by one
+    behind = asyncio.run(heard([chunks[:60], *([c] for c in chunks[60:])]))
     assert len(behind[0]) == len(one_by_one[0]) >= 1
     for (audio, end), (expected_audio, expected_end) in zip(behind[0], one_by_one[0]):
         assert end == expected_end and np.array_equal(audio, expected_audio)

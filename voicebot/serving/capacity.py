@@ -1,13 +1,11 @@
 """Admission control for the CPU engines: the thread pools that cannot batch (pocketsphinx's decoding
-processes, espeak-ng, the audio worker), the VAD batcher and the event loop, and what the listener
-feels: each session's input lag.
+processes, espeak-ng, Smart Turn), the input clock, the VAD batcher, the main process's GIL, and
+what the listener feels: each session's input lag (voicebot/serving/lateness.py).
 
 A pool's load is the share of its threads' time spent running calls over a sliding window (CPU
-time: a call waiting for a core costs what it computes). The event loop is a pool of one thread
-(`LoopThread`): every chunk of every session passes through it; the whole server (`ServerCpu`) is a
-pool of one thread per core. A session's input lag is how far
-behind the wall clock its input is processed: when a chunk has been through the front end, the VAD,
-the endpoint rule and the recognizer's feed, the time since it arrived (`InputLag`).
+time: a call waiting for a core costs what it computes). The GIL is a pool of one thread
+(`GilThreads`: the event loop's and the input clock's CPU together; every chunk of every session
+passes through both); the whole server (`ServerCpu`) is a pool of one thread per core.
 
 A new session is refused with `busy` and a retry-after (`Refusal`, and its `reason`, counted in
 voicebot_sessions_refused_total{reason}) when
@@ -16,6 +14,8 @@ voicebot_sessions_refused_total{reason}) when
   behind real time, whatever holds the CPU (our pools, or another tenant of the box: either way one
   more session only adds to it). One session late alone is its own matter (its decoding process
   restarting after a crash, its client sending a backlog at once); it is counted all the same.
+  Also (`input_lag`) when one more session would bring the number connected back to one the input
+  was late at within the last minute (`LateLevels`): a burst of connects does not repeat it.
 - `pool_load`: a pool is above `limits.max_worker_load` now, or the line its load follows with the
   number of sessions connected says one more would pass that limit; this catches a burst of
   connections that have not started speaking. The line (`PoolLoad.line`): the pool's load over each
@@ -36,9 +36,7 @@ Devices whose engines batch (the CosyVoice 2 scheduler) answer for themselves th
 `Synthesizer.admit()`; both are asked.
 
 Memory bound: per pool a window of WINDOW_S / SAMPLE_S samples (three numbers each) and at most
-LEVELS_MAX levels; the lag window
-keeps at most LAG_SAMPLES_MAX (time, lag) pairs per pool; the recent admissions at most
-ADMISSIONS_MAX times.
+LEVELS_MAX levels; the recent admissions at most ADMISSIONS_MAX times (the lag's: lateness.py).
 """
 
 from __future__ import annotations
@@ -47,14 +45,15 @@ import asyncio
 import os
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
+from voicebot.serving.lateness import LATE_SESSIONS, LATE_SHARE, WINDOW_S, InputLag, LateLevels
+
 SAMPLE_S = 0.5
-WINDOW_S = 5.0
 # How fast a level's load follows a new measurement (per sample): about 20 s to settle.
 COST_EWMA = 0.025
 # The numbers of sessions whose loads are kept (the most recently seen).
@@ -72,12 +71,6 @@ MIN_LOAD_TO_LEARN = 0.05
 # is busy with something that ends (models loading, a decoding child starting), and taking that off
 # every session's cost would over-admit.
 IDLE_LOAD_MAX = 0.1
-# input_lag refuses when more than this share of the window's chunks were late: its p95 past the deadline.
-LATE_SHARE = 0.05
-# Late input refuses only when this many sessions had late chunks in the window (see the module doc).
-LATE_SESSIONS = 2
-# A pool's lag window: 24 sessions' 20 ms chunks for 5 s is 6,000.
-LAG_SAMPLES_MAX = 8192
 ADMISSIONS_MAX = 1024
 
 
@@ -91,19 +84,23 @@ class Pool(Protocol):
     def busy_s(self) -> float: ...  # CPU seconds spent running calls since start
 
 
-class LoopThread:
-    """The event loop's thread as a pool of one: its CPU seconds (the session logic, the sockets, the
-    turn-taking of every session). Built on the loop's thread (Admission.watch)."""
+class GilThreads:
+    """The main process's threads that carry every live session's input and share its one GIL: the
+    event loop's (the thread that builds this: Admission.watch) and the input clock's
+    (voicebot/serving/input_clock.py, by its thread id). A pool of one thread: their CPU seconds
+    together are how long the GIL was held for the sessions' input, sockets and turn-taking (an
+    upper bound: the clock's Silero calls run without it). No other pool sees this: at 16 live
+    speakers the box was half idle while every session's chunks waited for the GIL."""
 
-    name = "loop"
+    name = "gil"
     threads = 1
 
-    def __init__(self) -> None:
-        self._clock = time.pthread_getcpuclockid(threading.get_ident())
+    def __init__(self, idents: Iterable[int] = ()) -> None:
+        self._clocks = [time.pthread_getcpuclockid(ident) for ident in (threading.get_ident(), *idents)]
 
     @property
     def busy_s(self) -> float:
-        return time.clock_gettime(self._clock)
+        return sum(time.clock_gettime(clock) for clock in self._clocks)
 
 
 class ServerCpu:
@@ -237,71 +234,15 @@ class PoolLoad:
         return None if line is None else line[0] + line[1] * sessions
 
 
-class InputLag:
-    """Each chunk's input lag, per pool (the decoding pool its session's recognizer stream is bound
-    to), over the last WINDOW_S: for admission and /readyz; every observation also goes to the
-    histogram and the deadline misses to the counter, when given (voicebot/metrics.py)."""
-
-    def __init__(self, deadline_s: float, histogram=None, misses=None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.deadline_s = deadline_s
-        self._histogram = histogram
-        self._misses = misses
-        self._clock = clock
-        # (when, lag, which session) of each chunk, per pool
-        self._lags: defaultdict[str, deque[tuple[float, float, str]]] = defaultdict(lambda: deque(maxlen=LAG_SAMPLES_MAX))
-        self.misses: defaultdict[str, int] = defaultdict(int)  # since start
-
-    def observe(self, pool: str, session: str, lags: Iterable[float]) -> None:
-        now, window = self._clock(), self._lags[pool]
-        for lag in lags:
-            window.append((now, lag, session))
-            if self._histogram is not None:
-                self._histogram.labels(pool).observe(lag)
-            if lag > self.deadline_s:
-                self.misses[pool] += 1
-                if self._misses is not None:
-                    self._misses.labels(pool).inc()
-
-    def recent(self, pool: str) -> np.ndarray:
-        """The lags of the last WINDOW_S of one pool."""
-        since = self._clock() - WINDOW_S
-        return np.array([lag for at, lag, _ in self._lags[pool] if at >= since], np.float64)
-
-    def late_share(self) -> tuple[float, str | None, int]:
-        """The share of the window's chunks past the deadline, the pool with the most of them, and
-        how many sessions had one."""
-        since = self._clock() - WINDOW_S
-        worst, most, late_all, count_all, sessions = None, 0, 0, 0, set()
-        for pool in list(self._lags):
-            late = 0
-            for at, lag, session in self._lags[pool]:
-                if at >= since:
-                    count_all += 1
-                    if lag > self.deadline_s:
-                        late += 1
-                        sessions.add(session)
-            late_all += late
-            if late > most:
-                worst, most = pool, late
-        return (late_all / count_all if count_all else 0.0), worst, len(sessions)
-
-    def report(self) -> dict[str, dict]:
-        out = {}
-        for pool in sorted(self._lags):
-            lags = self.recent(pool)
-            out[pool] = {"chunks": len(lags), "deadline_misses": self.misses[pool],
-                         **({"p50_s": round(float(np.percentile(lags, 50)), 4), "p95_s": round(float(np.percentile(lags, 95)), 4)}
-                            if len(lags) else {"p50_s": None, "p95_s": None})}
-        return out
-
-
 class Admission:
     def __init__(self, workers: Sequence[Pool], max_load: float, lag: InputLag | None = None, cold_start_sessions: int = 8,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, gil_threads: Sequence[int] = ()) -> None:
         self._clock = clock
         self.pools = [PoolLoad(w, clock) for w in workers]
         self.max_load = max_load
         self.lag = lag or InputLag(float("inf"), clock=clock)
+        self.late_levels = LateLevels(self.lag, clock)
+        self._gil_threads = gil_threads  # besides the loop's: watched with it (`watch`)
         self.cold_start_sessions = cold_start_sessions
         self._admitted: deque[float] = deque(maxlen=ADMISSIONS_MAX)  # when each recent session was let in
 
@@ -311,6 +252,7 @@ class Admission:
     def sample(self, sessions: int) -> None:
         for pool in self.pools:
             pool.sample(sessions)
+        self.late_levels.sample(sessions)
 
     def admitted(self) -> None:
         """A session was let in: until the window holds its load, it is counted at its pools' cost."""
@@ -326,6 +268,9 @@ class Admission:
             return Refusal("input_lag", pool or "-", WINDOW_S,
                            f"{late:.0%} of the last {WINDOW_S:g} s of input was processed more than "
                            f"{self.lag.deadline_s:g} s late (pool {pool})")
+        if (late_at := self.late_levels.limit()) is not None and sessions + 1 >= late_at[0]:
+            return Refusal("input_lag", late_at[1], WINDOW_S,
+                           f"the input was processed late with {late_at[0]} sessions connected; {sessions} are now")
         since = self._clock() - WINDOW_S
         unmeasured = sum(1 for at in self._admitted if at >= since)
         for p in self.pools:
@@ -354,8 +299,8 @@ class Admission:
 
     async def watch(self, sessions: Callable[[], int], on_sample: Callable[[], None] = lambda: None) -> None:
         """Sample every SAMPLE_S until cancelled (runs on the event loop: a few float reads); the
-        loop's own thread is watched from here on."""
-        self.watch_pool(LoopThread())
+        GIL's threads, the loop's own among them, are watched from here on."""
+        self.watch_pool(GilThreads(self._gil_threads))
         while True:
             self.sample(sessions())
             on_sample()

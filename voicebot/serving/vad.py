@@ -1,11 +1,10 @@
 """Silero VAD windows of every session in one onnxruntime call.
 
-Sessions submit the windows of their latest chunk (`submit`, `probabilities`) and await their
-speech probabilities; a thread of its own runs them (voicebot/serving/batcher.py: the steps, bounds,
-counts and failures every batcher shares). Not the audio worker: that pool's threads each run one
-session's front end (resample, echo canceller, gate), so a batch gathered there could hold at most
-as many sessions as it has threads, and a thread waiting for others to join would hold one of them
-idle. Here one thread takes whatever is waiting from every session.
+The /funasr route's segmenter and the transcription endpoint submit the windows of their latest
+chunk (`submit`, `probabilities`) and await their speech probabilities; a thread of its own runs
+them (voicebot/serving/batcher.py: the steps, bounds, counts and failures every batcher shares).
+Live /v1/voice, /obs/audio and /v1/realtime sessions run Silero on the input clock's thread instead,
+in the same steps, with their front ends (voicebot/serving/input_clock.py).
 
 A stream's windows are sequential (its recurrent state carries from one window to the next), so
 one step takes the next window of each stream waiting, in one `silero_step` call; a stream whose

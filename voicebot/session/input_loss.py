@@ -1,4 +1,4 @@
-"""Input the front end failed on, or the VAD batcher had no room for: lost, told and counted."""
+"""Input the front end failed on, or the input clock had no room for: lost, told and counted."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 from voicebot.messages import AudioIn, Inbound
 from voicebot.metrics import Metrics
 from voicebot.protocol import ErrorCode
-from voicebot.serving.vad import VadOverloaded
+from voicebot.serving.input_clock import InputOverloaded
 from voicebot.session.listening import Listening
 from voicebot.session.outbox import Outbox
 
@@ -20,10 +20,10 @@ async def lose_chunks(item: Inbound | list[AudioIn], exc: Exception, listening: 
     both are counted as dropped input, and the next utterance is heard afresh. An overload is the
     server's capacity, not a broken engine: `busy` with a retry-after, as admission answers,
     counted apart."""
-    overloaded = isinstance(exc, VadOverloaded)
+    overloaded = isinstance(exc, InputOverloaded)
     reason = "overload" if overloaded else "engine_error"
     if overloaded:
-        log.warning("the VAD batcher is full; a chunk of session %s is dropped: %s", session_id, exc)
+        log.warning("the input path is full; a chunk of session %s is dropped: %s", session_id, exc)
         metrics.engine_overloads.labels("vad").inc()
     else:
         log.error("the front end failed on a chunk in session %s", session_id, exc_info=exc)
@@ -35,6 +35,6 @@ async def lose_chunks(item: Inbound | list[AudioIn], exc: Exception, listening: 
     where = {"engine": "vad", "stage": "chunk", **({"utterance_id": utterance_id} if utterance_id else {})}
     if overloaded:
         await outbox.error(ErrorCode.BUSY, f"voice detection is at capacity; a chunk of input was dropped{lost}",
-                           retry_after_s=retry_after_s, overloaded="vad", **where)
+                           retry_after_s=retry_after_s, overloaded="input", **where)
     else:
         await outbox.error(ErrorCode.ENGINE_ERROR, f"voice detection failed on a chunk of input{lost}: {exc}", **where)

@@ -1,7 +1,8 @@
 """The listening stage: a session's audio in, utterances out.
 
-    AudioIn ─► FrontEnd (resample ─► echo canceller ─► gate, on the audio worker; Silero VAD, batched
-            with every session's windows (voicebot/serving/vad.py); endpoint rule) ─► VadEvents
+    AudioIn ─► FrontEnd (resample ─► echo canceller ─► gate ─► Silero VAD, on the input clock's
+            thread with every session's chunks of the same tick (voicebot/serving/input_clock.py);
+            endpoint rule) ─► VadEvents
             ─► Listening (recognizer stream; speech.started, asr.partial, asr.final) ─► Utterance
 
 Two signals leave the echo canceller at the same sample positions (voicebot/audio/echo.py): the gate,
@@ -10,8 +11,8 @@ gone; the audio the events carry, what the recognizer and the end-of-turn model 
 canceller's, which keeps the start of words spoken over the bot (the suppressor took it off). The
 gate's mutes apply to both.
 
-`FrontEnd` owns its state and returns values, so nothing on the worker's or the VAD batcher's
-thread touches the session. `Listening` runs on the event loop and returns
+`FrontEnd` owns its state and returns values, so nothing on the input clock's thread touches the
+session. `Listening` runs on the event loop and returns
 the `Utterance` of each endpoint; what to do with it (today: queue a Turn) is the session's
 (Session._on_utterance), which is where a turn policy goes: an end-of-turn model asked at a short
 pause sits between the endpoint events `hear` returns and the turn queue, without changing this.
@@ -39,8 +40,8 @@ from voicebot.messages import AudioIn, InputEnd, Utterance
 from voicebot.metrics import Metrics
 from voicebot.protocol import ErrorCode
 from voicebot.serving.capacity import InputLag
-from voicebot.serving.vad import VadBatcher
-from voicebot.serving.worker import Worker
+from voicebot.serving.input_clock import InputClock
+from voicebot.serving.silero import SileroVad
 from voicebot.session import events
 from voicebot.audio.echo_onset import EchoOnset
 from voicebot.session.outbox import Outbox
@@ -65,15 +66,13 @@ class FrontEndOutput:
 class FrontEnd:
     """Resample, gate and endpoint one session's input."""
 
-    def __init__(self, input_rate: int, gate: GateConfig, endpoint: EndpointConfig, echo: EchoCanceller | None = None,
-                 *, vad: VadBatcher) -> None:
+    def __init__(self, input_rate: int, gate: GateConfig, endpoint: EndpointConfig, echo: EchoCanceller | None = None) -> None:
         self.input_rate = input_rate
         self.resampler = StreamResampler(input_rate, LISTEN_RATE, quality=MIC_RESAMPLER_QUALITY)
         self.echo = echo  # the bot's own voice removed before anything listens (voicebot/audio/echo.py)
         self.gate = NoiseGate(gate, LISTEN_RATE) if gate.enabled else None
         self.endpointer = Endpointer(endpoint)
         self.echo_onset = None if echo is None else EchoOnset()
-        self.vad = vad
         self._input_samples = 0  # at input_rate
         self._recent: deque[np.ndarray] = deque()  # the last TURN_AUDIO_S of what the recognizer hears
         self._recent_samples = 0
@@ -90,15 +89,19 @@ class FrontEnd:
         # back: a sample's position in the stream is the same at every stage, its chunk is not.
         self._arrivals: deque[tuple[int, float]] = deque(maxlen=ARRIVALS_MAX)
 
-    async def process(self, chunks: AudioIn | Sequence[AudioIn], worker: Worker) -> FrontEndOutput:
+    async def process(self, chunks: AudioIn | Sequence[AudioIn], clock: InputClock) -> FrontEndOutput:
         """Consecutive chunks of input (one, or all that waited in the session's queue): the signal
-        path on the worker in one call, all their windows' speech probabilities in one request to the
-        VAD batcher, then the endpoint rule here on the loop (a few comparisons per window). A session
+        path and their windows' speech probabilities at the input clock's next tick, with every other
+        session's, then the endpoint rule here on the loop (a few comparisons per window). A session
         that fell behind catches up in one trip, not one per chunk (see Listening.hear)."""
         chunks = [chunks] if isinstance(chunks, AudioIn) else chunks
-        windows, muted, suppressing = await worker.run(self._prepare, *chunks)
-        probabilities = await self.vad.probabilities(self.endpointer.vad, windows)
-        return FrontEndOutput(self._decide(windows, probabilities, suppressing), muted)
+        heard = await clock.hear(self, chunks)
+        return FrontEndOutput(self._decide(heard.windows, heard.probabilities, heard.suppressing), heard.muted_samples)
+
+    @property
+    def silero(self) -> SileroVad:
+        """This stream's Silero state, which the input clock steps."""
+        return self.endpointer.vad
 
     def _decide(self, windows: np.ndarray, probabilities: np.ndarray, suppressing: np.ndarray) -> list[VadEvent]:
         """The endpoint rule, a window at a time so that each event's audio has its stream
@@ -125,8 +128,8 @@ class FrontEnd:
                     spans.append((event, start, end))
         return [replace(event, audio=self._kept(start, end)) if end > start else event for event, start, end in spans]
 
-    def _prepare(self, *chunks: AudioIn) -> tuple[np.ndarray, int, np.ndarray]:
-        """Blocking (the audio worker): the chunks resampled, echo-cancelled and gated, cut in VAD
+    def prepare(self, *chunks: AudioIn) -> tuple[np.ndarray, int, np.ndarray]:
+        """Blocking (the input clock's thread): the chunks resampled, echo-cancelled and gated, cut in VAD
         windows; what the recognizer hears of them kept; for each window, whether the echo canceller
         suppressed when its chunk was processed. Chunk by chunk: the echo canceller matches
         each with the reply audio played when it arrived."""
@@ -171,7 +174,7 @@ class FrontEnd:
     def audio_since(self, sample: int) -> np.ndarray:
         """What the recognizer heard from `sample` on, at most the last TURN_AUDIO_S (a copy).
 
-        Called between chunks, on the loop: the worker is not processing one then.
+        Called between chunks, on the loop: the input clock is not processing one then.
         """
         return self._kept(sample, self._fed)
 
@@ -217,12 +220,12 @@ LOST = Hypothesis("", None, "lost")
 class Listening:
     """Turns a session's input into utterances (see the module doc)."""
 
-    def __init__(self, front_end: FrontEnd, asr: RecognizerStream, worker: Worker, metrics: Metrics, outbox: Outbox,
+    def __init__(self, front_end: FrontEnd, asr: RecognizerStream, clock: InputClock, metrics: Metrics, outbox: Outbox,
                  session_id: str, input_lag: InputLag | None = None) -> None:
         self.front_end = front_end
         self.asr = asr
         self._input_lag = input_lag
-        self._worker = worker
+        self._clock = clock
         self._metrics = metrics
         self._outbox = outbox
         self._session_id = session_id
@@ -249,7 +252,7 @@ class Listening:
             events = self.front_end.end()
         else:
             chunks = [item] if isinstance(item, AudioIn) else item
-            out = await self.front_end.process(chunks, self._worker)
+            out = await self.front_end.process(chunks, self._clock)
             if out.muted_samples:
                 self._metrics.gate_muted.inc(out.muted_samples / LISTEN_RATE)
                 if self._open is not None:

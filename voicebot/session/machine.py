@@ -28,7 +28,7 @@ from voicebot.messages import AudioFrame, AudioIn, DropUtterance, Inbound, Input
 from voicebot.protocol import FRAME_MS, CloseCode, ErrorCode, ProtocolError
 from voicebot.reply.history import Conversation
 from voicebot.runtime import Runtime
-from voicebot.serving.vad import VAD_RETRY_AFTER_S
+from voicebot.serving.input_clock import INPUT_RETRY_AFTER_S
 from voicebot.session import commands, events
 from voicebot.session.choices import Choices
 from voicebot.session.client_watch import ClientWatch
@@ -218,8 +218,8 @@ class Session:
         self.asr = self.rt.recognizer.open(self.choices.language)
         if message.echo_cancellation:  # /obs/audio asks for it (voicebot/frontends/obs_plugin.py)
             self.echo = EchoCanceller()
-        front_end = FrontEnd(self.sample_rate, self.settings.gate, self.settings.endpoint, self.echo, vad=self.rt.vad)
-        self.listening = Listening(front_end, self.asr, self.rt.audio_worker, self.rt.metrics, self.outbox, self.id,
+        front_end = FrontEnd(self.sample_rate, self.settings.gate, self.settings.endpoint, self.echo)
+        self.listening = Listening(front_end, self.asr, self.rt.input_clock, self.rt.metrics, self.outbox, self.id,
                                    self.rt.input_lag)
         self.turn_taking = TurnTaking(self.settings.endpoint, None, front_end, self.outbox, self.rt.metrics,
                                       self._queue_turn, self._prepare_reply)
@@ -288,9 +288,9 @@ class Session:
             async with self._engine_lock:
                 try:
                     utterances = await self.listening.hear(item)
-                except Exception as exc:  # the front end or the VAD batcher (VadFault, JobAborted) broke on this chunk
+                except Exception as exc:  # the front end or the input clock (InputStepFailed, InputClockFault) broke on this chunk
                     await lose_chunks(item, exc, self.listening, self.outbox, self.rt.metrics, self.id, self.sample_rate,
-                                      retry_after_s=VAD_RETRY_AFTER_S)
+                                      retry_after_s=INPUT_RETRY_AFTER_S)
                     continue
                 for utterance in utterances:
                     await self.turn_taking.on_utterance(utterance, input_end=isinstance(item, InputEnd))
