@@ -125,7 +125,7 @@ class Runtime:
             engine.load()
         self.recognizer.register_metrics(self.metrics.registry)
         self.synthesizer.register_metrics(self.metrics.registry)
-        register_vad_metrics(self.metrics.registry, self.vad)
+        register_vad_metrics(self.metrics.registry, self.vad, self.input_clock)
         # The decoding children's CPU (pocketsphinx's processes), for the whole server's load.
         children = getattr(self.recognizer, "processes", [])
         pools = [self.input_clock, self.vad, *self.recognizer.workers(), *self.synthesizer.workers(),

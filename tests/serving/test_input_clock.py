@@ -66,6 +66,27 @@ def test_sessions_at_once_get_what_each_alone_would_in_fewer_ticks_than_jobs(inp
     assert input_clock.ticks < input_clock.jobs  # sessions' chunks of the same tick shared it
 
 
+def test_its_silero_calls_are_in_the_vad_metrics_by_rows(input_clock):
+    """voicebot_vad_calls_total counts the clock's calls with the VAD batcher's (the dashboard's batch sizes)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from voicebot.serving.metrics import register_vad_metrics
+
+    registry = CollectorRegistry()
+    register_vad_metrics(registry, input_clock)
+    chunk = [AudioIn(speech(0)[: 2 * CHUNK * 5], 0.0)]  # 3 windows a session
+
+    async def main():
+        with input_clock._cond:  # both jobs in before the thread can take either: one tick
+            jobs = [asyncio.ensure_future(input_clock.hear(front_end(), chunk)) for _ in range(2)]
+            await asyncio.sleep(0)
+        return await asyncio.gather(*jobs)
+
+    asyncio.run(main())
+    text = generate_latest(registry).decode()
+    assert 'voicebot_vad_calls_total{batch_size="2"} 3.0' in text and "voicebot_vad_queue_depth 0.0" in text
+
+
 def test_a_failing_front_end_fails_its_own_job_and_the_others_are_answered(input_clock):
     good, bad = front_end(), front_end()
     bad.prepare = lambda *chunks: (_ for _ in ()).throw(ValueError("bad input"))

@@ -29,7 +29,8 @@ jobs (`InputStepFailed`); anything that escapes a tick fails every job of that t
 waiting fails with `InputClockStopped`.
 
 Counted for admission and the metrics: `busy_s` (the thread's CPU seconds in ticks), of which
-`front_end_busy_s` and `vad_busy_s`; `ticks` and `jobs` (so jobs per tick).
+`front_end_busy_s` and `vad_busy_s`; `ticks` and `jobs` (so jobs per tick); `batch_sizes` (Silero
+calls by rows: voicebot_vad_calls_total, with the VAD batcher's).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -117,6 +119,7 @@ class InputClock:
         self.ticks = 0
         self.jobs = 0
         self.thread_faults = 0
+        self.batch_sizes: Counter[int] = Counter()  # Silero calls run, by rows in the call
         self._incoming: list[_Job] = []
         self._cond = threading.Condition()
         self._idle = False  # nothing to do and a tick's spacing over: the next `hear` wakes it
@@ -223,6 +226,7 @@ class InputClock:
             for first in range(0, len(rows), MAX_BATCH):
                 batch = rows[first : first + MAX_BATCH]
                 try:
+                    self.batch_sizes[len(batch)] += 1
                     out = silero_step([job.front_end.silero for job in batch],
                                       np.stack([job.prepared[0][k] for job in batch]))
                 except Exception as exc:  # its rows fail; the other steps go on

@@ -15,16 +15,19 @@ adds, labelled by scheduler name:
   requests it hit;
 - voicebot_scheduler_decode_step_seconds{batch_size}: the step cost admission uses (moving average).
 
-    register_vad_metrics(metrics.registry, runtime.vad)
+    register_vad_metrics(metrics.registry, runtime.vad, runtime.input_clock)
 
-adds the VAD batcher's (voicebot/serving/vad.py):
+adds Silero's, from the two threads that call it (the input clock, voicebot/serving/input_clock.py,
+for the live sessions; the VAD batcher, voicebot/serving/vad.py, for /funasr's segmenter and the
+transcription endpoint), summed:
 - voicebot_vad_queue_depth: streams with windows waiting or being judged;
 - voicebot_vad_calls_total{batch_size}: onnxruntime calls run, by rows in the call;
-- voicebot_vad_thread_faults_total: faults its thread survived, as the scheduler's.
+- voicebot_vad_thread_faults_total: faults their threads survived, as the scheduler's.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -32,6 +35,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from voicebot.serving.input_clock import InputClock
 from voicebot.serving.vad import VadBatcher
 
 if TYPE_CHECKING:  # a type only: the default config's server never imports torch for its VAD metrics
@@ -83,25 +87,26 @@ def register_scheduler_metrics(registry: CollectorRegistry, scheduler: Scheduler
 
 
 class VadCollector(Collector):
-    def __init__(self, batcher: VadBatcher) -> None:
-        self.batcher = batcher
+    def __init__(self, callers: tuple[VadBatcher | InputClock, ...]) -> None:
+        self.callers = callers
 
     def collect(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily("voicebot_vad_queue_depth", "Streams with VAD windows waiting or being judged")
-        depth.add_metric([], self.batcher.pending)
+        depth.add_metric([], sum(c.pending for c in self.callers))
         yield depth
         calls = CounterMetricFamily("voicebot_vad_calls", "Silero VAD onnxruntime calls run, by rows in the call",
                                     labels=["batch_size"])
-        for batch, count in sorted(self.batcher.batch_sizes.items()):
+        for batch, count in sorted(sum((Counter(c.batch_sizes) for c in self.callers), Counter()).items()):
             calls.add_metric([str(batch)], count)
         yield calls
-        faults = CounterMetricFamily("voicebot_vad_thread_faults", "Faults survived by the VAD batcher's thread "
-                                     "(BaseExceptions raised in it, breaks of its loop), each failing the requests it hit")
-        faults.add_metric([], self.batcher.thread_faults)
+        faults = CounterMetricFamily("voicebot_vad_thread_faults", "Faults survived by the threads that call Silero (the "
+                                     "input clock's, the VAD batcher's): BaseExceptions raised in them, breaks of their "
+                                     "loops, each failing the requests it hit")
+        faults.add_metric([], sum(c.thread_faults for c in self.callers))
         yield faults
 
 
-def register_vad_metrics(registry: CollectorRegistry, batcher: VadBatcher) -> VadCollector:
-    collector = VadCollector(batcher)
+def register_vad_metrics(registry: CollectorRegistry, *callers: VadBatcher | InputClock) -> VadCollector:
+    collector = VadCollector(callers)
     registry.register(collector)
     return collector
