@@ -1,9 +1,12 @@
-"""Where an utterance begins when the user starts talking over the bot's echo (issue 29).
+"""Where an utterance begins, and which of its silences are the suppressor's, when the user talks
+over the bot's echo (issue 29).
 
 The endpoint rule (audio/endpoint.py) hears AEC3's suppressed output; in double talk over a new
 reply the suppressor can take the user's first words down so far that the utterance, and so the
-recognizer's audio, starts inside them. EchoOnset, one per session with an echo canceller, watches
-the suppressed output's level window by window and moves such an utterance's start back.
+recognizer's audio, starts inside them, and take half a second from inside them, so that the rule
+ends the utterance there. EchoOnset, one per session with an echo canceller, watches the suppressed
+output's level window by window and moves such an utterance's start back, and says which windows
+the suppressor hid (SUPPRESSOR_HID_DB): the endpoint rule does not count those as the user's silence.
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ ECHO_FLOOR_PERCENTILE = 10
 ECHO_FLOOR_MIN_DBFS = -75.0
 ECHO_ONSET_DB = 10.0
 ECHO_GAP_MS = 300
+# A window the suppressor hid: AEC3's output this far under the linear canceller's (linear_echo.py),
+# which has the same near and far ends and subtracts its echo estimate without suppressing anything.
+# Both leave the user's words; only the suppressor takes them away, so the gap is what it removed
+# beyond the echo estimate. Where it lets the words through it takes off 0-16 dB more than the linear
+# canceller (its gain in double talk, the linear one's residual echo); where it holds them, or the
+# echo alone, at its floor, 25-75 dB more (the floor -85 to -95 dBFS under words and echo at -20 to
+# -45 dBFS). bench/echo.py --offline counts both, over every room there (the hid column); 20 dB is
+# between them. With no echo (a pause in the reply, the echo ruled out) both outputs are the input: 0 dB.
+SUPPRESSOR_HID_DB = 20.0
 
 
 class EchoOnset:
@@ -52,9 +64,13 @@ class EchoOnset:
     def __init__(self) -> None:
         self._windows: deque[tuple[float, bool]] = deque(maxlen=round(ECHO_HISTORY_S * 1000 / WINDOW_MS))
 
-    def observe(self, window: np.ndarray, suppressing: bool) -> None:
-        """The next VAD window of the suppressed output, and whether the canceller suppressed in it."""
-        self._windows.append((10 * float(np.log10(np.dot(window, window) / len(window) + 1e-18)), suppressing))
+    def observe(self, window: np.ndarray, linear: np.ndarray, suppressing: bool) -> bool:
+        """The next VAD window of the suppressed output, the linear output at the same samples, and
+        whether the canceller suppressed in it; whether the suppressor hid what was there (see
+        SUPPRESSOR_HID_DB): the user's words or the echo alone, it cannot tell which."""
+        level = _level_db(window)
+        self._windows.append((level, suppressing))
+        return suppressing and _level_db(linear) - level >= SUPPRESSOR_HID_DB
 
     def start(self, start: int, end: int, not_before: int) -> int:
         """The start of an utterance the endpoint rule began at `start` (pre-speech included), the
@@ -75,3 +91,7 @@ class EchoOnset:
         if earliest is None:
             return start
         return max(not_before, min(start, end - earliest * WINDOW - round(ECHO_MARGIN_MS * LISTEN_RATE / 1000)))
+
+
+def _level_db(window: np.ndarray) -> float:
+    return 10 * float(np.log10(np.dot(window, window) / len(window) + 1e-18))
