@@ -263,7 +263,8 @@ def endpoint_events(suppressed: np.ndarray, linear: np.ndarray, suppressing: lis
     endpointer, onset = Endpointer(EndpointConfig()), EchoOnset()
     windows = endpointer.cut(suppressed)
     for k, probability in enumerate(endpointer.vad.probabilities(windows)):
-        hidden = onset.observe(windows[k], linear[k * WINDOW : (k + 1) * WINDOW], suppressing[((k + 1) * WINDOW - 1) // chunk])
+        onset.observe(windows[k], suppressing[((k + 1) * WINDOW - 1) // chunk])
+        hidden = onset.hid(linear[k * WINDOW : (k + 1) * WINDOW])
         for event in endpointer.decide(windows[k : k + 1], np.array([probability]), [hidden]):
             yield event, endpointer.samples_seen, onset
 

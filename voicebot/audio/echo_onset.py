@@ -64,12 +64,14 @@ class EchoOnset:
     def __init__(self) -> None:
         self._windows: deque[tuple[float, bool]] = deque(maxlen=round(ECHO_HISTORY_S * 1000 / WINDOW_MS))
 
-    def observe(self, window: np.ndarray, linear: np.ndarray, suppressing: bool) -> bool:
-        """The next VAD window of the suppressed output, the linear output at the same samples, and
-        whether the canceller suppressed in it; whether the suppressor hid what was there (see
-        SUPPRESSOR_HID_DB): the user's words or the echo alone, it cannot tell which."""
-        level = _level_db(window)
-        self._windows.append((level, suppressing))
+    def observe(self, window: np.ndarray, suppressing: bool) -> None:
+        """The next VAD window of the suppressed output, and whether the canceller suppressed in it."""
+        self._windows.append((_level_db(window), suppressing))
+
+    def hid(self, linear: np.ndarray) -> bool:
+        """Whether the suppressor hid what was in the window observed last, given the linear output
+        at its samples (see SUPPRESSOR_HID_DB): the user's words or the echo alone, it cannot tell which."""
+        level, suppressing = self._windows[-1]
         return suppressing and _level_db(linear) - level >= SUPPRESSOR_HID_DB
 
     def start(self, start: int, end: int, not_before: int) -> int:

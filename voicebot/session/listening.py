@@ -109,8 +109,10 @@ class FrontEnd:
         for k in range(len(windows)):
             hidden = None  # whether the echo canceller's suppressor hid this window (EchoOnset)
             if self.echo_onset is not None:
-                at = self.endpointer.samples_seen
-                hidden = [self.echo_onset.observe(windows[k], self._kept(at, at + WINDOW), bool(suppressing[k]))]
+                self.echo_onset.observe(windows[k], bool(suppressing[k]))
+                if suppressing[k]:
+                    at = self.endpointer.samples_seen
+                    hidden = [self.echo_onset.hid(self._kept(at, at + WINDOW))]
             for event in self.endpointer.decide(windows[k : k + 1], probabilities[k : k + 1], hidden):
                 end = self.endpointer.samples_seen
                 start = end - len(event.audio)
