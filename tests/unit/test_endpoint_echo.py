@@ -11,7 +11,8 @@ import pytest
 
 from tests.audio import espeak_speech, to_pcm16
 from voicebot.audio.echo import Cancelled
-from voicebot.audio.endpoint import EventKind
+from voicebot.audio.echo_onset import EchoOnset
+from voicebot.audio.endpoint import WINDOW, EventKind
 from voicebot.config.stages import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
 from voicebot.serving.worker import Worker
@@ -60,3 +61,19 @@ def test_words_the_suppressor_hid_are_one_utterance_where_it_suppressed(batcher,
     end = events[-1]
     # The hole was inside the words: nothing of it left after their last speech, so the end is not late.
     assert end.held_ms == 0 and end.speech_end_sample >= lead + len(words) - RATE // 5
+
+
+def noise(dbfs: float) -> np.ndarray:
+    return (np.random.default_rng(3).standard_normal(WINDOW) * 10 ** (dbfs / 20)).astype(np.float32)
+
+
+@pytest.mark.parametrize("suppressed_dbfs, linear_dbfs, suppressing, hid", [
+    (-90, -30, True, True),  # words (or the echo) at the suppressor's floor
+    (-90, -30, False, False),  # no reply playing: nothing is the suppressor's
+    (-40, -30, True, False),  # the suppressor let them through, 10 dB down
+    (-90, -60, True, False),  # a microphone's noise floor: the user's silence
+])
+def test_what_the_suppressor_hid(suppressed_dbfs, linear_dbfs, suppressing, hid):
+    onset = EchoOnset()
+    onset.observe(noise(suppressed_dbfs), suppressing)
+    assert onset.hid(noise(linear_dbfs)) is hid
