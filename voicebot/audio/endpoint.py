@@ -23,12 +23,11 @@ output, and in a new reply's first seconds its suppressor can take half a second
 said over the echo down to its floor; heard as the user's silence, that ended the utterance inside
 them (two utterances, each half '' to the recognizer). A window the canceller says it hid
 (`hidden`, voicebot/audio/echo_onset.py) is, inside an utterance, neither speech nor silence: the
-silence is not counted on over it. At most `endpoint_silence_ms` of such windows an utterance
-(`held_ms`): the canceller cannot tell words it hid from echo it removed, so once the user has
-stopped, the windows are hidden just as well until the echo stops, and the end is late by that
-much. The bound makes a hole of up to twice endpoint_silence_ms one utterance, and an utterance
-ends at most endpoint_silence_ms later than its silence alone would have ended it (each END
-says how much: `held_ms`); the barge-in rule's `speech_run_ms` is left as Silero has it.
+silence is not counted on over it, for at most HELD_SILENCE_SHARE of endpoint_silence_ms in one
+pause. The canceller cannot tell words it hid from echo it removed: once the user has stopped, the
+echo alone is hidden just as well, so an utterance said over the echo ends that much later than its
+silence alone would have ended it (each END says how much: `held_ms`; its speech end stays at the
+last word). The barge-in rule's `speech_run_ms` is left as Silero has it.
 """
 
 from __future__ import annotations
@@ -50,6 +49,16 @@ QUIET_MARGIN_DB = 6.0
 HANGOVER_WINDOWS_MAX = 3
 # The room's level: an exponential average over non-speech windows, about 10 windows (320 ms).
 ROOM_LEVEL_WEIGHT = 0.1
+# Of endpoint_silence_ms, the most one pause inside an utterance may hold of windows the echo
+# canceller hid, uncounted: what an utterance said over the echo ends late by, at most (224 ms at the
+# default 500, on the window grid). A hole the suppressor makes inside words is bridged up to 1.5 times
+# endpoint_silence_ms. The holes that split the words measured 480-512 ms of counted silence (the live
+# captures, tests/unit/test_echo.py); inside the words of 92 offline cases (bench/echo.py's rooms and
+# replies, the test's reply at 60-300 ms, 1.25-2.5 s into it) Silero's longest silence run was 128 ms
+# at the median, 384 at most. Half of it per utterance instead of per pause went to a first short hole
+# and, held as long as 480 ms, kept an utterance the echo alone had begun open into the user's words
+# (bench/echo.py --offline, 240 ms -6 dB: one utterance, transcribed as the reply's phrase).
+HELD_SILENCE_SHARE = 0.5
 
 
 class EventKind(Enum):
@@ -84,8 +93,7 @@ class Endpointer:
         self._silence_windows = 0
         self._utterance_windows = 0
         self._last_speech_end = 0
-        self._held_windows = 0  # hidden windows of the current utterance not counted as silence
-        self._held_since_speech = 0  # of those, since its last speech window
+        self._held_since_speech = 0  # hidden windows since the last speech window not counted as silence
         self._room_db: float | None = None  # the level of the recent non-speech windows
         self._quiet_speech = 0  # speech windows no louder than the room at the end of the speech so far
         # Consecutive speech windows right now: the barge-in detector reads it.
@@ -131,7 +139,7 @@ class Endpointer:
     def _window(self, window: np.ndarray, probability: float, hidden: bool) -> list[VadEvent]:
         speech = probability >= self.config.threshold
         held = (not speech and hidden and self.in_utterance
-                and (self._held_windows + 1) * WINDOW_MS <= self.config.endpoint_silence_ms)
+                and (self._held_since_speech + 1) * WINDOW_MS <= self.config.endpoint_silence_ms * HELD_SILENCE_SHARE)
         level_db = 10 * np.log10(float(np.dot(window, window)) / WINDOW + 1e-18)
         self.samples_seen += WINDOW
         self.speech_run_ms = self.speech_run_ms + WINDOW_MS if speech else 0.0
@@ -143,7 +151,6 @@ class Endpointer:
             self._last_speech_end = self.samples_seen
             self._held_since_speech = 0
         elif held:  # not the user's silence, nor the room's level: the silence so far stands
-            self._held_windows += 1
             self._held_since_speech += 1
         else:
             self._room_db = level_db if self._room_db is None else self._room_db + ROOM_LEVEL_WEIGHT * (level_db - self._room_db)
@@ -197,8 +204,7 @@ class Endpointer:
         self._speech_windows = 0
         self._silence_windows = 0
         self._utterance_windows = 0
-        self._quiet_speech = 0
-        self._held_windows = 0  # (_held_since_speech runs on to the next speech: silence_ms stays continuous)
+        self._quiet_speech = 0  # (_held_since_speech runs on to the next speech: silence_ms stays continuous)
 
 
 def _merge_audio(events: list[VadEvent]) -> list[VadEvent]:
