@@ -38,7 +38,10 @@ Per case:
   row) to the suppressed output: of the echo alone (a false barge-in), and of the input with the
   user (how long after the first word it is met), and how many utterances the endpoint rule cuts the
   barge-in into on it (two: the suppressor took endpoint_silence_ms from inside the words; the reply
-  plays on offline, where live the barge-in would cut it).
+  plays on offline, where live the barge-in would cut it), through the front end's endpoint rule
+  (EchoOnset.hid: the windows the suppressor hid are not the user's silence), and how much later than
+  its silence alone each of those utterances ended for it (VadEvent.held_ms: the echo plays on after
+  the words offline, so it is the bound, HELD_SILENCE_SHARE of endpoint_silence_ms, wherever they end).
 """
 
 from __future__ import annotations
