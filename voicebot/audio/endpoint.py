@@ -52,12 +52,13 @@ ROOM_LEVEL_WEIGHT = 0.1
 # Of endpoint_silence_ms, the most one pause inside an utterance may hold of windows the echo
 # canceller hid, uncounted: what an utterance said over the echo ends late by, at most (224 ms at the
 # default 500, on the window grid). A hole the suppressor makes inside words is bridged up to 1.5 times
-# endpoint_silence_ms. The holes that split the words measured 480-512 ms of counted silence (the live
-# captures, tests/unit/test_echo.py); inside the words of 92 offline cases (bench/echo.py's rooms and
-# replies, the test's reply at 60-300 ms, 1.25-2.5 s into it) Silero's longest silence run was 128 ms
-# at the median, 384 at most. Half of it per utterance instead of per pause went to a first short hole
-# and, held as long as 480 ms, kept an utterance the echo alone had begun open into the user's words
-# (bench/echo.py --offline, 240 ms -6 dB: one utterance, transcribed as the reply's phrase).
+# endpoint_silence_ms. The holes that split the words were ~0.5 s (the live captures; 480-512 ms of
+# counted silence in tests/unit/test_echo.py's 240 and 300 ms cases); inside the words of 92 offline
+# cases (bench/echo.py's rooms and replies, the test's reply at 60-300 ms, 1.25-2.5 s into it) Silero's
+# longest silence run was 128 ms at the median, 384 at most. A bound of all of endpoint_silence_ms an
+# utterance instead went to a first short hole, and held up to 480 ms after the words: an utterance
+# the echo alone had begun ran on into the user's words (bench/echo.py --offline, 240 ms -6 dB: one
+# utterance, transcribed as the reply's phrase).
 HELD_SILENCE_SHARE = 0.5
 
 
