@@ -38,7 +38,10 @@ Per case:
   row) to the suppressed output: of the echo alone (a false barge-in), and of the input with the
   user (how long after the first word it is met), and how many utterances the endpoint rule cuts the
   barge-in into on it (two: the suppressor took endpoint_silence_ms from inside the words; the reply
-  plays on offline, where live the barge-in would cut it).
+  plays on offline, where live the barge-in would cut it), through the front end's endpoint rule
+  (EchoOnset.hid: the windows the suppressor hid are not the user's silence), and how much later than
+  its silence alone each of those utterances ended for it (VadEvent.held_ms: the echo plays on after
+  the words offline, so it is the bound, HELD_SILENCE_SHARE of endpoint_silence_ms, wherever they end).
 """
 
 from __future__ import annotations
@@ -129,6 +132,8 @@ class CaseResult:
     # Offline, how many utterances the endpoint rule began over the barge-in (more than one: the
     # suppressor took endpoint_silence_ms from inside the words, and they were cut in two).
     utterances: int = 0
+    # ... and how much later each ended than its silence alone would have ended it (ms; VadEvent.held_ms)
+    held_ms: list[float] = field(default_factory=list)
 
 
 class Room:
@@ -254,33 +259,42 @@ def cancelled(room: Room, end: int, with_voice: bool = True) -> tuple[np.ndarray
     return np.concatenate(mic), np.concatenate(suppressed), np.concatenate(linear), suppressing
 
 
-def utterance_starts(suppressed: np.ndarray, suppressing: list[bool], chunk: int, after: int = 0) -> tuple[int, int] | None:
-    """Where the front end starts the first utterance that it begins after sample `after` (its START
-    event) in `suppressed`, pre-speech included: the endpoint rule's own start (the default
-    EndpointConfig, Silero), and EchoOnset's, given whether the canceller suppressed after each
-    `chunk` of input, as the front end reads it. None: no utterance."""
-    config = EndpointConfig()
-    endpointer, onset = Endpointer(config), EchoOnset()
+def endpoint_events(suppressed: np.ndarray, linear: np.ndarray, suppressing: list[bool], chunk: int):
+    """The front end's endpoint rule (the default EndpointConfig, Silero, EchoOnset) over the canceller's
+    outputs, given whether it suppressed after each `chunk` of input, as the front end reads it: each
+    event, where the stream stands after its window, and the EchoOnset (voicebot/session/listening.py)."""
+    endpointer, onset = Endpointer(EndpointConfig()), EchoOnset()
     windows = endpointer.cut(suppressed)
     for k, probability in enumerate(endpointer.vad.probabilities(windows)):
         onset.observe(windows[k], suppressing[((k + 1) * WINDOW - 1) // chunk])
-        for event in endpointer.decide(windows[k : k + 1], np.array([probability])):
-            if event.kind is EventKind.START and endpointer.samples_seen > after:
-                start = endpointer.samples_seen - len(event.audio)
-                return start, onset.start(start, endpointer.samples_seen, 0)
+        hidden = onset.hid(linear[k * WINDOW : (k + 1) * WINDOW])
+        for event in endpointer.decide(windows[k : k + 1], np.array([probability]), [hidden]):
+            yield event, endpointer.samples_seen, onset
+
+
+def utterance_starts(suppressed: np.ndarray, linear: np.ndarray, suppressing: list[bool], chunk: int,
+                     after: int = 0) -> tuple[int, int] | None:
+    """Where the front end starts the first utterance that it begins after sample `after` (its START
+    event), pre-speech included: the endpoint rule's own start, and EchoOnset's. None: no utterance."""
+    for event, at, onset in endpoint_events(suppressed, linear, suppressing, chunk):
+        if event.kind is EventKind.START and at > after:
+            start = at - len(event.audio)
+            return start, onset.start(start, at, 0)
     return None
 
 
-def utterances_begun(suppressed: np.ndarray, start: int, end: int) -> int:
-    """How many utterances the endpoint rule (the default EndpointConfig, Silero) begins in
-    `suppressed` between samples `start` and `end` (its START events)."""
-    endpointer = Endpointer(EndpointConfig())
-    windows = endpointer.cut(suppressed)
-    begun = 0
-    for k, probability in enumerate(endpointer.vad.probabilities(windows)):
-        for event in endpointer.decide(windows[k : k + 1], np.array([probability])):
-            begun += event.kind is EventKind.START and start <= endpointer.samples_seen <= end
-    return begun
+def utterances_begun(suppressed: np.ndarray, linear: np.ndarray, suppressing: list[bool], chunk: int,
+                     start: int, end: int) -> tuple[int, list[float]]:
+    """How many utterances the front end's endpoint rule begins between samples `start` and `end` (its
+    START events), and of those that end within `suppressed`, how much later than its silence alone would
+    have ended it (the windows the suppressor hid after its last speech: VadEvent.held_ms)."""
+    begun, held = 0, []
+    for event, at, _ in endpoint_events(suppressed, linear, suppressing, chunk):
+        if event.kind is EventKind.START and start <= at <= end:
+            begun += 1
+        elif event.kind is EventKind.END and begun > len(held):
+            held.append(event.held_ms)
+    return begun, held
 
 
 @functools.cache
@@ -345,8 +359,8 @@ def words_kept(case: CaseResult, room: Room, end: int, user_from: int, user_len:
         case.linear_echo_down_db = float(10 * np.log10(np.dot(echo, echo) / max(float(np.dot(echo_left, echo_left)), 1e-12)))
     words_end = user_from + user_len + RATE * 3 // 10
     case.heard_offline = heard_offline(linear[user_from - RATE // 10 : words_end])
-    case.utterances = utterances_begun(suppressed, user_from, words_end)
-    if (starts := utterance_starts(suppressed, suppressing, CHUNK, after=user_from)) is not None:
+    case.utterances, case.held_ms = utterances_begun(suppressed, linear, suppressing, CHUNK, user_from, words_end)
+    if (starts := utterance_starts(suppressed, linear, suppressing, CHUNK, after=user_from)) is not None:
         case.utterance_start_ms = tuple((start - user_from) * 1000 / RATE for start in starts)
         case.heard_from_start = tuple(heard_offline(linear[start:words_end], figure)
                                       for start, figure in zip(starts, ("endpoint rule", "EchoOnset")))
@@ -363,14 +377,16 @@ def offline(delays: list[int], gains: list[int]) -> None:
           f"the echo alone barging in (the suppressed output, Silero, 300 ms); the barge-in heard after (p50, max; missed); "
           f"where its utterance starts after the first word (ms, p50 and max; the endpoint rule's own -> EchoOnset's) and the "
           f"words the recognizer heard from there (the linear output); the barge-ins cut in two utterances or more by the "
-          f"endpoint rule (the reply playing on: no barge-in cuts it offline)")
+          f"endpoint rule (the reply playing on: no barge-in cuts it offline); how much later than their silence alone the "
+          f"barge-in's utterances ended, the suppressor's windows held (p50, max; VadEvent.held_ms), and how many had not "
+          f"ended 1 s after the words")
     print(f"{'delay':>6} {'gain':>6} {'words heard':>14} {'echo down':>10} {'echo barged in':>15} {'barge-in ms':>14}"
           f" {'utterance starts ms':>24} {'words heard from it':>22}")
     total = cases = 0
     heard_from_total = [0, 0]
     for delay_ms, gain_db in itertools.product(delays, gains):
         heard, down, echo_barged, barge_ms = 0, [], 0, []
-        starts, heard_from, split = [], [0, 0], 0
+        starts, heard_from, split, held, still_open = [], [0, 0], 0, [], 0
         for text, at_s in itertools.product(OFFLINE_REPLIES, OFFLINE_BARGE_AT_S):
             reply = espeak_speech(text, "en-us", RATE)
             room = Room(delay_ms, gain_db)
@@ -384,6 +400,8 @@ def offline(delays: list[int], gains: list[int]) -> None:
             echo_barged += case.echo_barged_in_offline
             barge_ms.append(case.barge_in_offline_ms)
             split += case.utterances > 1
+            held += case.held_ms
+            still_open += case.utterances - len(case.held_ms)
             if case.utterance_start_ms is not None:
                 starts.append(case.utterance_start_ms)
             for i, text in enumerate(case.heard_from_start):
@@ -396,7 +414,8 @@ def offline(delays: list[int], gains: list[int]) -> None:
         heard_from_total = [t + h for t, h in zip(heard_from_total, heard_from)]
         print(f"{delay_ms:>3} ms {gain_db:>3} dB {heard:>6} of {n:<4} {np.mean(down):>7.1f} dB {echo_barged:>8} of {len(barge_ms)} "
               f"{timing:>11}; {len(barge_ms) - len(found)} {rule:>11} -> {reach:<11} {heard_from[0]:>4} -> {heard_from[1]:>3} of {n}; "
-              f"{len(barge_ms) - len(starts)} no utterance, {split} split")
+              f"{len(barge_ms) - len(starts)} no utterance, {split} split; ended late "
+              f"{f'{np.median(held):.0f}, {max(held):.0f}' if held else '-'} ms, {still_open} open")
     print(f"{'all':>13} {total:>6} of {cases:<4} ({total / cases:.0%}); from the utterance's start: "
           f"{heard_from_total[0]} -> {heard_from_total[1]} of {cases}")
 

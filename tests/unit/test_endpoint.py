@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.turn_set import TURNS, render
-from voicebot.audio.endpoint import HANGOVER_WINDOWS_MAX, WINDOW, WINDOW_MS, Endpointer, EventKind
+from voicebot.audio.endpoint import HANGOVER_WINDOWS_MAX, HELD_SILENCE_SHARE, WINDOW, WINDOW_MS, Endpointer, EventKind
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.config.stages import EndpointConfig
 from voicebot.serving.silero import SAMPLE_RATE
@@ -98,3 +98,75 @@ def test_silero_speech_ends_within_a_window_of_the_true_end(noise_dbfs):
 def test_the_endpointer_hears_at_silero_s_rate():
     """Silero's graph (serving/silero.py) takes 16 kHz: the rate the server listens at."""
     assert SAMPLE_RATE == LISTEN_RATE
+
+
+def run_hidden(config: EndpointConfig, audio: np.ndarray, probabilities: np.ndarray, hidden: np.ndarray):
+    """Each event with the stream position after its window, and the longest speech run the barge-in rule read."""
+    endpointer = Endpointer(config)
+    events, longest_run = [], 0.0
+    for i in range(len(audio)):
+        for event in endpointer.decide(audio[i : i + 1], probabilities[i : i + 1], hidden[i : i + 1]):
+            events.append((event, endpointer.samples_seen))
+        longest_run = max(longest_run, endpointer.speech_run_ms)
+    return events, longest_run
+
+
+def hidden_runs(*runs: tuple[int, bool]) -> np.ndarray:
+    return np.concatenate([np.full(n, flag) for n, flag in runs])
+
+
+FLOOR = 10 ** (-90 / 20)  # AEC3's suppressor's floor
+HELD = int(CONFIG.endpoint_silence_ms * HELD_SILENCE_SHARE // WINDOW_MS)  # windows one pause may hold
+
+
+def test_silence_the_echo_canceller_hid_inside_an_utterance_is_not_the_users():
+    # Issue 29: the suppressor took longer than the pause from inside words said over the echo. Its
+    # windows count as neither speech nor silence: one utterance, ended by the silence after the words.
+    hole = PAUSE + HELD - 1
+    audio, p = windows((10, ROOM, 0.1), (20, SPEECH, 1.0), (hole, FLOOR, 0.05), (20, SPEECH, 1.0), (20, ROOM, 0.05))
+    hidden = hidden_runs((30, False), (hole, True), (40, False))
+    assert ends(CONFIG, audio, p) == [(30 * WINDOW, (30 + PAUSE) * WINDOW), (last := (50 + hole) * WINDOW, last + PAUSE * WINDOW)]
+    events, _ = run_hidden(CONFIG, audio, p, hidden)
+    assert [(e.kind, at) for e, at in events if e.kind is not EventKind.AUDIO] == [
+        (EventKind.START, 15 * WINDOW), (EventKind.END, last + PAUSE * WINDOW)]
+    assert events[-1][0].speech_end_sample == last and events[-1][0].held_ms == 0  # the end not late: speech after the hole
+
+
+def test_at_most_a_share_of_the_pause_is_held_and_the_end_says_how_much():
+    # After the words, the echo alone is hidden just as well (the canceller cannot tell them apart):
+    # the end comes HELD windows late, and says so; the barge-in rule's speech run is Silero's alone.
+    assert HELD >= 1
+    audio, p = windows((10, ROOM, 0.1), (20, SPEECH, 1.0), (60, FLOOR, 0.05))
+    events, longest_run = run_hidden(CONFIG, audio, p, hidden_runs((30, False), (60, True)))
+    end, at = events[-1]
+    assert end.kind is EventKind.END and end.speech_end_sample == 30 * WINDOW
+    assert end.held_ms == HELD * WINDOW_MS <= CONFIG.endpoint_silence_ms * HELD_SILENCE_SHARE
+    assert at == (30 + PAUSE + HELD) * WINDOW
+    assert longest_run == 20 * WINDOW_MS
+
+
+def test_each_pause_holds_anew():
+    # Two holes, each longer than the pause and within what a pause may hold: the first does not use up the second's.
+    hole = PAUSE + HELD - 1
+    audio, p = windows((20, SPEECH, 1.0), (hole, FLOOR, 0.05), (10, SPEECH, 1.0), (hole, FLOOR, 0.05), (10, SPEECH, 1.0),
+                       (20, ROOM, 0.05))
+    hidden = hidden_runs((20, False), (hole, True), (10, False), (hole, True), (30, False))
+    events, _ = run_hidden(CONFIG, audio, p, hidden)
+    assert [e.kind for e, _ in events if e.kind is not EventKind.AUDIO] == [EventKind.START, EventKind.END]
+
+
+def test_hidden_windows_outside_an_utterance_change_nothing():
+    # Before an utterance starts (and before min_speech_ms of speech), the echo alone is hidden:
+    # it must neither start nor hold anything.
+    audio, p = windows((30, FLOOR, 0.05), (2, SPEECH, 1.0), (30, FLOOR, 0.05), (20, SPEECH, 1.0), (20, ROOM, 0.05))
+    hidden = hidden_runs((62, True), (40, False))
+    plain, _ = run_hidden(CONFIG, audio, p, np.zeros(len(p), bool))
+    held, _ = run_hidden(CONFIG, audio, p, hidden)
+    assert [(e.kind, at, e.speech_end_sample) for e, at in held] == [(e.kind, at, e.speech_end_sample) for e, at in plain]
+
+
+def test_the_silence_a_turn_policy_reads_leaves_out_the_held_windows():
+    endpointer = Endpointer(CONFIG)
+    audio, p = windows((20, SPEECH, 1.0), (HELD, FLOOR, 0.05), (2, ROOM, 0.05))
+    endpointer.decide(audio, p, hidden_runs((20, False), (HELD, True), (2, False)))
+    assert endpointer.in_utterance and endpointer.silence_ms == 2 * WINDOW_MS

@@ -17,6 +17,17 @@ follows, the silence is counted from the first of those, at most HANGOVER_WINDOW
 12 / 26 ms after the true end). A dip inside a word still needs Silero to hear the rest of the
 pause as silence: on the set, in digital silence and in room noise, no more mid-word ends than
 before (bench/turn_offline.py, which measures both).
+
+Silence the echo canceller made (issue 29): while the bot talks, the VAD hears AEC3's suppressed
+output, and in a new reply's first seconds its suppressor can take half a second from inside words
+said over the echo down to its floor; heard as the user's silence, that ended the utterance inside
+them (two utterances, each half '' to the recognizer). A window the canceller says it hid
+(`hidden`, voicebot/audio/echo_onset.py) is, inside an utterance, neither speech nor silence: the
+silence is not counted on over it, for at most HELD_SILENCE_SHARE of endpoint_silence_ms in one
+pause. The canceller cannot tell words it hid from echo it removed: once the user has stopped, the
+echo alone is hidden just as well, so an utterance said over the echo ends that much later than its
+silence alone would have ended it (each END says how much: `held_ms`; its speech end stays at the
+last word). The barge-in rule's `speech_run_ms` is left as Silero has it.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
+from typing import Sequence
 
 import numpy as np
 
@@ -37,6 +49,17 @@ QUIET_MARGIN_DB = 6.0
 HANGOVER_WINDOWS_MAX = 3
 # The room's level: an exponential average over non-speech windows, about 10 windows (320 ms).
 ROOM_LEVEL_WEIGHT = 0.1
+# Of endpoint_silence_ms, the most one pause inside an utterance may hold of windows the echo
+# canceller hid, uncounted: what an utterance said over the echo ends late by, at most (224 ms at the
+# default 500, on the window grid). A hole the suppressor makes inside words is bridged up to 1.5 times
+# endpoint_silence_ms. The holes that split the words were ~0.5 s (the live captures; 480-512 ms of
+# counted silence in tests/unit/test_echo.py's 240 and 300 ms cases); inside the words of 92 offline
+# cases (bench/echo.py's rooms and replies, the test's reply at 60-300 ms, 1.25-2.5 s into it) Silero's
+# longest silence run was 128 ms at the median, 384 at most. A bound of all of endpoint_silence_ms an
+# utterance instead went to a first short hole, and held up to 480 ms after the words: an utterance
+# the echo alone had begun ran on into the user's words (bench/echo.py --offline, 240 ms -6 dB: one
+# utterance, transcribed as the reply's phrase).
+HELD_SILENCE_SHARE = 0.5
 
 
 class EventKind(Enum):
@@ -53,6 +76,9 @@ class VadEvent:
     # where the user stopped talking, the origin of every latency we report.
     speech_end_sample: int = 0
     speech_ms: float = 0.0
+    # END: how much later than its silence alone would have ended it: the windows the echo canceller
+    # hid after its last speech window, not counted as silence.
+    held_ms: float = 0.0
 
 
 class Endpointer:
@@ -68,6 +94,7 @@ class Endpointer:
         self._silence_windows = 0
         self._utterance_windows = 0
         self._last_speech_end = 0
+        self._held_since_speech = 0  # hidden windows since the last speech window not counted as silence
         self._room_db: float | None = None  # the level of the recent non-speech windows
         self._quiet_speech = 0  # speech windows no louder than the room at the end of the speech so far
         # Consecutive speech windows right now: the barge-in detector reads it.
@@ -75,8 +102,9 @@ class Endpointer:
 
     @property
     def silence_ms(self) -> float:
-        """Silence since the last speech window (0 while the user speaks): what a turn policy reads."""
-        return (self.samples_seen - self._last_speech_end) * 1000 / SAMPLE_RATE
+        """Silence since the last speech window (0 while the user speaks), less the windows the echo
+        canceller hid that were not counted as silence: what a turn policy reads."""
+        return (self.samples_seen - self._last_speech_end - self._held_since_speech * WINDOW) * 1000 / SAMPLE_RATE
 
     def set_silence_ms(self, ms: int) -> None:
         self.config = self.config.model_copy(update={"endpoint_silence_ms": ms})
@@ -93,12 +121,13 @@ class Endpointer:
         self._partial = data[n * WINDOW :]
         return data[: n * WINDOW].reshape(n, WINDOW)
 
-    def decide(self, windows: np.ndarray, probabilities: np.ndarray) -> list[VadEvent]:
+    def decide(self, windows: np.ndarray, probabilities: np.ndarray, hidden: Sequence[bool] | None = None) -> list[VadEvent]:
         """The endpoint rule over the windows `cut` returned and their speech probabilities
-        (a few comparisons per window: cheap enough for the event loop)."""
+        (a few comparisons per window: cheap enough for the event loop); `hidden`: for each, whether
+        the echo canceller took what it held to its floor (none: no canceller)."""
         events: list[VadEvent] = []
-        for window, probability in zip(windows, probabilities):
-            events.extend(self._window(window, probability))
+        for k, (window, probability) in enumerate(zip(windows, probabilities)):
+            events.extend(self._window(window, probability, hidden is not None and bool(hidden[k])))
         return _merge_audio(events)
 
     def force_end(self) -> list[VadEvent]:
@@ -108,8 +137,10 @@ class Endpointer:
             return []
         return [self._end()]
 
-    def _window(self, window: np.ndarray, probability: float) -> list[VadEvent]:
+    def _window(self, window: np.ndarray, probability: float, hidden: bool) -> list[VadEvent]:
         speech = probability >= self.config.threshold
+        held = (not speech and hidden and self.in_utterance
+                and (self._held_since_speech + 1) * WINDOW_MS <= self.config.endpoint_silence_ms * HELD_SILENCE_SHARE)
         level_db = 10 * np.log10(float(np.dot(window, window)) / WINDOW + 1e-18)
         self.samples_seen += WINDOW
         self.speech_run_ms = self.speech_run_ms + WINDOW_MS if speech else 0.0
@@ -119,6 +150,9 @@ class Endpointer:
             self._speech_windows += 1
             self._silence_windows = 0
             self._last_speech_end = self.samples_seen
+            self._held_since_speech = 0
+        elif held:  # not the user's silence, nor the room's level: the silence so far stands
+            self._held_since_speech += 1
         else:
             self._room_db = level_db if self._room_db is None else self._room_db + ROOM_LEVEL_WEIGHT * (level_db - self._room_db)
             if self._silence_windows == 0 and self._quiet_speech:  # the hangover was silence already
@@ -160,6 +194,7 @@ class Endpointer:
             np.zeros(0, np.float32),
             speech_end_sample=self._last_speech_end,
             speech_ms=self._speech_windows * WINDOW_MS,
+            held_ms=self._held_since_speech * WINDOW_MS,
         )
         self._reset_utterance()
         return event
@@ -170,7 +205,7 @@ class Endpointer:
         self._speech_windows = 0
         self._silence_windows = 0
         self._utterance_windows = 0
-        self._quiet_speech = 0
+        self._quiet_speech = 0  # (_held_since_speech runs on to the next speech: silence_ms stays continuous)
 
 
 def _merge_audio(events: list[VadEvent]) -> list[VadEvent]:

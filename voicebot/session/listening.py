@@ -31,7 +31,7 @@ import numpy as np
 
 from voicebot.asr.base import Hypothesis, RecognizerStream
 from voicebot.audio.echo import EchoCanceller
-from voicebot.audio.endpoint import Endpointer, EventKind, VadEvent
+from voicebot.audio.endpoint import WINDOW, Endpointer, EventKind, VadEvent
 from voicebot.audio.gate import NoiseGate
 from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
@@ -110,9 +110,13 @@ class FrontEnd:
         while the echo canceller suppresses may reach further back (EchoOnset)."""
         spans: list[tuple[VadEvent, int, int]] = []  # an event, where its audio starts and ends
         for k in range(len(windows)):
+            hidden = None  # whether the echo canceller's suppressor hid this window (EchoOnset)
             if self.echo_onset is not None:
                 self.echo_onset.observe(windows[k], bool(suppressing[k]))
-            for event in self.endpointer.decide(windows[k : k + 1], probabilities[k : k + 1]):
+                if suppressing[k]:
+                    at = self.endpointer.samples_seen
+                    hidden = [self.echo_onset.hid(self._kept(at, at + WINDOW))]
+            for event in self.endpointer.decide(windows[k : k + 1], probabilities[k : k + 1], hidden):
                 end = self.endpointer.samples_seen
                 start = end - len(event.audio)
                 if event.kind is EventKind.START:  # its pre-speech audio included
