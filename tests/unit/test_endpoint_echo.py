@@ -15,7 +15,6 @@ from voicebot.audio.echo_onset import EchoOnset
 from voicebot.audio.endpoint import WINDOW, EventKind
 from voicebot.config.stages import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
-from voicebot.serving.worker import Worker
 from voicebot.session.listening import FrontEnd
 
 RATE = 16000
@@ -37,25 +36,21 @@ class HoleCanceller:
 
 
 @pytest.mark.parametrize("suppressing, utterances", [(True, 1), (False, 2)])
-def test_words_the_suppressor_hid_are_one_utterance_where_it_suppressed(batcher, suppressing, utterances):
+def test_words_the_suppressor_hid_are_one_utterance_where_it_suppressed(input_clock, suppressing, utterances):
     # 0.7 s from inside the words taken to the floor: more than endpoint_silence_ms (500), less than twice it.
     words = espeak_speech("what time does the show start tomorrow") * 0.5
     lead = RATE // 2
     audio = np.concatenate([np.zeros(lead, np.float32), words, np.zeros(2 * RATE, np.float32)])
     hole = slice(lead + len(words) // 2 - RATE * 35 // 100, lead + len(words) // 2 + RATE * 35 // 100)
-    worker = Worker("audio", threads=1)
 
     async def run() -> list:
-        front = FrontEnd(RATE, GateConfig(enabled=False), EndpointConfig(), HoleCanceller(hole, suppressing), vad=batcher)
+        front = FrontEnd(RATE, GateConfig(enabled=False), EndpointConfig(), HoleCanceller(hole, suppressing))
         events = []
         for start in range(0, len(audio), 3200):  # 200 ms chunks
-            events += (await front.process(AudioIn(to_pcm16(audio[start : start + 3200]), time.monotonic()), worker)).events
+            events += (await front.process(AudioIn(to_pcm16(audio[start : start + 3200]), time.monotonic()), input_clock)).events
         return events
 
-    try:
-        events = asyncio.run(run())
-    finally:
-        worker.shutdown()
+    events = asyncio.run(run())
     kinds = [e.kind for e in events]
     assert kinds.count(EventKind.START) == utterances and kinds.count(EventKind.END) == utterances
     end = events[-1]
