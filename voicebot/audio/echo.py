@@ -17,7 +17,7 @@ Timing: the far end is consumed at the input's pace, one 10 ms block per 10 ms o
 moment the server sends it (the client plays each frame after the one before it); the echo then
 arrives later by the client's playback latency plus the acoustic and capture path. A reply's
 first frame is matched with the input that arrived when it was sent, not with the input the
-audio worker happens to be processing then: under load that input is older (it waited in the
+input clock happens to be processing then: under load that input is older (it waited in the
 session's queue), and the echo would seem later by that wait, past AEC3's range. For a path beyond
 AEC3's reach only (`AEC3_REACH_S`, echo_delay.py), the far end is held back by the tracker's
 estimate less `HOLD_MARGIN_S`. A path AEC3 reaches is left alone: every shift of its reference
@@ -145,7 +145,7 @@ class FarHold:
 class EchoCanceller:
     """One session's canceller. `play()` each reply chunk as it is sent (24 kHz); `process()` the input (16 kHz).
 
-    `play` and `stop` run on the event loop, `process` on the audio worker: the far-end queue is
+    `play` and `stop` run on the event loop, `process` on the input clock's thread (voicebot/serving/input_clock.py): the far-end queue is
     shared under a lock.
     """
 
