@@ -145,8 +145,8 @@ class FarHold:
 class EchoCanceller:
     """One session's canceller. `play()` each reply chunk as it is sent (24 kHz); `process()` the input (16 kHz).
 
-    `play` and `stop` run on the event loop, `process` on the input clock's thread (voicebot/serving/input_clock.py): the far-end queue is
-    shared under a lock.
+    `play` and `stop` run on the event loop, `process` on the input clock's thread
+    (voicebot/serving/input_clock.py): the far-end queue is shared under a lock.
     """
 
     def __init__(self, reply_rate: int = 24000) -> None:
