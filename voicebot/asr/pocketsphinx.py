@@ -144,9 +144,9 @@ class ProcessStream(RecognizerStream):
     def _bind(self, process: DecoderProcess) -> None:
         self.process = process
         process.streams += 1
-        # Borrowing may build a decoder (~0.3 s in the child): started now; the child's generation
-        # it opened on comes back.
-        self._opened = process.worker.submit(process.open_stream, self.id, self.engine.cepstral_mean)
+        # Sent with the child's next batch, answered at once (the child builds the stream's decoder
+        # between requests if none is idle); the child's generation it opened on comes back.
+        self._opened = process.queue_open(self.id, self.engine.cepstral_mean)
         self._opened_on: int | None = None
 
     async def _child(self) -> int:
@@ -200,7 +200,7 @@ class ThreadStream(RecognizerStream):
     def __init__(self, engine: PocketsphinxRecognizer) -> None:
         self.engine = engine
         # Borrowing builds a decoder (~0.3 s) if none is idle: started now, off the loop.
-        self._transcriber = engine.worker.submit(Transcriber, engine.decoders)
+        self._transcriber = engine.worker.submit(Transcriber.borrowing, engine.decoders)
         self.generation = 0
 
     def _on_transcriber(self, method, *args):

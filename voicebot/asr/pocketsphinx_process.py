@@ -151,11 +151,10 @@ class DecoderProcess:
             self._end_child()
             raise
 
-    def open_stream(self, stream_id: int, cepstral_mean: str | None) -> int:
-        """Bind a stream here (blocking: on `worker`); the generation its later requests name."""
-        self._live_child()
-        self._round_trip(("open", stream_id, cepstral_mean))
-        return self.generation
+    def queue_open(self, stream_id: int, cepstral_mean: str | None) -> concurrent.futures.Future:
+        """Bind a stream here (any thread): its open goes with the next batch of feeds; its future
+        gets the generation of the child it opened on, which its later requests name."""
+        return self._queue(None, ("open", stream_id, cepstral_mean))
 
     def call(self, generation: int, request: tuple) -> Any:
         """One request of a stream bound to child `generation`, and its answer (blocking: on `worker`)."""
@@ -176,6 +175,9 @@ class DecoderProcess:
 
     def queue_feed(self, generation: int, request: tuple) -> concurrent.futures.Future:
         """A feed for the next batch (any thread); its future gets the partial, as `call` answers it."""
+        return self._queue(generation, request)
+
+    def _queue(self, generation: int | None, request: tuple) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._feeds_lock:
             self._feeds.append((generation, request, future))
@@ -195,37 +197,45 @@ class DecoderProcess:
         self.feed_batches[len(feeds)] += 1
         # (future, its pieces' indices in `pieces`); a feed of a lost child fails at once.
         pieces: list[tuple] = []
-        waiting: list[tuple[concurrent.futures.Future, range]] = []
-        for generation, (op, stream_id, pcm), future in feeds:
+        # (future, its pieces' indices, for an open the generation it opens on, else None)
+        waiting: list[tuple[concurrent.futures.Future, range, int | None]] = []
+        for generation, (op, stream_id, argument), future in feeds:
             if not future.set_running_or_notify_cancel():
                 continue  # its session went away
             if failed is not None:
                 future.set_exception(failed)
                 continue
             try:
-                self._check_generation(generation, self._live_child())
-            except Exception as exc:  # noqa: BLE001 -- this feed's, told to its stream
+                dead_code = self._live_child()
+                if op != "open":  # an open binds to whichever child is live now
+                    self._check_generation(generation, dead_code)
+            except Exception as exc:  # noqa: BLE001 -- this request's, told to its stream
                 future.set_exception(exc)
                 continue
             first = len(pieces)
-            pieces += [(op, stream_id, pcm[start : start + MAX_FEED_BYTES]) for start in range(0, max(len(pcm), 1), MAX_FEED_BYTES)]
-            waiting.append((future, range(first, len(pieces))))
+            if op == "open":
+                pieces.append((op, stream_id, argument))
+            else:
+                pieces += [(op, stream_id, argument[start : start + MAX_FEED_BYTES])
+                           for start in range(0, max(len(argument), 1), MAX_FEED_BYTES)]
+            waiting.append((future, range(first, len(pieces)), self.generation if op == "open" else None))
         answers: list = []
         try:
             while len(answers) < len(pieces):
                 batch, size = [], 0
                 for piece in pieces[len(answers):]:
-                    if batch and size + len(piece[2]) > MAX_BATCH_BYTES:
+                    audio = len(piece[2]) if piece[0] == "feed" else 0
+                    if batch and size + audio > MAX_BATCH_BYTES:
                         break
                     batch.append(piece)
-                    size += len(piece[2])
+                    size += audio
                 answers += self._round_trip(("batch", None, batch))
         except Exception as exc:  # noqa: BLE001 -- the child was lost: every feed not answered fails with it
-            for future, indices in waiting:
-                if indices and indices[-1] >= len(answers):
+            for future, indices, _ in waiting:
+                if indices[-1] >= len(answers):
                     future.set_exception(exc)
-            waiting = [(f, i) for f, i in waiting if not i or i[-1] < len(answers)]
-        for future, indices in waiting:
+            waiting = [entry for entry in waiting if entry[1][-1] < len(answers)]
+        for future, indices, opened_on in waiting:
             partial, error = None, None  # the last partial that changed, as one feed of the whole would answer
             for result, piece_error in (answers[i] for i in indices):
                 error = error or piece_error
@@ -233,7 +243,7 @@ class DecoderProcess:
             if error is not None:
                 future.set_exception(RuntimeError(f"pocketsphinx: {error}"))
             else:
-                future.set_result(partial)
+                future.set_result(partial if opened_on is None else opened_on)
 
     def _check_generation(self, generation: int, dead_code: int | None) -> None:
         """Raise if the stream's child (`generation`) is not the live one; `dead_code`, the exit code
