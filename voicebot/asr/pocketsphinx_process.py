@@ -18,7 +18,10 @@ Feeds are batched: a stream's feed joins the process's queue of feeds, and one c
 takes every feed queued there, of every stream bound here, to the child as one request ("batch"),
 whose answer holds each feed's (`feed_batches` counts the feeds per batch). So the streams of a
 process cost one round trip per batch, not one per chunk per stream: while the child decodes one
-batch, the next gathers, and a stream's next chunk waits at most for the batch in flight.
+batch, the next gathers, and a stream's next chunk waits at most for the batch in flight. A
+stream's open goes the same way, with the next batch: the child answers it without building a
+decoder (one with none idle waits for its own, built between requests), so a burst of connects puts
+no round trip, and no build, ahead of the speaking streams' feeds.
 
 Bounds: one request in flight per process (its worker has one thread), so the pipe holds at most
 one request, of at most 1 s of audio for a lone request (`MAX_FEED_BYTES`: a longer feed goes as
@@ -68,8 +71,9 @@ STOP_TIMEOUT_S = 5.0
 # developers' jobs): a Decoder's build took 0.5-0.6 s of CPU and up to 2.1 s of wall time with the
 # general LM (0.15-0.2 s with a grammar); 6.5 s of audio fed in one call took 3.2 s of CPU and 5.9 s
 # of wall time with the LM (0.2 s with a grammar), and its end of utterance 0.16 s.
-# Any request may wait behind one build the child runs between requests (Decoders' refill), and an
-# open may run one itself: two builds, 4.2 s at that worst, so a floor of 15 s (3.5 times that).
+# Any request may wait behind one build the child runs between requests (for a stream waiting for
+# its decoder), and run one itself (that stream's finish, or its feed past the audio held for it):
+# two builds, 4.2 s at that worst, so a floor of 15 s (3.5 times that).
 ANSWER_FLOOR_S = 15.0
 # On top, per second of the audio the request decodes (a feed's chunk; for a finish, renew or close,
 # which end the utterance, the utterance so far: the best path and the LM's second pass search it
