@@ -57,8 +57,9 @@ MAX_AUTO_PROCESSES = 4
 # speaking stream's feeds 3-4 s on this 2-core box, none past 20 ms on 16), so the pool should cover
 # the burst admission lets in. With a grammar (0.015 CPU s per s of speech) two children hold 16
 # speakers and more: 17 decoders, 459 MB. With the general LM (0.46 CPU s per s) two children keep up
-# with about 4 people speaking at once, so admission lets in far fewer: 5 decoders, 450 MB. Start-up
-# builds them, split among the children side by side (0.2-0.6 s each).
+# with about 4 people speaking at once, so admission lets in far fewer: 5 decoders, 450 MB. Split
+# among the children rounding down (2 children: 16 with a grammar, 4 with the LM), built at start-up
+# side by side (0.2-0.6 s each).
 POOL_MB = 480
 DECODER_MB = {"grammar": 27, "lm": 90}  # resident, each
 
@@ -86,7 +87,8 @@ class PocketsphinxRecognizer(Recognizer):
         children = default_processes() if config.processes is None else config.processes
         pool = config.decoders or default_decoders(config.phrases)
         if children:
-            keep = math.ceil(pool / children)  # the pool, split: at least one idle each
+            # The pool, split: at least one idle each; the default's rounded down, within POOL_MB.
+            keep = math.ceil(pool / children) if config.decoders else max(1, pool // children)
             self.processes = [DecoderProcess(i, config.phrases, config.second_pass, keep) for i in range(children)]
             self.cepstral_mean: str | None = None  # of the server's last finished utterance
             self._stream_ids = count()

@@ -23,7 +23,7 @@ class PocketsphinxConfig(Section):
     # loop; in a decoding process its own, where every other stream bound there waits out each build
     # a burst of connects beyond the pool needs. 27 MB each with a grammar, 90 MB with the general LM.
     # None: as many as fit in 480 MB (voicebot/asr/pocketsphinx.py's POOL_MB says why): 17 with a
-    # grammar, 5 with the LM.
+    # grammar, 5 with the LM, split among the processes rounding down (2: 16 and 4).
     decoders: int | None = Field(None, ge=1)
     # Decoding processes (voicebot/asr/pocketsphinx_process.py): pocketsphinx holds the GIL for a whole
     # call, so it decodes in processes of its own, each stream bound to one. None: one per core, at
