@@ -123,7 +123,7 @@ class DecoderProcess:
         self._feeds: list[tuple[int, tuple, concurrent.futures.Future]] = []
         self._feeds_lock = threading.Lock()
         self._batch_queued = False
-        self.feed_batches: Counter[int] = Counter()  # feeds per batch
+        self.feed_batches: Counter[int] = Counter()  # requests per batch: feeds, and the opens that went with them
 
     @property
     def pid(self) -> int | None:
