@@ -118,9 +118,10 @@ class DecoderProcess:
         self._utterance_samples: dict[int, int] = {}
         self.busy_s = 0.0  # the children's CPU seconds answering requests, for admission control
         self._closing = False
-        # Feeds waiting for the next batch: (generation, request, its future); at most one per stream
-        # bound here. `_batch_queued`: a batch call is on the worker's queue and has not taken them yet.
-        self._feeds: list[tuple[int, tuple, concurrent.futures.Future]] = []
+        # Feeds and opens waiting for the next batch: (generation, None for an open; request; its
+        # future); at most one per stream bound here (its open comes back before its first feed).
+        # `_batch_queued`: a batch call is on the worker's queue and has not taken them yet.
+        self._feeds: list[tuple[int | None, tuple, concurrent.futures.Future]] = []
         self._feeds_lock = threading.Lock()
         self._batch_queued = False
         self.feed_batches: Counter[int] = Counter()  # requests per batch: feeds, and the opens that went with them
