@@ -73,7 +73,9 @@ def make_settings(**overrides: Any) -> Settings:
     # `server` pool is the tests' too (their clients, the module's other servers): a pool full or a
     # burst of connects says nothing of the server there. Admission's rules are tested on their own
     # (tests/unit/test_capacity.py, tests/serving/test_input_lag.py sets its cold start).
-    base = {"server": {"port": 0}, "asr": {"pocketsphinx": {"phrases": TEST_PHRASES}},
+    # 4 decoders, not the grammar's default 17 (voicebot/asr/pocketsphinx.py's POOL_MB): a test's
+    # server serves a few streams, and every build is CPU the suite's other servers wait for.
+    base = {"server": {"port": 0}, "asr": {"pocketsphinx": {"phrases": TEST_PHRASES, "decoders": 4}},
             "limits": {"max_worker_load": 1.0, "cold_start_sessions": 64}}
     for key, value in overrides.items():
         base.setdefault(key, {}).update(value) if isinstance(value, dict) else base.__setitem__(key, value)

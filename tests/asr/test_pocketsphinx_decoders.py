@@ -143,3 +143,76 @@ def test_partials_are_searched_at_most_once_per_interval_and_the_final_is_whole(
     assert texts, "no partial at all"
     assert all((index + 1) % per_partial == 0 for index in at), at
     assert final == TEST_PHRASES[3]
+
+
+def utterance_pcm16(phrase: str) -> bytes:
+    audio = np.concatenate([np.zeros(4800, np.float32), espeak_speech(phrase), np.zeros(8000, np.float32)])
+    return (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def test_a_burst_of_opens_beyond_the_pool_builds_between_requests_not_in_them(monkeypatch):
+    """The decoding process's loop (`serve`, here on a thread over a real pipe): an open that finds
+    no idle decoder is answered without a build, so a speaking stream's feed queued behind a burst of
+    opens is answered before any of their decoders is built; the waiting streams' decoders are built
+    between requests, their audio held meanwhile and decoded whole."""
+    import threading
+    from multiprocessing import Pipe
+
+    events: list[str] = []  # what the child did, in order: a build, a feed answered
+    new_decoder, feed = Decoders.new_decoder, pocketsphinx_decoders.Transcriber.feed
+    monkeypatch.setattr(Decoders, "new_decoder", lambda pool: events.append("build") or new_decoder(pool))
+    monkeypatch.setattr(pocketsphinx_decoders.Transcriber, "feed",
+                        lambda stream, pcm: events.append("feed") or feed(stream, pcm))
+    monkeypatch.setattr(pocketsphinx_decoders.signal, "signal", lambda *args: None)  # a thread's, not a process's
+    ours, theirs = Pipe()
+    chunk = bytes(640)
+
+    def answer():
+        assert ours.poll(60), "the child's loop stopped answering"
+        return ours.recv()
+
+    # Queued before the child reads any: stream 1 takes the one idle decoder, 2 and 3 find none,
+    # then stream 1 speaks (as the server's worker sends them during a burst of connects).
+    for request in [("open", 1, None), ("open", 2, None), ("open", 3, None), ("feed", 1, chunk)]:
+        ours.send(request)
+    child = threading.Thread(target=pocketsphinx_decoders.serve, args=(theirs, TEST_PHRASES, False, 1))
+    child.start()
+    try:
+        assert answer() == ("ready", None)
+        events.clear()  # the start-up's build
+        answers = [answer() for _ in range(4)]
+        assert [(result, error) for result, error, _ in answers] == [(None, None)] * 4
+        assert events[0] == "feed"  # stream 1's feed waited for no build
+        pcm = utterance_pcm16(TEST_PHRASES[0])
+        for start in range(0, len(pcm), 1280):
+            ours.send(("batch", None, [("feed", 2, pcm[start : start + 1280])]))
+            answer()
+        ours.send(("finish", 2, None))
+        (text, _), error, _ = answer()
+        assert error is None and text == TEST_PHRASES[0]
+        # Stream 2's decoder, once; stream 3's too unless the child had no gap between requests for
+        # it yet (then its close frees it of the wait): one build per waiting stream at most.
+        assert events.count("build") in (1, 2)
+        for stream in (1, 2, 3):
+            ours.send(("close", stream, None))
+            assert answer()[1] is None
+    finally:
+        ours.close()
+        child.join(30)
+    assert not child.is_alive()  # it returns when its pipe closes
+
+
+def test_a_stream_waiting_for_its_decoder_holds_at_most_the_bound_then_builds_its_own(monkeypatch):
+    monkeypatch.setattr(pocketsphinx_decoders, "MAX_HELD_BYTES", 6400)  # 0.2 s
+    pool = Decoders(TEST_PHRASES, False, 1, build_later=None)
+    stream = pocketsphinx_decoders.Transcriber(pool, pool.take_idle())
+    assert stream.decoder is None  # nothing loaded: none idle, and none built
+    pcm = utterance_pcm16(TEST_PHRASES[1])
+    stream.feed(pcm[:6400])
+    assert stream.decoder is None  # held, within the bound
+    stream.feed(pcm[6400:7040])
+    assert stream.decoder is not None  # past it: its own, and the held audio decoded on it
+    stream.feed(pcm[7040:])
+    assert stream.finish() == TEST_PHRASES[1]
+    stream.close()
+    assert pool.idle == 1

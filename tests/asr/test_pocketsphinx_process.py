@@ -132,12 +132,13 @@ def test_a_long_feed_goes_to_the_child_in_pieces_of_at_most_a_second(recognizer,
     audio = np.concatenate([utterance(TEST_PHRASES[0]), np.zeros(16000, np.float32)])
     assert len(audio) * 2 > 2 * MAX_FEED_BYTES  # three pieces, the last a short one
     process = recognizer.processes[0]
-    sent: list[list[int]] = []  # per request to the child, its feeds' bytes
+    sent: list[list[int]] = []  # per request to the child with feeds, its feeds' bytes
     round_trip = process._round_trip
 
     def recorded(request):
-        if request[0] == "batch":
-            sent.append([len(feed[2]) for feed in request[2]])
+        feeds = [len(piece[2]) for piece in request[2] if piece[0] == "feed"] if request[0] == "batch" else []
+        if feeds:  # (the stream's open goes in a batch too)
+            sent.append(feeds)
         return round_trip(request)
 
     monkeypatch.setattr(process, "_round_trip", recorded)
@@ -345,6 +346,41 @@ def test_feeds_queued_while_a_batch_is_in_flight_go_to_the_child_as_the_next_bat
         with pytest.raises(DecoderProcessLost, match="lost earlier"):
             stale.result(10)
         assert all(feed[1] != 7 for request in requests for feed in request[2])
+    finally:
+        release.set()
+        process.worker.shutdown()
+
+
+def test_a_streams_open_goes_with_the_next_batch_not_ahead_of_the_feeds():
+    """A burst of connects does not queue one round trip per open ahead of the speaking streams'
+    feeds: opens queued while a batch is in flight go with the feeds in the next one, and each
+    comes back with the generation of the child it opened on."""
+    import threading
+
+    process = DecoderProcess(0, [], False, keep=1)  # never spawned: the round trip is the test's
+    requests: list[tuple] = []
+    in_flight, release = threading.Event(), threading.Event()
+
+    def round_trip(request):
+        requests.append(request)
+        in_flight.set()
+        release.wait(10)
+        return [(None, None) for _ in request[2]]
+
+    process._round_trip = round_trip
+    process._live_child = lambda: None
+    process.generation = 3
+    chunk = bytes(640)
+    try:
+        first = process.queue_feed(3, ("feed", 1, chunk))
+        assert in_flight.wait(10)
+        opens = [process.queue_open(stream, "40,3,-1") for stream in (2, 3)]
+        feed = process.queue_feed(3, ("feed", 1, chunk))
+        release.set()
+        assert [first.result(10), feed.result(10)] == [None, None]
+        assert [future.result(10) for future in opens] == [3, 3]
+        assert [[(op, stream) for op, stream, _ in request[2]] for request in requests] == [
+            [("feed", 1)], [("open", 2), ("open", 3), ("feed", 1)]]
     finally:
         release.set()
         process.worker.shutdown()

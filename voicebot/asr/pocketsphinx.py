@@ -46,10 +46,26 @@ __all__ = ["PARTIAL_INTERVAL_SAMPLES", "PocketsphinxRecognizer"]
 # at a time; more than the cores decode no more at once), at most this many. The general LM costs about
 # half a core per stream speaking (bench/pocketsphinx_burst.py: 0.46 CPU s per s of audio; a grammar,
 # 0.015), and a show's guests take turns, so 4 keep up with a show; each costs its own interpreter
-# (24 MB) and at least one idle decoder (a child with one: 119 MB with the LM, 52 MB with a grammar),
-# and 4 hold the default pool of 4 one each. A box meant for many speakers at once raises it, up to
-# its cores (admission control watches each process's load).
+# (24 MB) and at least one idle decoder (a child with one: 119 MB with the LM, 52 MB with a grammar).
+# A box meant for many speakers at once raises it, up to its cores (admission control watches each
+# process's load).
 MAX_AUTO_PROCESSES = 4
+
+# `decoders` when not configured: as many as fit in this much resident memory. A burst of connects
+# beyond the pool stalls the streams already speaking on each child by every build it needs (0.2-0.6
+# s of CPU each, pocketsphinx holding the child's GIL: 16 connects in 0.8 s on 4 decoders stalled a
+# speaking stream's feeds 3-4 s on this 2-core box, none past 20 ms on 16), so the pool should cover
+# the burst admission lets in. With a grammar (0.015 CPU s per s of speech) two children hold 16
+# speakers and more: 17 decoders, 459 MB. With the general LM (0.46 CPU s per s) two children keep up
+# with about 4 people speaking at once, so admission lets in far fewer: 5 decoders, 450 MB. Split
+# among the children rounding down (2 children: 16 with a grammar, 4 with the LM), built at start-up
+# side by side (0.2-0.6 s each).
+POOL_MB = 480
+DECODER_MB = {"grammar": 27, "lm": 90}  # resident, each
+
+
+def default_decoders(phrases: list[str]) -> int:
+    return POOL_MB // DECODER_MB["grammar" if phrases else "lm"]
 
 
 def default_processes() -> int:
@@ -69,15 +85,17 @@ class PocketsphinxRecognizer(Recognizer):
         self.model = model_name(config.phrases)
         self._loaded = False
         children = default_processes() if config.processes is None else config.processes
+        pool = config.decoders or default_decoders(config.phrases)
         if children:
-            keep = math.ceil(config.decoders / children)  # the pool, split: at least one idle each
+            # The pool, split: at least one idle each; the default's rounded down, within POOL_MB.
+            keep = math.ceil(pool / children) if config.decoders else max(1, pool // children)
             self.processes = [DecoderProcess(i, config.phrases, config.second_pass, keep) for i in range(children)]
             self.cepstral_mean: str | None = None  # of the server's last finished utterance
             self._stream_ids = count()
         else:
             self.processes = []
             self.worker = Worker("pocketsphinx", threads=2)
-            self.decoders = Decoders(config.phrases, config.second_pass, config.decoders, self.worker.submit)
+            self.decoders = Decoders(config.phrases, config.second_pass, pool, self.worker.submit)
 
     def load(self) -> None:
         if self.processes:
@@ -144,9 +162,9 @@ class ProcessStream(RecognizerStream):
     def _bind(self, process: DecoderProcess) -> None:
         self.process = process
         process.streams += 1
-        # Borrowing may build a decoder (~0.3 s in the child): started now; the child's generation
-        # it opened on comes back.
-        self._opened = process.worker.submit(process.open_stream, self.id, self.engine.cepstral_mean)
+        # Sent with the child's next batch, answered at once (the child builds the stream's decoder
+        # between requests if none is idle); the child's generation it opened on comes back.
+        self._opened = process.queue_open(self.id, self.engine.cepstral_mean)
         self._opened_on: int | None = None
 
     async def _child(self) -> int:
@@ -200,7 +218,7 @@ class ThreadStream(RecognizerStream):
     def __init__(self, engine: PocketsphinxRecognizer) -> None:
         self.engine = engine
         # Borrowing builds a decoder (~0.3 s) if none is idle: started now, off the loop.
-        self._transcriber = engine.worker.submit(Transcriber, engine.decoders)
+        self._transcriber = engine.worker.submit(Transcriber.borrowing, engine.decoders)
         self.generation = 0
 
     def _on_transcriber(self, method, *args):

@@ -9,9 +9,21 @@ at its end cost 90 MB of RSS per concurrent stream for good: glibc kept the free
 went from 385 MB to 1.29 GB after 10 sessions had come and gone). So streams borrow decoders from
 a `Decoders` pool and give them back. `keep` decoders are built at start-up, before any stream;
 given back, a decoder waits for the next stream while fewer than `keep` are idle; one more is freed
-and the memory returned to the system (`release_freed_memory`). A stream that finds none idle
-builds its own and has one more built later (`build_later`) for the next. Memory bound:
-max(keep, streams open + 1) decoders, at most `keep` of them idle.
+and the memory returned to the system (`release_freed_memory`).
+
+A stream that finds none idle, where the pool lives:
+- on the server's threads (`build_later` given): builds its own, and has one more built later, on
+  a worker, for the next. Memory bound: max(keep, streams open + 1) decoders, at most `keep` idle.
+- in a decoding process (`serve`): a build holds the child for 0.2-0.6 s, and every stream bound
+  there waits behind it, so none runs inside a request unless that request cannot be answered
+  without it. The stream's open is answered at once, and it waits for its decoder, its audio held
+  (`MAX_HELD_BYTES`); between requests, while none waits, the child builds one decoder at a time,
+  for the oldest waiting stream. The server has one request in flight per child, so each request
+  waits behind at most one build between requests, and one inside it (a waiting stream's finish,
+  or its feed past the hold). The builds still take the child's CPU from its streams (pocketsphinx
+  holds the GIL throughout): a burst of streams beyond the pool delays the child's other streams by
+  every build it needs, one build at a time, which only a pool as large as the burst avoids.
+  Memory bound: max(keep, streams bound to the child) decoders, at most `keep` idle.
 
 pocketsphinx normalises features by a cepstral mean it learns from the audio it has decoded; a
 cold decoder's first utterance is often cut short. A decoder lent to a stream, or renewed by its
@@ -27,7 +39,6 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -39,6 +50,9 @@ from voicebot.memory import release_freed_memory
 # measures 1 % of the decoding's CPU saved (0.4 ms per s of audio on a grammar, 4 ms on the
 # general LM), the finals the same. The final is always exact: end_utt, then hyp().
 PARTIAL_INTERVAL_SAMPLES = 3200  # 200 ms at 16 kHz
+# The most audio a stream waiting for its decoder has held for it (10 s of s16le, 320 KB: a child's
+# builds between requests reach a stream well within it); past it, its feed builds the decoder itself.
+MAX_HELD_BYTES = 10 * 2 * 16000
 
 
 def jsgf(phrases: list[str]) -> str:
@@ -56,11 +70,12 @@ class Decoders:
     """The decoders of one process, lent to its streams (blocking; thread-safe)."""
 
     def __init__(self, phrases: list[str], second_pass: bool, keep: int,
-                 build_later: Callable[[Callable[[], None]], object]) -> None:
+                 build_later: Callable[[Callable[[], None]], object] | None) -> None:
         self.grammar = jsgf(phrases) if phrases else None
         self.second_pass = second_pass
         self.keep = keep
-        self._build_later = build_later  # runs a build off the streams' path (a worker, an idle child)
+        # Runs a build off the streams' path (a worker); None: the owner builds for the streams waiting (`serve`).
+        self._build_later = build_later
         self.cepstral_mean: str | None = None  # of the last finished utterance
         self._initial_cmn: str | None = None  # a fresh decoder's, for a reused one before any utterance
         self._idle: list = []  # decoders no stream holds, at most `keep`
@@ -101,16 +116,24 @@ class Decoders:
         return decoder
 
     def borrow(self):
-        """A decoder for a stream, as a new one would start."""
+        """A decoder for a stream, as a new one would start: an idle one, else one built now (and,
+        on the server's threads, one more later for the next stream)."""
+        decoder = self.take_idle()
+        if decoder is not None:
+            return decoder
+        if self._build_later is not None:
+            with self._lock:
+                refill, self._refilling = not self._refilling, True
+            if refill:
+                self._build_later(self._refill)
+        return self.new_decoder()
+
+    def take_idle(self):
+        """An idle decoder, renewed, or None (nothing is built)."""
         with self._lock:
             decoder = self._idle.pop() if self._idle else None
-            refill = decoder is None and not self._refilling  # more streams than the pool: one more
-            self._refilling = self._refilling or refill
-        if refill:
-            self._build_later(self._refill)
-        if decoder is None:
-            return self.new_decoder()
-        self.renew(decoder)
+        if decoder is not None:
+            self.renew(decoder)
         return decoder
 
     def _refill(self) -> None:
@@ -149,22 +172,47 @@ class Decoders:
 
 
 class Transcriber:
-    """One stream's decoding, on a decoder borrowed from the pool for the stream's life (blocking)."""
+    """One stream's decoding, on a decoder borrowed from the pool for the stream's life (blocking).
 
-    def __init__(self, pool: Decoders) -> None:
+    `decoder` None: the stream waits for one (`attach`), its utterance's audio held meanwhile, at
+    most MAX_HELD_BYTES of it; a feed past that, or the utterance's finish, borrows one at once."""
+
+    def __init__(self, pool: Decoders, decoder) -> None:
         self.pool = pool
-        self.decoder = pool.borrow()
+        self.decoder = decoder
+        self._held = bytearray()  # the utterance's audio while no decoder is attached
         self._in_utterance = False
         self._partial = ""
         self._unsearched = 0  # samples fed since the last partial hypothesis
 
+    @classmethod
+    def borrowing(cls, pool: Decoders) -> "Transcriber":
+        """A stream with a decoder of its own from the start (built now if none is idle)."""
+        return cls(pool, pool.borrow())
+
+    def attach(self, decoder) -> None:
+        """The stream's decoder, at last: the audio held for it decoded on it."""
+        self.decoder = decoder
+        if self._in_utterance:
+            decoder.start_utt()
+            if self._held:
+                decoder.process_raw(bytes(self._held), False, False)
+                self._unsearched += len(self._held) // 2  # the next feed searches it for a partial
+        self._held = bytearray()
+
     def feed(self, pcm16: bytes) -> str | None:
         """16 kHz s16le audio of the current utterance; the partial transcript when it changed."""
         if not self._in_utterance:
-            self.decoder.start_utt()
             self._in_utterance = True
             self._partial = ""
             self._unsearched = 0
+            if self.decoder is not None:
+                self.decoder.start_utt()
+        if self.decoder is None:
+            if len(self._held) + len(pcm16) <= MAX_HELD_BYTES:
+                self._held += pcm16
+                return None
+            self.attach(self.pool.borrow())
         self.decoder.process_raw(pcm16, False, False)
         self._unsearched += len(pcm16) // 2
         if self._unsearched < PARTIAL_INTERVAL_SAMPLES:
@@ -181,6 +229,8 @@ class Transcriber:
         """The utterance's final transcript ("" for none); its cepstral mean becomes the pool's."""
         if not self._in_utterance:
             return ""
+        if self.decoder is None:  # the reply waits for this transcript: its decoder now
+            self.attach(self.pool.borrow())
         self.decoder.end_utt()
         self._in_utterance = False
         self.pool.cepstral_mean = self.decoder.get_cmn(False)
@@ -189,14 +239,18 @@ class Transcriber:
 
     def renew(self) -> None:
         """The periodic reset: the decoder renewed in place, not given back (one given back may be
-        freed, and the next utterance would build one: 0.3-0.6 s holding the GIL)."""
-        if self._in_utterance:
+        freed, and the next utterance would build one: 0.3-0.6 s holding the GIL). The utterance in
+        progress is dropped, held audio with it."""
+        if self._in_utterance and self.decoder is not None:
             self.decoder.end_utt()
-            self._in_utterance = False
-        self.pool.renew(self.decoder)
+        self._in_utterance = False
+        self._held = bytearray()
+        if self.decoder is not None:
+            self.pool.renew(self.decoder)
 
     def close(self) -> None:
         """The decoder back to the pool (the stream's end)."""
+        self._held = bytearray()
         if self.decoder is None:
             return
         if self._in_utterance:
@@ -217,8 +271,8 @@ def _answer(pool: Decoders, streams: dict[int, Transcriber], request: tuple) -> 
         return streams[stream_id].finish(), pool.cepstral_mean
     if op in ("open", "renew") and argument:  # the server's last utterance's mean, whichever child
         pool.cepstral_mean = argument
-    if op == "open":
-        streams[stream_id] = Transcriber(pool)
+    if op == "open":  # nothing built here: a stream with no decoder waits for one (`serve`)
+        streams[stream_id] = Transcriber(pool, pool.take_idle())
     elif op == "renew":
         streams[stream_id].renew()
         return True
@@ -239,18 +293,17 @@ def _answer_one(pool: Decoders, streams: dict[int, Transcriber], request: tuple)
 def serve(conn: Connection, phrases: list[str], second_pass: bool, keep: int) -> None:
     """The child's loop: answer the server's requests until its pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's to handle
-    later: deque = deque()  # builds for the pool, run while no request waits (at most one: Decoders)
-    pool = Decoders(phrases, second_pass, keep, later.append)
+    pool = Decoders(phrases, second_pass, keep, build_later=None)  # builds between requests: build_one
     try:
         pool.load()
     except Exception as exc:  # noqa: BLE001 -- told to the server, which fails its start-up with it
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", None))
-    streams: dict[int, Transcriber] = {}  # bound here; at most the server's sessions
+    streams: dict[int, Transcriber] = {}  # bound here, oldest first; at most the server's sessions
     while True:
-        while later and not conn.poll():
-            later.popleft()()
+        while not conn.poll() and build_one(streams):
+            pass
         try:
             request = conn.recv()
         except EOFError:
@@ -258,6 +311,16 @@ def serve(conn: Connection, phrases: list[str], second_pass: bool, keep: int) ->
         cpu = time.process_time()
         result, error = _answer_one(pool, streams, request)
         conn.send((result, error, time.process_time() - cpu))
+
+
+def build_one(streams: dict[int, Transcriber]) -> bool:
+    """A decoder for the oldest stream waiting for one (an idle one if a stream gave one back
+    meanwhile); whether one was waiting."""
+    waiting = next((stream for stream in streams.values() if stream.decoder is None), None)
+    if waiting is None:
+        return False
+    waiting.attach(waiting.pool.borrow())
+    return True
 
 
 if __name__ == "__main__":

@@ -18,7 +18,10 @@ Feeds are batched: a stream's feed joins the process's queue of feeds, and one c
 takes every feed queued there, of every stream bound here, to the child as one request ("batch"),
 whose answer holds each feed's (`feed_batches` counts the feeds per batch). So the streams of a
 process cost one round trip per batch, not one per chunk per stream: while the child decodes one
-batch, the next gathers, and a stream's next chunk waits at most for the batch in flight.
+batch, the next gathers, and a stream's next chunk waits at most for the batch in flight. A
+stream's open goes the same way, with the next batch: the child answers it without building a
+decoder (one with none idle waits for its own, built between requests), so a burst of connects puts
+no round trip, and no build, ahead of the speaking streams' feeds.
 
 Bounds: one request in flight per process (its worker has one thread), so the pipe holds at most
 one request, of at most 1 s of audio for a lone request (`MAX_FEED_BYTES`: a longer feed goes as
@@ -68,8 +71,9 @@ STOP_TIMEOUT_S = 5.0
 # developers' jobs): a Decoder's build took 0.5-0.6 s of CPU and up to 2.1 s of wall time with the
 # general LM (0.15-0.2 s with a grammar); 6.5 s of audio fed in one call took 3.2 s of CPU and 5.9 s
 # of wall time with the LM (0.2 s with a grammar), and its end of utterance 0.16 s.
-# Any request may wait behind one build the child runs between requests (Decoders' refill), and an
-# open may run one itself: two builds, 4.2 s at that worst, so a floor of 15 s (3.5 times that).
+# Any request may wait behind one build the child runs between requests (for a stream waiting for
+# its decoder), and run one itself (that stream's finish, or its feed past the audio held for it):
+# two builds, 4.2 s at that worst, so a floor of 15 s (3.5 times that).
 ANSWER_FLOOR_S = 15.0
 # On top, per second of the audio the request decodes (a feed's chunk; for a finish, renew or close,
 # which end the utterance, the utterance so far: the best path and the LM's second pass search it
@@ -114,12 +118,13 @@ class DecoderProcess:
         self._utterance_samples: dict[int, int] = {}
         self.busy_s = 0.0  # the children's CPU seconds answering requests, for admission control
         self._closing = False
-        # Feeds waiting for the next batch: (generation, request, its future); at most one per stream
-        # bound here. `_batch_queued`: a batch call is on the worker's queue and has not taken them yet.
-        self._feeds: list[tuple[int, tuple, concurrent.futures.Future]] = []
+        # Feeds and opens waiting for the next batch: (generation, None for an open; request; its
+        # future); at most one per stream bound here (its open comes back before its first feed).
+        # `_batch_queued`: a batch call is on the worker's queue and has not taken them yet.
+        self._feeds: list[tuple[int | None, tuple, concurrent.futures.Future]] = []
         self._feeds_lock = threading.Lock()
         self._batch_queued = False
-        self.feed_batches: Counter[int] = Counter()  # feeds per batch
+        self.feed_batches: Counter[int] = Counter()  # requests per batch: feeds, and the opens that went with them
 
     @property
     def pid(self) -> int | None:
@@ -151,11 +156,10 @@ class DecoderProcess:
             self._end_child()
             raise
 
-    def open_stream(self, stream_id: int, cepstral_mean: str | None) -> int:
-        """Bind a stream here (blocking: on `worker`); the generation its later requests name."""
-        self._live_child()
-        self._round_trip(("open", stream_id, cepstral_mean))
-        return self.generation
+    def queue_open(self, stream_id: int, cepstral_mean: str | None) -> concurrent.futures.Future:
+        """Bind a stream here (any thread): its open goes with the next batch of feeds; its future
+        gets the generation of the child it opened on, which its later requests name."""
+        return self._queue(None, ("open", stream_id, cepstral_mean))
 
     def call(self, generation: int, request: tuple) -> Any:
         """One request of a stream bound to child `generation`, and its answer (blocking: on `worker`)."""
@@ -176,6 +180,9 @@ class DecoderProcess:
 
     def queue_feed(self, generation: int, request: tuple) -> concurrent.futures.Future:
         """A feed for the next batch (any thread); its future gets the partial, as `call` answers it."""
+        return self._queue(generation, request)
+
+    def _queue(self, generation: int | None, request: tuple) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._feeds_lock:
             self._feeds.append((generation, request, future))
@@ -195,37 +202,45 @@ class DecoderProcess:
         self.feed_batches[len(feeds)] += 1
         # (future, its pieces' indices in `pieces`); a feed of a lost child fails at once.
         pieces: list[tuple] = []
-        waiting: list[tuple[concurrent.futures.Future, range]] = []
-        for generation, (op, stream_id, pcm), future in feeds:
+        # (future, its pieces' indices, for an open the generation it opens on, else None)
+        waiting: list[tuple[concurrent.futures.Future, range, int | None]] = []
+        for generation, (op, stream_id, argument), future in feeds:
             if not future.set_running_or_notify_cancel():
                 continue  # its session went away
             if failed is not None:
                 future.set_exception(failed)
                 continue
             try:
-                self._check_generation(generation, self._live_child())
-            except Exception as exc:  # noqa: BLE001 -- this feed's, told to its stream
+                dead_code = self._live_child()
+                if op != "open":  # an open binds to whichever child is live now
+                    self._check_generation(generation, dead_code)
+            except Exception as exc:  # noqa: BLE001 -- this request's, told to its stream
                 future.set_exception(exc)
                 continue
             first = len(pieces)
-            pieces += [(op, stream_id, pcm[start : start + MAX_FEED_BYTES]) for start in range(0, max(len(pcm), 1), MAX_FEED_BYTES)]
-            waiting.append((future, range(first, len(pieces))))
+            if op == "open":
+                pieces.append((op, stream_id, argument))
+            else:
+                pieces += [(op, stream_id, argument[start : start + MAX_FEED_BYTES])
+                           for start in range(0, max(len(argument), 1), MAX_FEED_BYTES)]
+            waiting.append((future, range(first, len(pieces)), self.generation if op == "open" else None))
         answers: list = []
         try:
             while len(answers) < len(pieces):
                 batch, size = [], 0
                 for piece in pieces[len(answers):]:
-                    if batch and size + len(piece[2]) > MAX_BATCH_BYTES:
+                    audio = len(piece[2]) if piece[0] == "feed" else 0
+                    if batch and size + audio > MAX_BATCH_BYTES:
                         break
                     batch.append(piece)
-                    size += len(piece[2])
+                    size += audio
                 answers += self._round_trip(("batch", None, batch))
         except Exception as exc:  # noqa: BLE001 -- the child was lost: every feed not answered fails with it
-            for future, indices in waiting:
-                if indices and indices[-1] >= len(answers):
+            for future, indices, _ in waiting:
+                if indices[-1] >= len(answers):
                     future.set_exception(exc)
-            waiting = [(f, i) for f, i in waiting if not i or i[-1] < len(answers)]
-        for future, indices in waiting:
+            waiting = [entry for entry in waiting if entry[1][-1] < len(answers)]
+        for future, indices, opened_on in waiting:
             partial, error = None, None  # the last partial that changed, as one feed of the whole would answer
             for result, piece_error in (answers[i] for i in indices):
                 error = error or piece_error
@@ -233,7 +248,7 @@ class DecoderProcess:
             if error is not None:
                 future.set_exception(RuntimeError(f"pocketsphinx: {error}"))
             else:
-                future.set_result(partial)
+                future.set_result(partial if opened_on is None else opened_on)
 
     def _check_generation(self, generation: int, dead_code: int | None) -> None:
         """Raise if the stream's child (`generation`) is not the live one; `dead_code`, the exit code

@@ -18,11 +18,13 @@ class PocketsphinxConfig(Section):
     # on tests/turn_set.py's English turns (bench/pocketsphinx_finish.py). Off: the reply starts sooner.
     second_pass: bool = False
     # Decoders built at start-up and kept for the streams (voicebot/asr/pocketsphinx_decoders.py), split
-    # among the processes (at least one each): a stream that finds one waiting builds nothing (a build
-    # takes 0.2-0.6 s of CPU; on `processes: 0` it holds the server's GIL, and so the loop). 27 MB each
-    # with a grammar, 90 MB with the general LM: 4 (360 MB with the LM) covers a show's host and guests
-    # joining at once; raise it for a box that takes bursts of many streams (bench/soak.py: 10 at once).
-    decoders: int = Field(4, ge=1)
+    # among the processes (at least one each): a stream that finds one waiting builds nothing. A build
+    # takes 0.2-0.6 s of CPU holding its process's GIL: on `processes: 0` the server's, and so the
+    # loop; in a decoding process its own, where every other stream bound there waits out each build
+    # a burst of connects beyond the pool needs. 27 MB each with a grammar, 90 MB with the general LM.
+    # None: as many as fit in 480 MB (voicebot/asr/pocketsphinx.py's POOL_MB says why): 17 with a
+    # grammar, 5 with the LM, split among the processes rounding down (2: 16 and 4).
+    decoders: int | None = Field(None, ge=1)
     # Decoding processes (voicebot/asr/pocketsphinx_process.py): pocketsphinx holds the GIL for a whole
     # call, so it decodes in processes of its own, each stream bound to one. None: one per core, at
     # most 4 (voicebot/asr/pocketsphinx.py's MAX_AUTO_PROCESSES says why). 0: on two threads of the
