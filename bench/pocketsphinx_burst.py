@@ -5,7 +5,8 @@
 Three recognizers built as the server builds them (voicebot/asr/pocketsphinx.py), alive together:
 `processes: 0` (two worker threads in this process, the GIL shared with the event loop), 1 process
 and 2 processes; the default `decoders` pool (as many as fit in 480 MB: 4-5 with the general LM,
-16-17 with a grammar). Measured on one event loop, the modes taking turns round by round so that the box's other load falls on all alike:
+16-17 with a grammar). Measured on one event loop, the modes taking turns round by round so that
+the box's other load falls on all alike:
 
 - burst: `--streams` streams open at once and each feeds espeak speech (tests/audio.py) in 40 ms
   chunks at real time, as sessions do, then finishes. A heartbeat on the loop (5 ms sleeps) gives
