@@ -144,9 +144,9 @@ def recorded(endpointer: Endpointer) -> list[np.ndarray]:
     """The probabilities the endpoint rule is given, call by call."""
     seen, decide = [], endpointer.decide
 
-    def record(windows, probabilities):
+    def record(windows, probabilities, *hidden):  # hidden: what the echo canceller's suppressor hid
         seen.append(np.asarray(probabilities))
-        return decide(windows, probabilities)
+        return decide(windows, probabilities, *hidden)
 
     endpointer.decide = record
     return seen
