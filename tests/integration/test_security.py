@@ -136,9 +136,19 @@ def test_idle_sockets_are_closed_and_free_their_places(guarded_server):
 def test_funasr_connections_count_toward_max_sessions(guarded_server):
     base = guarded_server.ws_url.removesuffix("/v1/voice")
 
+    def full_when(full: bool) -> None:
+        """Until /readyz says the server is (not) at its limit: the module's earlier sessions gone
+        first, then both /funasr connections counted (bounded: 10 s, or the test fails here)."""
+        deadline = time.monotonic() + 10
+        while (body := guarded_server.get("/readyz").json())["full"] is not full or (not full and body["active_sessions"]):
+            assert time.monotonic() < deadline, f"/readyz never said full={full}: {body}"
+            time.sleep(0.05)
+
+    full_when(False)
+
     async def scenario() -> tuple[dict, int]:
         async with websockets.connect(base + "/funasr"), websockets.connect(base + "/funasr"):
-            await asyncio.sleep(0.3)
+            await asyncio.to_thread(full_when, True)
             return await _first_event_and_close(guarded_server.ws_url)
 
     event, code = asyncio.run(scenario())
