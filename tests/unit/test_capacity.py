@@ -422,3 +422,28 @@ def test_a_lag_level_weighs_for_a_minute_then_the_levels_learnt_since_say():
     assert adm.lag_levels.scale() == (pytest.approx(0.2 * 0.5, abs=0.01), 8)
     clock.now += LATE_MEMORY_S
     assert adm.lag_levels.scale() == (pytest.approx(0.02 * 0.7, abs=0.002), 4)  # the most recently learnt
+
+
+def test_beyond_the_most_sessions_the_lag_was_measured_at_a_burst_goes_at_the_cold_start_s_pace():
+    """The pools' costs are known (learnt at 2 and 4 sessions) and the lag was on time there: a
+    burst is let in 4 (cold_start_sessions) beyond the 4 measured, then once a window measured 8,
+    4 beyond that; a burst before any lag was measured (a fresh server whose pools learnt from one
+    session) gets 4 in."""
+    clock, worker = Clock(), BusyWorker(threads=1)
+    lag = InputLag(deadline_s=0.25, clock=clock)
+    adm = Admission([worker], max_load=0.85, lag=lag, cold_start_sessions=4, clock=clock)
+    run_lagging(adm, worker, lag, clock, 3 * WINDOW_S, sessions=2, load=ten_plus_five(2), lags_s=[0.01])
+    run_lagging(adm, worker, lag, clock, 3 * WINDOW_S, sessions=4, load=ten_plus_five(4), lags_s=[0.01])
+    assert burst(adm, 4) == 8
+    refusal = adm.refuse(8)
+    assert (refusal.reason, refusal.retry_after_s) == ("cold_start", WINDOW_S) and "beyond the 4" in refusal.message
+    run_lagging(adm, worker, lag, clock, 2 * WINDOW_S, sessions=8, load=ten_plus_five(8), lags_s=[0.01])
+    assert max(adm.lag_levels.levels) == 8
+    assert burst(adm, 8) == 12
+
+    clock, worker = Clock(), BusyWorker(threads=1)
+    lag = InputLag(deadline_s=0.25, clock=clock)
+    adm = Admission([worker], max_load=0.85, lag=lag, cold_start_sessions=4, clock=clock)
+    run_for(adm, worker, clock, 2 * WINDOW_S, load=0.06, sessions=1)  # one session: no lag level
+    assert adm.pools[0].cost() == pytest.approx(0.06) and not adm.lag_levels.levels  # 14 fit by the load
+    assert burst(adm, 1) == 5 and adm.refuse(5).reason == "cold_start"

@@ -19,7 +19,8 @@ voicebot_sessions_refused_total{reason}) when
 - `input_lag_forecast`: the lag p95 forecast with one more session (`Admission.forecast`: the lag
   measured, per number of sessions and in the last window, as a queue's over the busiest pool's
   load, at that pool's load with one more) is past the deadline: a burst of connects is refused at
-  the count the lag it already shows says is too many, before a whole window of it is late;
+  the count the lag it already shows says is too many, before a whole window of it is late (asked
+  last: a pool full or in its cold start says so by name first);
 - `pool_load`: a pool is above `limits.max_worker_load` now, or the line its load follows with the
   number of sessions connected says one more would pass that limit; this catches a burst of
   connections that have not started speaking. The line (`PoolLoad.line`): the pool's load over each
@@ -33,13 +34,14 @@ voicebot_sessions_refused_total{reason}) when
 - the sessions admitted in the last window, whose load the window does not hold yet, plus this one,
   at a pool's marginal cost, would pass the limit (`pool_load`); before a pool's cost is known
   (learnt, or bounded by a window too idle to learn from), `cold_start`: at most
-  `limits.cold_start_sessions` are let in per window.
+  `limits.cold_start_sessions` are let in per window. The same pace (`cold_start`) beyond the most
+  sessions the input lag was measured at (a lag level): no load shows what a burst's first seconds
+  cost where nothing was measured (a decoder built for each stream beyond the recognizer's pool, a
+  core another tenant holds), so each step is measured before the next.
 The first session always fits: it slows nobody. An admitted session is never dropped for load:
 these rules only keep the next one out.
 Devices whose engines batch (the CosyVoice 2 scheduler) answer for themselves through
 `Synthesizer.admit()`; both are asked.
-
-The forecast is asked last: a pool full or in its cold start says so by name first.
 
 Memory bound: per pool a window of WINDOW_S / SAMPLE_S samples (three numbers each) and at most
 LEVELS_MAX levels; the recent admissions at most ADMISSIONS_MAX times (the lag's: lateness.py).
@@ -301,6 +303,15 @@ class Admission:
             if cost is not None and load + (unmeasured + 1) * cost > self.max_load:
                 return Refusal("pool_load", name, WINDOW_S, f"{unmeasured} sessions let in during the last {WINDOW_S:g} s "
                                f"are not measured yet on {name}; one more would overload it")
+        # The forecast says nothing of a count the lag was never measured at but what the loads say,
+        # and they see no cost paid in a burst's first seconds (a decoder built for each stream
+        # beyond the recognizer's pool, a core another tenant holds): beyond the most sessions the
+        # lag was learnt at, the cold start's pace, so each step is measured before the next.
+        measured = max(self.lag_levels.levels, default=0)
+        beyond = min(unmeasured, sessions - measured)
+        if self.lag.deadline_s < float("inf") and beyond >= self.cold_start_sessions:
+            return Refusal("cold_start", "-", WINDOW_S, f"{beyond} sessions let in during the last {WINDOW_S:g} s are beyond "
+                           f"the {measured} the input lag was measured at; not measured yet")
         if (ahead := self.forecast(sessions)) is not None and ahead.p95_s > self.lag.deadline_s:
             return Refusal("input_lag_forecast", ahead.pool, WINDOW_S,
                            f"with {sessions + 1} sessions the input lag p95 would be {ahead.p95_s:.2f} s, past the "
