@@ -426,9 +426,9 @@ def test_a_lag_level_weighs_for_a_minute_then_the_levels_learnt_since_say():
 
 def test_beyond_the_most_sessions_the_lag_was_measured_at_a_burst_goes_at_the_cold_start_s_pace():
     """The pools' costs are known (learnt at 2 and 4 sessions) and the lag was on time there: a
-    burst is let in 4 (cold_start_sessions) beyond the 4 measured, then once a window measured 8,
-    4 beyond that; a burst before any lag was measured (a fresh server whose pools learnt from one
-    session) gets 4 in."""
+    burst is let in 4 (cold_start_sessions) beyond the 4 measured, then, once a window held at
+    least 7 throughout, 4 beyond that; a burst before any lag was measured (a fresh server whose
+    pools learnt from one session) gets 4 in."""
     clock, worker = Clock(), BusyWorker(threads=1)
     lag = InputLag(deadline_s=0.25, clock=clock)
     adm = Admission([worker], max_load=0.85, lag=lag, cold_start_sessions=4, clock=clock)
@@ -437,9 +437,13 @@ def test_beyond_the_most_sessions_the_lag_was_measured_at_a_burst_goes_at_the_co
     assert burst(adm, 4) == 8
     refusal = adm.refuse(8)
     assert (refusal.reason, refusal.retry_after_s) == ("cold_start", WINDOW_S) and "beyond the 4" in refusal.message
-    run_lagging(adm, worker, lag, clock, 2 * WINDOW_S, sessions=8, load=ten_plus_five(8), lags_s=[0.01])
-    assert max(adm.lag_levels.levels) == 8
-    assert burst(adm, 8) == 12
+    run_lagging(adm, worker, lag, clock, WINDOW_S, sessions=8, load=ten_plus_five(8), lags_s=[0.01])
+    run_lagging(adm, worker, lag, clock, SAMPLE_S, sessions=7, load=ten_plus_five(7), lags_s=[0.01])
+    run_lagging(adm, worker, lag, clock, SAMPLE_S, sessions=5, load=ten_plus_five(5), lags_s=[0.01])
+    # At least 7 were connected throughout the last window that held only the 8's and the 7's: 7 measured.
+    assert adm.lag_levels.measured == 7
+    assert adm.lag_report(5)["measured_sessions"] == 7
+    assert burst(adm, 5) == 11
 
     clock, worker = Clock(), BusyWorker(threads=1)
     lag = InputLag(deadline_s=0.25, clock=clock)

@@ -35,7 +35,7 @@ voicebot_sessions_refused_total{reason}) when
   at a pool's marginal cost, would pass the limit (`pool_load`); before a pool's cost is known
   (learnt, or bounded by a window too idle to learn from), `cold_start`: at most
   `limits.cold_start_sessions` are let in per window. The same pace (`cold_start`) beyond the most
-  sessions the input lag was measured at (a lag level): no load shows what a burst's first seconds
+  sessions the input lag was measured with (connected throughout a whole window): no load shows what a burst's first seconds
   cost where nothing was measured (a decoder built for each stream beyond the recognizer's pool, a
   core another tenant holds), so each step is measured before the next.
 The first session always fits: it slows nobody. An admitted session is never dropped for load:
@@ -307,7 +307,7 @@ class Admission:
         # and they see no cost paid in a burst's first seconds (a decoder built for each stream
         # beyond the recognizer's pool, a core another tenant holds): beyond the most sessions the
         # lag was learnt at, the cold start's pace, so each step is measured before the next.
-        measured = max(self.lag_levels.levels, default=0)
+        measured = self.lag_levels.measured
         beyond = min(unmeasured, sessions - measured)
         if self.lag.deadline_s < float("inf") and beyond >= self.cold_start_sessions:
             return Refusal("cold_start", "-", WINDOW_S, f"{beyond} sessions let in during the last {WINDOW_S:g} s are beyond "
@@ -362,7 +362,7 @@ class Admission:
     def lag_report(self, sessions: int) -> dict:
         """The forecast for one more session and the lag levels it learnt from, for /readyz."""
         ahead = self.forecast(sessions)
-        return {"levels": self.lag_levels.report(),
+        return {"levels": self.lag_levels.report(), "measured_sessions": self.lag_levels.measured,
                 "next_session": None if ahead is None else {
                     "p95_s": round(ahead.p95_s, 4), "pool": ahead.pool, "load": round(ahead.load, 3),
                     "scale_s": round(ahead.scale_s, 4), "basis": ahead.basis}}

@@ -224,16 +224,20 @@ class LagLevels:
         self._clock = clock
         self._connected = Connected(clock)
         self.levels: dict[int, LagLevel] = {}
+        # The most sessions connected throughout a whole window whose lag was measured (steady or
+        # not): admission's cold start paces a burst beyond it.
+        self.measured = 0
 
     def sample(self, sessions: int, busiest_load: float) -> None:
         """Learn from the last window: the lag's p95 and `busiest_load`, the most any pool was busy
         over it. Not from a pool full (load 1: a queue that grows has no p95 to learn from)."""
-        if not self._connected.sample(sessions) or busiest_load >= 1:
-            return
-        if self._connected.most() - self._connected.least() > 1:
+        if not self._connected.sample(sessions):
             return
         if (p95 := self.lag.shared_p95()) is None:
             return  # fewer than LATE_SESSIONS sessions sent audio
+        self.measured = max(self.measured, self._connected.least())
+        if busiest_load >= 1 or self._connected.most() - self._connected.least() > 1:
+            return
         now, key = self._clock(), self._connected.most()
         if key in self.levels:
             self.levels[key].add(p95, busiest_load, now)
