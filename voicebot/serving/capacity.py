@@ -35,9 +35,10 @@ voicebot_sessions_refused_total{reason}) when
   at a pool's marginal cost, would pass the limit (`pool_load`); before a pool's cost is known
   (learnt, or bounded by a window too idle to learn from), `cold_start`: at most
   `limits.cold_start_sessions` are let in per window. The same pace (`cold_start`) beyond the most
-  sessions the input lag was measured with (connected throughout a whole window): no load shows what a burst's first seconds
-  cost where nothing was measured (a decoder built for each stream beyond the recognizer's pool, a
-  core another tenant holds), so each step is measured before the next.
+  sessions the input lag was measured with (connected throughout a whole window, `LagLevels`): no
+  load shows what a burst's first seconds cost where nothing was measured (a decoder built for each
+  stream beyond the recognizer's pool, a core another tenant holds), so each step is measured
+  before the next.
 The first session always fits: it slows nobody. An admitted session is never dropped for load:
 these rules only keep the next one out.
 Devices whose engines batch (the CosyVoice 2 scheduler) answer for themselves through
@@ -306,12 +307,12 @@ class Admission:
         # The forecast says nothing of a count the lag was never measured at but what the loads say,
         # and they see no cost paid in a burst's first seconds (a decoder built for each stream
         # beyond the recognizer's pool, a core another tenant holds): beyond the most sessions the
-        # lag was learnt at, the cold start's pace, so each step is measured before the next.
+        # lag was measured with, the cold start's pace, so each step is measured before the next.
         measured = self.lag_levels.measured
         beyond = min(unmeasured, sessions - measured)
         if self.lag.deadline_s < float("inf") and beyond >= self.cold_start_sessions:
             return Refusal("cold_start", "-", WINDOW_S, f"{beyond} sessions let in during the last {WINDOW_S:g} s are beyond "
-                           f"the {measured} the input lag was measured at; not measured yet")
+                           f"the {measured} the input lag was measured with; not measured yet")
         if (ahead := self.forecast(sessions)) is not None and ahead.p95_s > self.lag.deadline_s:
             return Refusal("input_lag_forecast", ahead.pool, WINDOW_S,
                            f"with {sessions + 1} sessions the input lag p95 would be {ahead.p95_s:.2f} s, past the "

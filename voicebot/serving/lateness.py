@@ -21,7 +21,8 @@ LATE_MEMORY_S without being late again, when one more session may try it.
 `LagLevels` learns, for admission's forecast (capacity.py, `Admission.forecast`), the lag's p95 over
 whole windows per number of sessions connected, with the busiest pool's load over the same window:
 a burst of connects is refused at the count the forecast puts past the deadline, before any window
-is late.
+is late. And the most sessions connected throughout a window whose lag was measured: beyond it, a
+burst goes at admission's cold-start pace.
 
 Memory bound: per pool at most LAG_SAMPLES_MAX (time, lag, session) triples; the late levels and the
 lag levels at most one per number of sessions (max_sessions bounds them); the counts connected over
@@ -191,8 +192,8 @@ class LateLevels:
 @dataclass
 class LagLevel:
     """The input lag's p95 (`InputLag.shared_p95`) and the busiest pool's load, over the whole windows
-    with about a number of sessions connected: the plain mean of the first 1 / LAG_EWMA, then an
-    EWMA; and when last learnt."""
+    whose most connected was a number of sessions (`LagLevels`): the plain mean of the first
+    1 / LAG_EWMA, then an EWMA; and when last learnt."""
 
     p95_s: float
     load: float
