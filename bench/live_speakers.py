@@ -261,10 +261,14 @@ def measure(root: Path, config: dict, clients: list[int], rendered, label: str) 
 
 def capacity_view(base: str) -> str:
     """Each pool's line as /readyz shows it (voicebot/serving/capacity.py): fixed + marginal per
-    session, where learnt; a server without the line shows its own keys."""
-    pools = httpx.get(base + "/readyz").json().get("capacity", {})
-    return " ".join(f"{name} {p['fixed_load']:.3f}+{p['marginal_cost']:.3f}n" if p.get("marginal_cost") is not None
+    session, where learnt; a server without the line shows its own keys. Then the input lag p95
+    learnt per number of sessions, at the busiest pool's load (its forecast's levels), where it has them."""
+    readyz = httpx.get(base + "/readyz").json()
+    pools = readyz.get("capacity", {})
+    view = " ".join(f"{name} {p['fixed_load']:.3f}+{p['marginal_cost']:.3f}n" if p.get("marginal_cost") is not None
                     else f"{name} {json.dumps(p, separators=(',', ':'))}" for name, p in pools.items())
+    levels = readyz.get("input_lag_forecast", {}).get("levels", {})
+    return view + "".join(f"; lag p95 at {n} sessions {v['p95_s'] * 1000:.0f} ms at load {v['load']:.2f}" for n, v in levels.items())
 
 
 def fmt(value: float | None, spec: str, scale: float = 1.0) -> str:

@@ -105,6 +105,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "input_lag": rt.input_lag.report() if rt.input_lag else {},
             # Numbers of sessions connected the input was late at (s since): admission stops short of them.
             "input_late_at_sessions": rt.admission.late_levels.report() if rt.admission else {},
+            # The input lag p95 one more session would bring, and the p95 learnt per number of sessions.
+            "input_lag_forecast": rt.admission.lag_report(occupied()) if rt.admission else {},
             "input_clock": rt.input_clock.stats(),  # ticks, sessions' jobs per tick, faults
             "vad": rt.vad.stats(),  # the VAD batcher: requests waiting, rows per call
             "uptime_s": round(time.monotonic() - rt.started_at, 1),
@@ -219,7 +221,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 async def _refuse(ws: WebSocket, rt: Runtime, code: str, message: str, close_code: int, reason: str, refusal: str | None = None,
                   **extra) -> None:
     """Refuse a connection, counted in voicebot_sessions_refused_total by `refusal` (what was full:
-    max_sessions, per_client, input_lag, pool_load, cold_start, synthesizer), else by the error code."""
+    max_sessions, per_client, input_lag, input_lag_forecast, pool_load, cold_start, synthesizer), else by the error code."""
     rt.metrics.sessions_refused.labels(refusal or code).inc()
     log.info("refused a connection (%s): %s", refusal or code, message)
     rt.metrics.errors.labels(code).inc()

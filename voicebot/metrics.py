@@ -35,7 +35,7 @@ class Metrics:
             self.listeners_dropped.labels(reason)
         self.obs_bad_chunks = Counter("voicebot_obs_bad_chunks_total", "Messages on /obs/audio that could not be used, by reason", ["reason"], registry=r)
         self.sessions_total = Counter("voicebot_sessions_total", "Sessions started", registry=r)
-        self.sessions_refused = Counter("voicebot_sessions_refused_total", "Sessions refused, by cause (input_lag, pool_load, cold_start, max_sessions, per_client, synthesizer; else the error code: unauthorized, shutting_down, ...)", ["reason"], registry=r)
+        self.sessions_refused = Counter("voicebot_sessions_refused_total", "Sessions refused, by cause (input_lag, input_lag_forecast, pool_load, cold_start, max_sessions, per_client, synthesizer; else the error code: unauthorized, shutting_down, ...)", ["reason"], registry=r)
         # Per chunk of input, once the front end, the VAD, the endpoint rule and the recognizer's feed
         # are done with it: how long after its arrival (voicebot/serving/capacity.py, InputLag).
         self.input_lag = Histogram("voicebot_input_lag_seconds", "Input chunk arrival to processed (front end, VAD, endpoint, recognizer feed), by the decoding pool of its session",

@@ -90,6 +90,7 @@ def test_a_session_behind_a_stalled_pool_catches_up_in_one_trip_while_others_loa
     assert pools and all(p["chunks"] > 0 and p["p95_s"] is not None for p in pools.values())
     assert sum(p["deadline_misses"] for p in pools.values()) >= 0.6 * STALL_S * 1000 / CHUNK_MS  # the stall's, counted
     assert 'voicebot_input_lag_seconds_bucket{le="0.1",pool="pocketsphinx-' in metrics
+    assert set(readyz["input_lag_forecast"]) == {"levels", "measured_sessions", "next_session"}  # what admission goes by
 
 
 def test_a_burst_of_connects_before_any_cost_is_known_is_let_in_as_configured_and_told_why_not(monkeypatch):

@@ -326,3 +326,128 @@ def test_lateness_at_fewer_sessions_than_before_lowers_the_limit_and_one_late_se
         lag.observe("pocketsphinx-1", "s9", [2.0] * 10)
         adm.sample(6)
     assert 6 not in adm.late_levels.late
+
+
+def run_lagging(adm: Admission, worker: BusyWorker, lag: InputLag, clock: Clock, seconds: float, sessions: int, load: float,
+                lags_s: list[float]) -> None:
+    """`seconds` with `sessions` connected, the pool `load` busy, and each session's 20 ms chunks
+    processed this late (session i's at lags_s[i], the last of the list for the rest)."""
+    for _ in range(int(seconds / SAMPLE_S)):
+        clock.now += SAMPLE_S
+        worker.busy += load * worker.threads * SAMPLE_S
+        for i in range(sessions):
+            lag.observe("pocketsphinx-0", f"s{i}", [lags_s[min(i, len(lags_s) - 1)]] * int(SAMPLE_S / 0.02))
+        adm.sample(sessions)
+
+
+def burst(adm: Admission, sessions: int) -> int:
+    """Connects all at once (none speaks within the window): the number connected once one is refused."""
+    while adm.refuse(sessions) is None:
+        adm.admitted()
+        sessions += 1
+    return sessions
+
+
+def ten_plus_five(sessions: int) -> float:
+    """A pool whose sessions share 0.10 of its load and add 0.05 each."""
+    return 0.10 + 0.05 * sessions
+
+
+def forecast_admission(clock: Clock, worker: BusyWorker) -> tuple[Admission, InputLag]:
+    lag = InputLag(deadline_s=0.25, clock=clock)
+    return Admission([worker], max_load=0.85, lag=lag, cold_start_sessions=100, clock=clock), lag
+
+
+def test_a_burst_inside_one_window_is_refused_at_the_count_the_lag_forecast_puts_past_the_deadline():
+    """The lag p95 measured at 2 and 4 sessions (0.08 and 0.10 s: on time) with the pool's line at
+    0.10 + 0.05 n: as a queue's, 0.07 s at no load (0.10 x (1 - 0.30)), so 0.07 / (1 - load) passes
+    0.25 s past a load of 0.72, at 13 sessions (0.75). No window is late, and the pools' rules stop
+    the burst at 14 (0.30 now + 11 x 0.05 = 0.85): before the forecast, 14 were let in."""
+    clock, worker = Clock(), BusyWorker(threads=1)
+    adm, lag = forecast_admission(clock, worker)
+    run_lagging(adm, worker, lag, clock, 3 * WINDOW_S, sessions=2, load=ten_plus_five(2), lags_s=[0.08])
+    run_lagging(adm, worker, lag, clock, 6 * WINDOW_S, sessions=4, load=ten_plus_five(4), lags_s=[0.10])
+    assert adm.pools[0].line() == pytest.approx((0.10, 0.05), abs=0.002)
+    scale_s, at = adm.lag_levels.scale()
+    assert at == 4 and scale_s == pytest.approx(0.10 * (1 - 0.30), abs=0.002)
+    assert lag.late_share()[0] == 0.0 and adm.late_levels.limit() is None
+    connected = burst(adm, 4)
+    assert connected == 12  # 12 fit (0.07 / (1 - 0.70) = 0.23 s), the 13th would bring 0.28 s
+    over = next(n for n in range(5, 100) if adm.pools[0].predict(n) >= 1 or scale_s / (1 - adm.pools[0].predict(n)) > 0.25)
+    assert connected == over - 1  # the count the forecast names, from what was learnt
+    refusal = adm.refuse(connected)
+    assert (refusal.reason, refusal.pool, refusal.retry_after_s) == ("input_lag_forecast", "asr", WINDOW_S)
+    assert "13 sessions" in refusal.message and "0.28 s" in refusal.message
+    assert adm.pools[0].predict(connected + 1) < 0.85  # the pools' own rule would not have refused it
+    report = adm.lag_report(connected)
+    assert report["next_session"]["p95_s"] == pytest.approx(0.28, abs=0.01) and set(report["levels"]) == {"2", "4"}
+
+
+def test_the_lag_rising_within_the_window_lowers_the_forecast_count_at_once():
+    """Learnt on time (0.01 s), then, a second ago, two sessions' chunks 0.2 s late: not past the
+    deadline, so no rule on lateness refuses; as a queue's at the load now (0.30), 0.14 s at no load:
+    one more session than 6 (0.45) would bring 0.255 s."""
+    clock, worker = Clock(), BusyWorker(threads=1)
+    adm, lag = forecast_admission(clock, worker)
+    run_lagging(adm, worker, lag, clock, 3 * WINDOW_S, sessions=2, load=ten_plus_five(2), lags_s=[0.01])
+    run_lagging(adm, worker, lag, clock, 6 * WINDOW_S, sessions=4, load=ten_plus_five(4), lags_s=[0.01])
+    assert burst(adm, 4) == 14  # on time: the pools' rule stops it (0.30 now + 11 x 0.05 = 0.85)
+    adm._admitted.clear()  # those were not let in: the same four connected
+    clock.now += 1.0
+    lag.observe("pocketsphinx-0", "s0", [0.2] * 50)
+    lag.observe("pocketsphinx-0", "s1", [0.2] * 50)
+    assert lag.late_share()[0] == 0.0  # nobody late yet
+    assert burst(adm, 4) == 6
+    assert adm.refuse(6).reason == "input_lag_forecast"
+
+
+def test_one_session_late_alone_does_not_move_the_forecast():
+    clock, worker = Clock(), BusyWorker(threads=1)
+    adm, lag = forecast_admission(clock, worker)
+    run_lagging(adm, worker, lag, clock, 3 * WINDOW_S, sessions=2, load=ten_plus_five(2), lags_s=[0.01])
+    run_lagging(adm, worker, lag, clock, 6 * WINDOW_S, sessions=4, load=ten_plus_five(4), lags_s=[2.0, 0.01])
+    assert lag.shared_p95() == pytest.approx(0.01)  # the second worst session's: its decoder restarting, say
+    assert adm.lag_levels.scale()[0] < 0.01
+    assert burst(adm, 4) == 14
+
+
+def test_a_lag_level_weighs_for_a_minute_then_the_levels_learnt_since_say():
+    """Another tenant's load made the input lag at 8 sessions; the levels learnt since, at 4, are on
+    time: the 8's scale holds the forecast down for LATE_MEMORY_S after it was last seen, then the
+    most recent level's says."""
+    clock, worker = Clock(), BusyWorker(threads=1)
+    adm, lag = forecast_admission(clock, worker)
+    run_lagging(adm, worker, lag, clock, 3 * WINDOW_S, sessions=8, load=0.5, lags_s=[0.2])
+    run_lagging(adm, worker, lag, clock, 3 * WINDOW_S, sessions=4, load=0.3, lags_s=[0.02])
+    assert adm.lag_levels.scale() == (pytest.approx(0.2 * 0.5, abs=0.01), 8)
+    clock.now += LATE_MEMORY_S
+    assert adm.lag_levels.scale() == (pytest.approx(0.02 * 0.7, abs=0.002), 4)  # the most recently learnt
+
+
+def test_beyond_the_most_sessions_the_lag_was_measured_at_a_burst_goes_at_the_cold_start_s_pace():
+    """The pools' costs are known (learnt at 2 and 4 sessions) and the lag was on time there: a
+    burst is let in 4 (cold_start_sessions) beyond the 4 measured, then, once a window held at
+    least 7 throughout, 4 beyond that; a burst before any lag was measured (a fresh server whose
+    pools learnt from one session) gets 4 in."""
+    clock, worker = Clock(), BusyWorker(threads=1)
+    lag = InputLag(deadline_s=0.25, clock=clock)
+    adm = Admission([worker], max_load=0.85, lag=lag, cold_start_sessions=4, clock=clock)
+    run_lagging(adm, worker, lag, clock, 3 * WINDOW_S, sessions=2, load=ten_plus_five(2), lags_s=[0.01])
+    run_lagging(adm, worker, lag, clock, 3 * WINDOW_S, sessions=4, load=ten_plus_five(4), lags_s=[0.01])
+    assert burst(adm, 4) == 8
+    refusal = adm.refuse(8)
+    assert (refusal.reason, refusal.retry_after_s) == ("cold_start", WINDOW_S) and "beyond the 4" in refusal.message
+    run_lagging(adm, worker, lag, clock, WINDOW_S, sessions=8, load=ten_plus_five(8), lags_s=[0.01])
+    run_lagging(adm, worker, lag, clock, SAMPLE_S, sessions=7, load=ten_plus_five(7), lags_s=[0.01])
+    run_lagging(adm, worker, lag, clock, SAMPLE_S, sessions=5, load=ten_plus_five(5), lags_s=[0.01])
+    # At least 7 were connected throughout the last window that held only the 8's and the 7's: 7 measured.
+    assert adm.lag_levels.measured == 7
+    assert adm.lag_report(5)["measured_sessions"] == 7
+    assert burst(adm, 5) == 11
+
+    clock, worker = Clock(), BusyWorker(threads=1)
+    lag = InputLag(deadline_s=0.25, clock=clock)
+    adm = Admission([worker], max_load=0.85, lag=lag, cold_start_sessions=4, clock=clock)
+    run_for(adm, worker, clock, 2 * WINDOW_S, load=0.06, sessions=1)  # one session: no lag level
+    assert adm.pools[0].cost() == pytest.approx(0.06) and not adm.lag_levels.levels  # 14 fit by the load
+    assert burst(adm, 1) == 5 and adm.refuse(5).reason == "cold_start"

@@ -16,6 +16,11 @@ voicebot_sessions_refused_total{reason}) when
   restarting after a crash, its client sending a backlog at once); it is counted all the same.
   Also (`input_lag`) when one more session would bring the number connected back to one the input
   was late at within the last minute (`LateLevels`): a burst of connects does not repeat it.
+- `input_lag_forecast`: the lag p95 forecast with one more session (`Admission.forecast`: the lag
+  measured, per number of sessions and in the last window, as a queue's over the busiest pool's
+  load, at that pool's load with one more) is past the deadline: a burst of connects is refused at
+  the count the lag it already shows says is too many, before a whole window of it is late (asked
+  last: a pool full or in its cold start says so by name first);
 - `pool_load`: a pool is above `limits.max_worker_load` now, or the line its load follows with the
   number of sessions connected says one more would pass that limit; this catches a burst of
   connections that have not started speaking. The line (`PoolLoad.line`): the pool's load over each
@@ -29,7 +34,11 @@ voicebot_sessions_refused_total{reason}) when
 - the sessions admitted in the last window, whose load the window does not hold yet, plus this one,
   at a pool's marginal cost, would pass the limit (`pool_load`); before a pool's cost is known
   (learnt, or bounded by a window too idle to learn from), `cold_start`: at most
-  `limits.cold_start_sessions` are let in per window.
+  `limits.cold_start_sessions` are let in per window. The same pace (`cold_start`) beyond the most
+  sessions the input lag was measured with (connected throughout a whole window, `LagLevels`): no
+  load shows what a burst's first seconds cost where nothing was measured (a decoder built for each
+  stream beyond the recognizer's pool, a core another tenant holds), so each step is measured
+  before the next.
 The first session always fits: it slows nobody. An admitted session is never dropped for load:
 these rules only keep the next one out.
 Devices whose engines batch (the CosyVoice 2 scheduler) answer for themselves through
@@ -51,7 +60,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from voicebot.serving.lateness import LATE_SESSIONS, LATE_SHARE, WINDOW_S, InputLag, LateLevels
+from voicebot.serving.lateness import LATE_SESSIONS, LATE_SHARE, WINDOW_S, InputLag, LagLevels, LateLevels
 
 SAMPLE_S = 0.5
 # How fast a level's load follows a new measurement (per sample): about 20 s to settle.
@@ -121,7 +130,7 @@ class ServerCpu:
 
 @dataclass(frozen=True)
 class Refusal:
-    reason: str  # input_lag, pool_load, cold_start
+    reason: str  # input_lag, pool_load, cold_start, input_lag_forecast
     pool: str  # the pool that is late or full
     retry_after_s: float
     message: str
@@ -234,6 +243,17 @@ class PoolLoad:
         return None if line is None else line[0] + line[1] * sessions
 
 
+@dataclass(frozen=True)
+class Forecast:
+    """The input lag's p95 one more session would bring (`Admission.forecast`)."""
+
+    p95_s: float
+    pool: str  # the busiest pool with it
+    load: float  # that pool's load with it
+    scale_s: float  # the lag p95 at no load it goes by
+    basis: str  # where that was measured
+
+
 class Admission:
     def __init__(self, workers: Sequence[Pool], max_load: float, lag: InputLag | None = None, cold_start_sessions: int = 8,
                  clock: Callable[[], float] = time.monotonic, gil_threads: Sequence[int] = ()) -> None:
@@ -242,6 +262,7 @@ class Admission:
         self.max_load = max_load
         self.lag = lag or InputLag(float("inf"), clock=clock)
         self.late_levels = LateLevels(self.lag, clock)
+        self.lag_levels = LagLevels(self.lag, clock)
         self._gil_threads = gil_threads  # besides the loop's: watched with it (`watch`)
         self.cold_start_sessions = cold_start_sessions
         self._admitted: deque[float] = deque(maxlen=ADMISSIONS_MAX)  # when each recent session was let in
@@ -250,9 +271,9 @@ class Admission:
         self.pools.append(PoolLoad(worker, self._clock))
 
     def sample(self, sessions: int) -> None:
-        for pool in self.pools:
-            pool.sample(sessions)
+        loads = [pool.sample(sessions) for pool in self.pools]
         self.late_levels.sample(sessions)
+        self.lag_levels.sample(sessions, max(loads, default=0.0))
 
     def admitted(self) -> None:
         """A session was let in: until the window holds its load, it is counted at its pools' cost."""
@@ -271,8 +292,7 @@ class Admission:
         if (late_at := self.late_levels.limit()) is not None and sessions + 1 >= late_at[0]:
             return Refusal("input_lag", late_at[1], WINDOW_S,
                            f"the input was processed late with {late_at[0]} sessions connected; {sessions} are now")
-        since = self._clock() - WINDOW_S
-        unmeasured = sum(1 for at in self._admitted if at >= since)
+        unmeasured = self._unmeasured()
         for p in self.pools:
             load, cost, full, name = p.load(), p.cost(), p.predict(sessions + 1), p.worker.name
             # The window must turn over before the load can have fallen: retry after it.
@@ -284,7 +304,69 @@ class Admission:
             if cost is not None and load + (unmeasured + 1) * cost > self.max_load:
                 return Refusal("pool_load", name, WINDOW_S, f"{unmeasured} sessions let in during the last {WINDOW_S:g} s "
                                f"are not measured yet on {name}; one more would overload it")
+        # The forecast says nothing of a count the lag was never measured at but what the loads say,
+        # and they see no cost paid in a burst's first seconds (a decoder built for each stream
+        # beyond the recognizer's pool, a core another tenant holds): beyond the most sessions the
+        # lag was measured with, the cold start's pace, so each step is measured before the next.
+        measured = self.lag_levels.measured
+        beyond = min(unmeasured, sessions - measured)
+        if self.lag.deadline_s < float("inf") and beyond >= self.cold_start_sessions:
+            return Refusal("cold_start", "-", WINDOW_S, f"{beyond} sessions let in during the last {WINDOW_S:g} s are beyond "
+                           f"the {measured} the input lag was measured with; not measured yet")
+        if (ahead := self.forecast(sessions)) is not None and ahead.p95_s > self.lag.deadline_s:
+            return Refusal("input_lag_forecast", ahead.pool, WINDOW_S,
+                           f"with {sessions + 1} sessions the input lag p95 would be {ahead.p95_s:.2f} s, past the "
+                           f"{self.lag.deadline_s:g} s deadline: {ahead.pool} {ahead.load:.0%} busy, over the lag "
+                           f"{ahead.basis}")
         return None
+
+    def _unmeasured(self) -> int:
+        """The sessions let in during the last window: their load is not all in it yet."""
+        since = self._clock() - WINDOW_S
+        return sum(1 for at in self._admitted if at >= since)
+
+    def forecast(self, sessions: int) -> Forecast | None:
+        """The input lag's p95 with one more session than `sessions` connected; None before a lag
+        p95 (of at least LATE_SESSIONS sessions) and a pool's cost are measured.
+
+        The input path is taken as a queue whose server is the busiest pool: the p95 of an M/M/1
+        queue's time in system is -ln(0.05) x service time / (1 - load), so the lag p95 measured
+        at a load gives the p95 at no load, `scale` = p95 x (1 - load), and the p95 at another
+        load is scale / (1 - load). The scale is the greater of the lag levels' (lateness.py,
+        LagLevels.scale) and the last window's, so far: the lag rising within a window raises
+        it at once. The load with one more session is each pool's line at sessions + 1, or its load
+        now with the sessions let in during the last window, whose load it does not hold yet, and
+        this one at its marginal cost, whichever is more (as the pool_load rule counts them): a
+        burst of connects faster than the samples that measure them counts in full. Nothing in it
+        is fitted to a machine: the deadline is configured, the scale and the loads are measured."""
+        scales = []
+        if (learnt := self.lag_levels.scale()) is not None:
+            scales.append((learnt[0], f"p95 learnt at {learnt[1]} sessions"))
+        now_p95, now_load = self.lag.shared_p95(), max((p.load() for p in self.pools), default=0.0)
+        if now_p95 is not None and now_load < 1:
+            scales.append((now_p95 * (1 - now_load), f"p95 of the last {WINDOW_S:g} s ({now_p95:.3f} s at {now_load:.0%})"))
+        if not scales:
+            return None
+        unmeasured, busiest = self._unmeasured(), None
+        for p in self.pools:
+            if (cost := p.cost()) is None:
+                continue
+            load = max(p.predict(sessions + 1) or 0.0, p.load() + (unmeasured + 1) * cost)
+            if busiest is None or load > busiest[0]:
+                busiest = (load, p.worker.name)
+        if busiest is None:
+            return None
+        scale_s, basis = max(scales)
+        load, pool = busiest
+        return Forecast(scale_s / (1 - load) if load < 1 else float("inf"), pool, load, scale_s, basis)
+
+    def lag_report(self, sessions: int) -> dict:
+        """The forecast for one more session and the lag levels it learnt from, for /readyz."""
+        ahead = self.forecast(sessions)
+        return {"levels": self.lag_levels.report(), "measured_sessions": self.lag_levels.measured,
+                "next_session": None if ahead is None else {
+                    "p95_s": round(ahead.p95_s, 4), "pool": ahead.pool, "load": round(ahead.load, 3),
+                    "scale_s": round(ahead.scale_s, 4), "basis": ahead.basis}}
 
     def report(self) -> dict[str, dict]:
         out = {}

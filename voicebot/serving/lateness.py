@@ -18,14 +18,22 @@ experiment the listeners already paid for): a level is forgotten once a whole wi
 sessions or more is on time (the box had room again: another tenant's load gone), or after
 LATE_MEMORY_S without being late again, when one more session may try it.
 
-Memory bound: per pool at most LAG_SAMPLES_MAX (time, lag, session) triples; the late levels at most
-one per number of sessions (max_sessions bounds them).
+`LagLevels` learns, for admission's forecast (capacity.py, `Admission.forecast`), the lag's p95 over
+whole windows per number of sessions connected, with the busiest pool's load over the same window:
+a burst of connects is refused at the count the forecast puts past the deadline, before any window
+is late. And the most sessions connected throughout a window whose lag was measured: beyond it, a
+burst goes at admission's cold-start pace.
+
+Memory bound: per pool at most LAG_SAMPLES_MAX (time, lag, session) triples; the late levels and the
+lag levels at most one per number of sessions (max_sessions bounds them); the counts connected over
+the last WINDOW_S, one per sample (10 at the 0.5 s a sample of capacity.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import numpy as np
@@ -37,8 +45,12 @@ LATE_SHARE = 0.05
 LATE_SESSIONS = 2
 # A pool's lag window: 24 sessions' 20 ms chunks for 5 s is 6,000.
 LAG_SAMPLES_MAX = 8192
-# A number of sessions the input was late at is held as the limit this long after it was last late.
+# A number of sessions the input was late at is held as the limit this long after it was last late;
+# a lag level (`LagLevels`) weighs in the forecast as long after it was last seen.
 LATE_MEMORY_S = 60.0
+# How fast a lag level follows a new window (per sample, 0.5 s): about 20 s to settle, as the pools'
+# levels (capacity.py's COST_EWMA).
+LAG_EWMA = 0.025
 
 
 class InputLag:
@@ -89,6 +101,20 @@ class InputLag:
                 worst, most = pool, late
         return (late_all / count_all if count_all else 0.0), worst, len(sessions)
 
+    def shared_p95(self) -> float | None:
+        """The lag p95 over the last WINDOW_S that LATE_SESSIONS sessions reached: each session's own
+        p95, the LATE_SESSIONS-th highest (one session late alone is its own matter, as in
+        late_share); None with fewer sessions in the window."""
+        since = self._clock() - WINDOW_S
+        by_session: defaultdict[str, list[float]] = defaultdict(list)
+        for pool in list(self._lags):
+            for at, lag, session in self._lags[pool]:
+                if at >= since:
+                    by_session[session].append(lag)
+        if len(by_session) < LATE_SESSIONS:
+            return None
+        return sorted((float(np.percentile(lags, 95)) for lags in by_session.values()), reverse=True)[LATE_SESSIONS - 1]
+
     def report(self) -> dict[str, dict]:
         out = {}
         for pool in sorted(self._lags):
@@ -99,6 +125,35 @@ class InputLag:
         return out
 
 
+class Connected:
+    """The numbers of sessions connected over the last WINDOW_S, one per sample, and since when some
+    have been: the levels below learn only from a whole window with sessions in it (a session's
+    start-up, or a window mostly empty, says nothing of what that many cost)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._counts: deque[tuple[float, int]] = deque()  # (when, sessions)
+        self._since: float | None = None  # when the sessions connected last went from none to some
+
+    def sample(self, sessions: int) -> bool:
+        """Count them now; whether some have been connected for a whole window."""
+        now = self._clock()
+        self._counts.append((now, sessions))
+        while self._counts[0][0] < now - WINDOW_S:
+            self._counts.popleft()
+        if not sessions:
+            self._since = None
+            return False
+        self._since = now if self._since is None else self._since
+        return self._since <= now - WINDOW_S
+
+    def most(self) -> int:
+        return max(n for _, n in self._counts)
+
+    def least(self) -> int:
+        return min(n for _, n in self._counts)
+
+
 class LateLevels:
     """The numbers of sessions connected over whole windows the input was late in (see the module
     doc), and when each was last late."""
@@ -106,26 +161,17 @@ class LateLevels:
     def __init__(self, lag: InputLag, clock: Callable[[], float] = time.monotonic) -> None:
         self.lag = lag
         self._clock = clock
-        self._connected: deque[tuple[float, int]] = deque()  # (when, sessions) over the last WINDOW_S
-        self._sessions_since: float | None = None  # when the sessions connected last went from none to some
+        self._connected = Connected(clock)
         self.late: dict[int, tuple[float, str]] = {}  # sessions -> (when last late, the pool most late)
 
     def sample(self, sessions: int) -> None:
-        now = self._clock()
-        self._connected.append((now, sessions))
-        while self._connected[0][0] < now - WINDOW_S:
-            self._connected.popleft()
-        if not sessions:
-            self._sessions_since = None
-            return
-        self._sessions_since = now if self._sessions_since is None else self._sessions_since
-        if self._sessions_since > now - WINDOW_S:
+        if not self._connected.sample(sessions):
             return  # not a whole window with sessions in it yet
         # The most connected in the window: its late chunks may be from before some left.
-        level = max(n for _, n in self._connected)
+        level = self._connected.most()
         share, pool, sessions_late = self.lag.late_share()
         if share > LATE_SHARE and sessions_late >= LATE_SESSIONS:
-            self.late[level] = (now, pool or "-")
+            self.late[level] = (self._clock(), pool or "-")
         elif share <= LATE_SHARE:
             for known in [k for k in self.late if k <= level]:
                 del self.late[known]  # on time with as many or more: room again
@@ -141,3 +187,81 @@ class LateLevels:
         """{sessions: seconds since the input was last late at that many}, for /readyz."""
         now = self._clock()
         return {str(level): round(now - at, 1) for level, (at, _) in sorted(self.late.items())}
+
+
+@dataclass
+class LagLevel:
+    """The input lag's p95 (`InputLag.shared_p95`) and the busiest pool's load, over the whole windows
+    whose most connected was a number of sessions (`LagLevels`): the plain mean of the first
+    1 / LAG_EWMA, then an EWMA; and when last learnt."""
+
+    p95_s: float
+    load: float
+    seen: float
+    samples: int = 1
+
+    def add(self, p95_s: float, load: float, now: float) -> None:
+        self.samples += 1
+        weight = max(1 / self.samples, LAG_EWMA)
+        self.p95_s += weight * (p95_s - self.p95_s)
+        self.load += weight * (load - self.load)
+        self.seen = now
+
+    @property
+    def scale_s(self) -> float:
+        """The lag p95 as a queue's at no load: p95 x (1 - load) (see capacity.py, Admission.forecast)."""
+        return self.p95_s * (1 - self.load)
+
+
+class LagLevels:
+    """The input lag's p95 per number of sessions connected, with the busiest pool's load over the
+    same window, for admission's forecast. Learnt only from a window whose count varied by at most
+    one (one joining or leaving), at its most: a p95 is a tail and a load a mean, so a window
+    across a change (eight late, then four on time) would pair the tail of the one with the mean
+    of both, a lag too high for a load too low."""
+
+    def __init__(self, lag: InputLag, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lag = lag
+        self._clock = clock
+        self._connected = Connected(clock)
+        self.levels: dict[int, LagLevel] = {}
+        # The most sessions connected throughout a whole window whose lag was measured (steady or
+        # not): admission's cold start paces a burst beyond it.
+        self.measured = 0
+
+    def sample(self, sessions: int, busiest_load: float) -> None:
+        """Learn from the last window: the lag's p95 and `busiest_load`, the most any pool was busy
+        over it. Not from a pool full (load 1: a queue that grows has no p95 to learn from)."""
+        if not self._connected.sample(sessions):
+            return
+        if (p95 := self.lag.shared_p95()) is None:
+            return  # fewer than LATE_SESSIONS sessions sent audio
+        self.measured = max(self.measured, self._connected.least())
+        if busiest_load >= 1 or self._connected.most() - self._connected.least() > 1:
+            return
+        now, key = self._clock(), self._connected.most()
+        if key in self.levels:
+            self.levels[key].add(p95, busiest_load, now)
+        else:
+            self.levels[key] = LagLevel(p95, busiest_load, now)
+
+    def scale(self) -> tuple[float, int] | None:
+        """The greatest `scale_s` of the levels learnt within LATE_MEMORY_S (the bound the forecast
+        goes by where its queue is rough), else the most recently learnt level's, and the number of
+        sessions it was learnt at; None before any. A level kept from being seen again by the limit
+        it sets (another tenant's load, since gone) weighs only LATE_MEMORY_S: then the levels
+        learnt since, nearer that limit, say whether one more fits."""
+        if not self.levels:
+            return None
+        since = self._clock() - LATE_MEMORY_S
+        recent = [(v.scale_s, n) for n, v in self.levels.items() if v.seen >= since]
+        if recent:
+            return max(recent)
+        n, level = max(self.levels.items(), key=lambda item: item[1].seen)
+        return level.scale_s, n
+
+    def report(self) -> dict[str, dict[str, float]]:
+        """{sessions: {p95_s, load, seen_s_ago}}, for /readyz."""
+        now = self._clock()
+        return {str(n): {"p95_s": round(v.p95_s, 4), "load": round(v.load, 3), "seen_s_ago": round(now - v.seen, 1)}
+                for n, v in sorted(self.levels.items())}
