@@ -32,7 +32,8 @@ from collections import deque
 
 import numpy as np
 
-from voicebot.audio.linear_echo import BLOCK, SAMPLE_RATE
+from voicebot.audio.linear_echo import BLOCK
+from voicebot.audio.rates import LISTEN_RATE
 
 MAX_DELAY_S = 1.0  # longest echo path the tracker looks for
 HISTORY_S = 2.0  # near: the last second; far: that second plus the longest delay
@@ -83,7 +84,7 @@ def _correlation(near: np.ndarray, far: np.ndarray, delay_s: float) -> float:
     """The normalised correlation of `near` with `far` `delay_s` behind it (laid out as for
     `_clear_peak_s`), the best within 2 ms of it: 1 for an echo alone, about 0 for another sound."""
     best = 0.0
-    for lag in range(round(delay_s * SAMPLE_RATE) - 32, round(delay_s * SAMPLE_RATE) + 33, 2):
+    for lag in range(round(delay_s * LISTEN_RATE) - 32, round(delay_s * LISTEN_RATE) + 33, 2):
         end = len(far) - lag
         if lag < 0 or end - len(near) < 0:
             continue
@@ -102,22 +103,22 @@ def _clear_peak_s(near: np.ndarray, far: np.ndarray) -> float | None:
     """GCC-PHAT: the delay of `near` behind the end of `far` (which starts MAX_DELAY_S before `near`),
     in seconds; None where the correlation has no clear peak (music or a noisy room gives a flat
     one, and a guess would misalign)."""
-    max_lag = round(MAX_DELAY_S * SAMPLE_RATE)
+    max_lag = round(MAX_DELAY_S * LISTEN_RATE)
     n = 1 << int(np.ceil(np.log2(len(far) + len(near))))
     cross = np.fft.rfft(far, n) * np.conj(np.fft.rfft(near, n))
     corr = np.fft.irfft(cross / (np.abs(cross) + 1e-12), n)
     # far starts max_lag earlier than near, so an echo `delay` samples late peaks at max_lag - delay.
     lags = corr[: max_lag + 1][::-1]  # index = delay in samples
     peak = int(np.argmax(lags))
-    return peak / SAMPLE_RATE if lags[peak] >= 8 * np.median(np.abs(lags)) else None
+    return peak / LISTEN_RATE if lags[peak] >= 8 * np.median(np.abs(lags)) else None
 
 
 class DelayTracker:
     """Echo delay of one session, in seconds: GCC-PHAT between what was played and what came back."""
 
     def __init__(self) -> None:
-        self._near: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * SAMPLE_RATE / BLOCK))
-        self._far: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * SAMPLE_RATE / BLOCK))
+        self._near: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * LISTEN_RATE / BLOCK))
+        self._far: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * LISTEN_RATE / BLOCK))
         self._since_estimate = 0
         self._since_early = 0
         # The median of the last few estimates: one window can fool GCC-PHAT (the end of a reply,
@@ -137,7 +138,7 @@ class DelayTracker:
         self._last_early_s: float | None = None
         # The onset check, once a playout: whether it is still to come, the playout's audible blocks
         # so far, and the input's since it was first not quiet (None: quiet so far).
-        self._far_silent_blocks = round(MAX_DELAY_S * SAMPLE_RATE / BLOCK)  # since the reply last played
+        self._far_silent_blocks = round(MAX_DELAY_S * LISTEN_RATE / BLOCK)  # since the reply last played
         self._onset_due = False
         self._playout_blocks = 0
         self._onset_blocks: int | None = None
@@ -146,7 +147,7 @@ class DelayTracker:
     @property
     def reply_recent(self) -> bool:
         """The reply played within MAX_DELAY_S: its echo may be in the input now."""
-        return self._far_silent_blocks * BLOCK < MAX_DELAY_S * SAMPLE_RATE
+        return self._far_silent_blocks * BLOCK < MAX_DELAY_S * LISTEN_RATE
 
     @property
     def linear_delay_s(self) -> float | None:
@@ -163,11 +164,11 @@ class DelayTracker:
         self._since_estimate += BLOCK
         self._since_early += BLOCK
         self._follow_onset(near_block, far_block)
-        if self._since_estimate >= ESTIMATE_EVERY_S * SAMPLE_RATE and len(self._far) == self._far.maxlen:
+        if self._since_estimate >= ESTIMATE_EVERY_S * LISTEN_RATE and len(self._far) == self._far.maxlen:
             self._since_estimate = 0
             self._estimate()
         # Until the tracker confirms an echo: the linear hold's estimate comes from them (once), and whether there is an echo.
-        if not self.echo_confirmed and self._since_early >= EARLY_EVERY_S * SAMPLE_RATE:
+        if not self.echo_confirmed and self._since_early >= EARLY_EVERY_S * LISTEN_RATE:
             self._since_early = 0
             self._early_estimate()
 
@@ -175,7 +176,7 @@ class DelayTracker:
         """The onset check: a new playout (the reply silent for MAX_DELAY_S before it) with the input
         quiet since, then the first input that is not quiet against the far end."""
         far_active = np.sqrt(np.mean(far_block**2)) >= FAR_ACTIVE_RMS
-        if far_active and self._far_silent_blocks * BLOCK >= MAX_DELAY_S * SAMPLE_RATE:
+        if far_active and self._far_silent_blocks * BLOCK >= MAX_DELAY_S * LISTEN_RATE:
             self._onset_due, self._playout_blocks, self._onset_blocks = not self.echo_confirmed, 0, None
         self._far_silent_blocks = 0 if far_active else self._far_silent_blocks + 1
         if not self._onset_due or self.echo_confirmed:
@@ -183,18 +184,18 @@ class DelayTracker:
         if self._onset_blocks is None:
             if np.sqrt(np.mean(near_block**2)) >= FAR_ACTIVE_RMS / 10:
                 # Too soon for the window to reach AEC3_REACH_S (a noise floor is never quiet): the early windows decide.
-                reach = self._playout_blocks * BLOCK + ONSET_WINDOW_S * SAMPLE_RATE >= AEC3_REACH_S * SAMPLE_RATE
+                reach = self._playout_blocks * BLOCK + ONSET_WINDOW_S * LISTEN_RATE >= AEC3_REACH_S * LISTEN_RATE
                 self._onset_due, self._onset_blocks = reach, 0
             elif far_active:
                 self._playout_blocks += 1
-                if self._playout_blocks * BLOCK >= AEC3_REACH_S * SAMPLE_RATE:
+                if self._playout_blocks * BLOCK >= AEC3_REACH_S * LISTEN_RATE:
                     self.echo_absent = True  # so far
             return
         self._onset_blocks += 1
-        if self._onset_blocks * BLOCK == round(ONSET_CHECK_S * SAMPLE_RATE):
+        if self._onset_blocks * BLOCK == round(ONSET_CHECK_S * LISTEN_RATE):
             if _echo_correlation(*self._ends(ONSET_CHECK_S))[1] >= ECHO_CORRELATION:
                 self.echo_absent, self._onset_due = False, False
-        elif self._onset_blocks * BLOCK >= ONSET_WINDOW_S * SAMPLE_RATE:
+        elif self._onset_blocks * BLOCK >= ONSET_WINDOW_S * LISTEN_RATE:
             self._onset_due = False
             self.echo_absent = _echo_correlation(*self._ends(ONSET_WINDOW_S))[1] < NO_ECHO_CORRELATION  # not sure: AEC3's
 
@@ -212,7 +213,7 @@ class DelayTracker:
 
     def _ends(self, window_s: float) -> tuple[np.ndarray, np.ndarray]:
         """The last `window_s` of the near end and that plus MAX_DELAY_S of the far end (zeros before the session)."""
-        window, far_len = round(window_s * SAMPLE_RATE), round((window_s + MAX_DELAY_S) * SAMPLE_RATE)
+        window, far_len = round(window_s * LISTEN_RATE), round((window_s + MAX_DELAY_S) * LISTEN_RATE)
         near, far = np.concatenate(self._near)[-window:], np.concatenate(self._far)[-far_len:]
         return near, np.pad(far, (far_len - len(far), 0))
 
@@ -244,7 +245,7 @@ class DelayTracker:
         if np.sqrt(np.mean(far**2)) < FAR_ACTIVE_RMS:
             return  # the bot is silent: the last peak still stands
         # An echo of any delay AEC3 reaches would be in this window: the reply played over it and before it.
-        reach = far[-round((EARLY_WINDOW_S + AEC3_REACH_S) * SAMPLE_RATE):]
+        reach = far[-round((EARLY_WINDOW_S + AEC3_REACH_S) * LISTEN_RATE):]
         covered = min(np.sqrt(np.mean(h**2)) for h in np.array_split(reach, 2)) >= FAR_ACTIVE_RMS
         self._no_echo_windows = self._no_echo_windows + 1 if covered else 0  # unless one is found below
         enough = self._no_echo_windows >= NO_ECHO_WINDOWS
