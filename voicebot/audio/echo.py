@@ -186,8 +186,8 @@ class EchoCanceller:
     @property
     def suppressing(self) -> bool:
         """Whether the gate and the VAD hear AEC3's suppressed output now: the reply (or its echo's
-        tail) in the input, and an echo not ruled out. Read between `process` calls."""
-        return self.tracker.reply_recent and not self.tracker.echo_absent
+        tail) in the input, and not the input itself (`DelayTracker.input_heard`). Read between `process` calls."""
+        return self.tracker.reply_recent and not self.tracker.input_heard
 
     @property
     def far_pending_s(self) -> float:
@@ -272,8 +272,8 @@ class EchoCanceller:
             near_pcm = _pcm16(near_block)
             self._apm.process_reverse_stream(_pcm16(aec3_reference).tobytes())
             cleaned = np.frombuffer(self._apm.process_stream(near_pcm.tobytes()), "<i2").astype(np.float32) / 32768.0
-            # No echo: the input itself (AEC3 still follows the reply, ready if an echo comes after all).
-            heard = near_block if self.tracker.echo_absent else cleaned
+            # No echo, or none back yet: the input itself (AEC3 still follows the reply, ready if an echo comes after all).
+            heard = near_block if self.tracker.input_heard else cleaned
             suppressed[start : start + BLOCK] = heard
             linear[start : start + BLOCK] = heard if self._linear is None else self._linear.process(near_pcm, _pcm16(linear_reference))
             if np.any(far_block):
