@@ -69,6 +69,9 @@ class Metrics:
         self.smart_turn = Histogram("voicebot_smart_turn_seconds", "Pause heard to the end-of-turn model's answer", buckets=LATENCY_BUCKETS, registry=r)
         self.preemptive = Counter("voicebot_preemptive_total", "Replies prepared during a pause, by outcome (kept, user_went_on, changed, superseded, session_closed)", ["outcome"], registry=r)
         self.echo_attenuation = Histogram("voicebot_echo_attenuation_db", "Input over output energy of the echo canceller while the bot spoke, per session", buckets=(0, 3, 6, 10, 15, 20, 30, 40, 60), registry=r)
+        # At most HELD_SILENCE_SHARE of endpoint_silence_ms (voicebot/audio/endpoint.py): 224 ms at the default 500.
+        self.endpoint_held = Histogram("voicebot_endpoint_held_seconds", "How much later an utterance ended than its silence alone would have ended it, the windows the echo canceller's suppressor hid after its last word not counted as silence (VadEvent.held_ms), per utterance of a session with echo cancellation",
+                                       buckets=(0, 0.032, 0.064, 0.128, 0.192, 0.256, 0.5, 1.0), registry=r)
         self.audio_api_requests = Counter("voicebot_audio_api_requests_total", "Requests to /v1/audio/speech and /v1/audio/transcriptions, by route and outcome (ok, or the error code)", ["route", "outcome"], registry=r)
         self.audio_api_seconds = Counter("voicebot_audio_api_audio_seconds_total", "Audio synthesized by /v1/audio/speech or uploaded to /v1/audio/transcriptions, in seconds", ["route"], registry=r)
         self.audio_api_active = Gauge("voicebot_audio_api_active", "/v1/audio/* requests running now (they count toward server.max_sessions)", registry=r)

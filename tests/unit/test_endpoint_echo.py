@@ -10,12 +10,15 @@ import numpy as np
 import pytest
 
 from tests.audio import espeak_speech, to_pcm16
+from voicebot.asr.base import Hypothesis, RecognizerStream
 from voicebot.audio.echo import Cancelled
 from voicebot.audio.echo_onset import EchoOnset
-from voicebot.audio.endpoint import WINDOW, EventKind
+from voicebot.audio.endpoint import HELD_SILENCE_SHARE, WINDOW, WINDOW_MS, EventKind
 from voicebot.config.stages import EndpointConfig, GateConfig
 from voicebot.messages import AudioIn
-from voicebot.session.listening import FrontEnd
+from voicebot.metrics import Metrics
+from voicebot.session.listening import FrontEnd, Listening
+from voicebot.session.outbox import Outbox
 
 RATE = 16000
 
@@ -72,3 +75,45 @@ def test_what_the_suppressor_hid(suppressed_dbfs, linear_dbfs, suppressing, hid)
     onset = EchoOnset()
     onset.observe(noise(suppressed_dbfs), suppressing)
     assert onset.hid(noise(linear_dbfs)) is hid
+
+
+class Transcript(RecognizerStream):
+    """A recognizer that hears nothing and finishes every utterance with the same words."""
+
+    async def accept(self, pcm: np.ndarray) -> str | None:
+        return None
+
+    async def finish(self) -> Hypothesis:
+        return Hypothesis("what time does the show start", 0.9, "fixed")
+
+    async def reset(self):
+        raise AssertionError("not reset in this test")
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("suppressing", [True, False])
+def test_how_late_the_suppressor_made_an_utterance_end_is_a_metric(input_clock, suppressing):
+    # After the words the reply's echo goes on (-40 dBFS noise here: in the linear output, not speech to
+    # Silero) and the suppressor takes it to its floor, as it would words: the utterance ends
+    # HELD_SILENCE_SHARE of endpoint_silence_ms late, and voicebot_endpoint_held_seconds says so. Where the
+    # canceller does not suppress (the reply over), nothing is held.
+    words = espeak_speech("what time does the show start tomorrow") * 0.5
+    lead = RATE // 2
+    echo = np.random.default_rng(4).standard_normal(2 * RATE).astype(np.float32) * 10 ** (-40 / 20)
+    audio = np.concatenate([np.zeros(lead, np.float32), words, echo])
+    metrics = Metrics()
+
+    async def run() -> list:
+        front = FrontEnd(RATE, GateConfig(enabled=False), EndpointConfig(), HoleCanceller(slice(lead + len(words), len(audio)), suppressing))
+        listening = Listening(front, Transcript(), input_clock, metrics, Outbox(metrics), "s1")
+        utterances = []
+        for start in range(0, len(audio), 3200):
+            utterances += await listening.hear(AudioIn(to_pcm16(audio[start : start + 3200]), time.monotonic()))
+        return utterances
+
+    assert len(asyncio.run(run())) == 1
+    held_s = (EndpointConfig().endpoint_silence_ms * HELD_SILENCE_SHARE // WINDOW_MS) * WINDOW_MS / 1000 if suppressing else 0.0
+    assert metrics.registry.get_sample_value("voicebot_endpoint_held_seconds_count") == 1
+    assert metrics.registry.get_sample_value("voicebot_endpoint_held_seconds_sum") == pytest.approx(held_s)

@@ -124,3 +124,31 @@ def test_the_reach_back_stops_at_a_long_gap_and_at_its_bound():
     levels = [-65.0] * 80 + [-25.0] * 5
     end = len(levels) * WINDOW
     assert onset_after(levels).start(end - 14 * WINDOW, end, 0) == end - 14 * WINDOW
+
+
+def onset_with_linear(windows: list[tuple[float, float]]) -> EchoOnset:
+    """An EchoOnset that has observed, while the canceller suppressed, one window of each (suppressed,
+    linear) level (white noise at those dBFS, fixed seed), and been asked whether it hid each."""
+    onset, rng = EchoOnset(), np.random.default_rng(3)
+    for suppressed, linear in windows:
+        noise = rng.standard_normal(WINDOW).astype(np.float32)
+        onset.observe(noise * np.float32(10 ** (suppressed / 20)), True)
+        onset.hid(noise * np.float32(10 ** (linear / 20)))
+    return onset
+
+
+@pytest.mark.parametrize("word_linear_dbfs, bridged", [(-22.0, True), (-45.0, False)])
+def test_a_hole_the_suppressor_made_after_the_first_word_is_bridged_back_to_it(word_linear_dbfs, bridged):
+    # The echo alone at the suppressor's floor (-65 dBFS, -40 in the linear output), a first word it let
+    # through (4 windows at -35, 30 dB over its floor), then 0.45 s of the words it hid (-90, -25 in the
+    # linear output: a hole longer than ECHO_GAP_MS), then the utterance the endpoint rule began: 6 windows
+    # over the floor and 5 of speech. Bridged to the first word where it is as loud in the linear output as
+    # the hole; not where it is quieter (the echo alone, let through where little of it came back).
+    echo, word = [(-65.0, -40.0)] * 62, [(-35.0, word_linear_dbfs)] * 4
+    hole, utterance = [(-90.0, -25.0)] * 14, [(-45.0, -25.0)] * 6 + [(-25.0, -22.0)] * 5
+    windows = echo + word + hole + utterance
+    end = len(windows) * WINDOW
+    start = end - 11 * WINDOW
+    expected = len(echo) * WINDOW if bridged else end - len(utterance) * WINDOW
+    assert onset_with_linear(windows).start(start, end, 0) == expected - MARGIN
+

@@ -67,7 +67,8 @@ from typing import NamedTuple
 import numpy as np
 
 from voicebot.audio.echo_delay import AEC3_REACH_S, MAX_DELAY_S, DelayTracker
-from voicebot.audio.linear_echo import BLOCK, SAMPLE_RATE, LinearCanceller, linear_canceller_problem
+from voicebot.audio.linear_echo import BLOCK, LinearCanceller, linear_canceller_problem
+from voicebot.audio.rates import LISTEN_RATE
 from voicebot.audio.resample import StreamResampler
 
 MAX_FAR_S = 2.0  # pacing keeps reply audio at most lead_ms (400 ms by default) ahead of playback
@@ -129,9 +130,9 @@ class FarHold:
 
     def follow(self, hold_s: float) -> bool:
         """Hold the far end back by `hold_s` from now on, if that is a change; whether it was."""
-        if abs(hold_s - self._blocks * BLOCK / SAMPLE_RATE) < self._min_change_s:
+        if abs(hold_s - self._blocks * BLOCK / LISTEN_RATE) < self._min_change_s:
             return False
-        self._blocks = round(min(hold_s, MAX_DELAY_S) * SAMPLE_RATE / BLOCK)
+        self._blocks = round(min(hold_s, MAX_DELAY_S) * LISTEN_RATE / BLOCK)
         while len(self._held) > self._blocks:
             self._held.popleft()
         return True
@@ -154,13 +155,13 @@ class EchoCanceller:
 
         _configure_aec3()
         self._apm = AudioProcessor(enable_aec=True, enable_ns=False, enable_agc=False, enable_vad=False)
-        self._apm.set_stream_format(SAMPLE_RATE, 1)
-        self._apm.set_reverse_stream_format(SAMPLE_RATE, 1)
+        self._apm.set_stream_format(LISTEN_RATE, 1)
+        self._apm.set_reverse_stream_format(LISTEN_RATE, 1)
         self._reply_rate = reply_rate
         # Quick (cubic) resampling: it holds nothing back, where HQ's filter holds ~21 ms of each frame
         # until the next, which made the reference run ~36 ms late (an echo path shorter than that,
         # an OBS mix, was beyond cancelling; the first reply got 10-21 dB instead of 25-48 here).
-        self._resampler = StreamResampler(reply_rate, SAMPLE_RATE, "QQ")
+        self._resampler = StreamResampler(reply_rate, LISTEN_RATE, "QQ")
         self._lock = threading.Lock()
         # Resampled reply audio not yet matched with input, with when it was sent if it starts a
         # playout (a new reply, or playback ran dry); None: it plays right after the one before.
@@ -185,13 +186,13 @@ class EchoCanceller:
     @property
     def suppressing(self) -> bool:
         """Whether the gate and the VAD hear AEC3's suppressed output now: the reply (or its echo's
-        tail) in the input, and an echo not ruled out. Read between `process` calls."""
-        return self.tracker.reply_recent and not self.tracker.echo_absent
+        tail) in the input, and not the input itself (`DelayTracker.input_heard`). Read between `process` calls."""
+        return self.tracker.reply_recent and not self.tracker.input_heard
 
     @property
     def far_pending_s(self) -> float:
         """Reply audio sent and not yet matched with input."""
-        return self._far_samples / SAMPLE_RATE
+        return self._far_samples / LISTEN_RATE
 
     @property
     def attenuation_db(self) -> float | None:
@@ -206,10 +207,10 @@ class EchoCanceller:
         sent_at = time.monotonic() if sent_at is None else sent_at
         with self._lock:
             starts = sent_at > self._played_until + PLAYOUT_GAP_S
-            self._played_until = (sent_at if starts else self._played_until) + len(audio) / SAMPLE_RATE
+            self._played_until = (sent_at if starts else self._played_until) + len(audio) / LISTEN_RATE
             self._far.append((audio, sent_at if starts else None))
             self._far_samples += len(audio)
-            while self._far_samples > MAX_FAR_S * SAMPLE_RATE:
+            while self._far_samples > MAX_FAR_S * LISTEN_RATE:
                 dropped, _ = self._far.popleft()
                 self._far_samples -= len(dropped)
                 self.far_dropped_samples += len(dropped)
@@ -220,7 +221,7 @@ class EchoCanceller:
             self._far.clear()
             self._far_samples = 0
             self._played_until = float("-inf")
-        self._resampler = StreamResampler(self._reply_rate, SAMPLE_RATE, "QQ")
+        self._resampler = StreamResampler(self._reply_rate, LISTEN_RATE, "QQ")
 
     def _far_block(self, block_at: float | None) -> np.ndarray:
         """The far end matched with the input block that arrived at `block_at` (None: unknown, take the next)."""
@@ -230,7 +231,7 @@ class EchoCanceller:
             while filled < BLOCK and self._far:
                 head, sent_at = self._far[0]
                 if sent_at is not None and block_at is not None:
-                    not_yet = round((sent_at - block_at) * SAMPLE_RATE) - filled  # of this block, before the playout began
+                    not_yet = round((sent_at - block_at) * LISTEN_RATE) - filled  # of this block, before the playout began
                     if not_yet >= BLOCK - filled:
                         break
                     filled += max(0, not_yet)
@@ -264,15 +265,15 @@ class EchoCanceller:
         suppressed, linear = np.empty(n, np.float32), np.empty(n, np.float32)
         for start in range(0, n, BLOCK):
             near_block = data[start : start + BLOCK]
-            far_block = self._far_block(None if arrived is None else arrived - (len(data) - start) / SAMPLE_RATE)
+            far_block = self._far_block(None if arrived is None else arrived - (len(data) - start) / LISTEN_RATE)
             self.tracker.add(near_block, far_block)
             self._follow_delay()
             aec3_reference, linear_reference = self._aec3_hold.shift(far_block), self._linear_hold.shift(far_block)
             near_pcm = _pcm16(near_block)
             self._apm.process_reverse_stream(_pcm16(aec3_reference).tobytes())
             cleaned = np.frombuffer(self._apm.process_stream(near_pcm.tobytes()), "<i2").astype(np.float32) / 32768.0
-            # No echo: the input itself (AEC3 still follows the reply, ready if an echo comes after all).
-            heard = near_block if self.tracker.echo_absent else cleaned
+            # No echo, or none back yet: the input itself (AEC3 still follows the reply, ready if an echo comes after all).
+            heard = near_block if self.tracker.input_heard else cleaned
             suppressed[start : start + BLOCK] = heard
             linear[start : start + BLOCK] = heard if self._linear is None else self._linear.process(near_pcm, _pcm16(linear_reference))
             if np.any(far_block):

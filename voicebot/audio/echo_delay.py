@@ -18,10 +18,13 @@ seconds of a session's first reply, or any real microphone's noise floor, never 
 and AEC3 took 13-70 dB off each 200 ms of the words (issue 29). Now it is also where the far end
 does not explain the input (GCC-PHAT's peak and the normalised correlation there, under
 `NO_ECHO_CORRELATION`): at a new reply's onset (the input quiet since it began: ONSET_CHECK_S) and
-over NO_ECHO_WINDOWS of the early windows. Still open: words that start within AEC3_REACH_S of a
-reply's first sound lose their first ONSET_WINDOW_S to the suppressor (an echo of that path could
-not be told from them sooner), and over a noise floor the first reply's first ~1.3 s are AEC3's.
-An echo confirmed (the tracker's delay) is there for the rest of the session.
+over NO_ECHO_WINDOWS of the early windows. Until the input is first not quiet at a new reply's
+onset, and after it where it came too late for an echo of a delay under ONSET_SLACK_S less than that
+(ONSET_QUICK_S), the input itself too (`input_heard`). Still open: words that start within ~0.35 s
+of a reply's first sound (the onset check's window would not reach AEC3_REACH_S) are AEC3's until
+the early windows decide (words 0.2-0.3 s in: barge-in 1.3 s after them instead of 0.44), and over a
+noise floor the first reply's first ~1.3 s are AEC3's. An echo confirmed (the tracker's delay) is
+there for the rest of the session.
 
 Bounds: the tracker keeps `HISTORY_S` of each end.
 """
@@ -32,7 +35,8 @@ from collections import deque
 
 import numpy as np
 
-from voicebot.audio.linear_echo import BLOCK, SAMPLE_RATE
+from voicebot.audio.linear_echo import BLOCK
+from voicebot.audio.rates import LISTEN_RATE
 
 MAX_DELAY_S = 1.0  # longest echo path the tracker looks for
 HISTORY_S = 2.0  # near: the last second; far: that second plus the longest delay
@@ -43,6 +47,7 @@ ESTIMATE_EVERY_S = 1.0
 # Beyond it the first reply still leaks until the path is confirmed (~3 s; 600-700 ms barged in).
 AEC3_REACH_S = 0.55
 FAR_ACTIVE_RMS = 1e-3  # about -60 dBFS: below it the bot is silent and there is nothing to measure
+QUIET_RMS = FAR_ACTIVE_RMS / 10  # about -80 dBFS: input under it holds no echo anyone would hear
 # An echo comes back at the same delay second after second (playout jitter is a few ms); a voice
 # over the reply correlates with it by chance, at another lag each time (0.20, 0.24, 0.50 s here).
 ECHO_CONFIRM_S = 0.02
@@ -68,56 +73,75 @@ ECHO_CORRELATION = 0.4
 # At the onset of a new playout, the input quiet (under -80 dBFS) so far. Quiet over AEC3_REACH_S
 # of its audio: no echo AEC3 could cancel, so none is taken to be there, and a user who starts
 # talking is heard from the first word; what comes is checked against the far end, and after
-# ONSET_CHECK_S an echo (a longer path) gives AEC3's output back. Sooner (0.3 s of quiet left an
-# echo of 326-500 ms unsuppressed for the check's 0.1 s, and the first reply's echo was 16 dB down
-# instead of 40): AEC3's output until ONSET_WINDOW_S of what came is checked, and then the input
-# where it is no echo, if the window reaches AEC3_REACH_S into the playout (an echo would be in it).
+# ONSET_CHECK_S an echo (a longer path) gives AEC3's output back. Where the window reaches
+# AEC3_REACH_S into the playout (an echo would be in it), the input itself from the onset too, AEC3's
+# again if the far end explains its first ONSET_QUICK_S, and after ONSET_WINDOW_S the input where what
+# came is no echo. Passing the first 0.1 s before any check (0.3 s of quiet) left an echo of 326-500 ms
+# unsuppressed for 0.1 s, and the first reply's echo was 16 dB down instead of 40; AEC3's output until
+# the 0.2 s check took the first 0.2 s of words 0.5 s into a first reply (-49 dB, barge-in 0.72 s after
+# them instead of 0.36).
 ONSET_CHECK_S = 0.1
 ONSET_WINDOW_S = 0.2
+# The input quiet since the playout began, an echo whose onset this is would be of a delay no more than
+# ONSET_SLACK_S short of that (its source's first sound under -80 dBFS a few blocks longer, at -20 dB
+# and under), so the far end at those delays explains its first ONSET_QUICK_S or it is no echo AEC3
+# could cancel. Measured at those delays: an echo (400-700 ms, -6 and -20 dB, rooms with RT60 0.4 and
+# 0.8 s) 0.89-1.00 over 20 ms, 0.77-0.99 over 40; six espeak phrases' onsets 0.09-0.81 over 20 ms
+# (median 0.29), 0.04-0.63 over 40 (0.23; 0.51 over every delay of a second). Under
+# NO_ECHO_CORRELATION, the input itself stays; else AEC3's until the checks above decide, as before.
+# 20 ms, not 40: an echo's onset is what passes until then. An echo of 350-500 ms: its first 100 ms
+# 31 dB down instead of 64, the first reply's 45-49 dB (34-48 before); never a barge-in (tests/unit/test_echo.py).
+ONSET_QUICK_S = 0.02
+ONSET_SLACK_S = 0.15
 # Later: this many early windows in a row with no echo, the reply playing over each and over
 # AEC3_REACH_S before it (a microphone's noise floor, a user talking from the reply's start).
 NO_ECHO_WINDOWS = 3
 
 
-def _correlation(near: np.ndarray, far: np.ndarray, delay_s: float) -> float:
-    """The normalised correlation of `near` with `far` `delay_s` behind it (laid out as for
-    `_clear_peak_s`), the best within 2 ms of it: 1 for an echo alone, about 0 for another sound."""
-    best = 0.0
-    for lag in range(round(delay_s * SAMPLE_RATE) - 32, round(delay_s * SAMPLE_RATE) + 33, 2):
-        end = len(far) - lag
-        if lag < 0 or end - len(near) < 0:
-            continue
-        played = far[end - len(near) : end]
-        best = max(best, abs(float(np.dot(near, played))) / (float(np.linalg.norm(near) * np.linalg.norm(played)) + 1e-12))
-    return best
+def _correlation(near: np.ndarray, far: np.ndarray, from_s: float, to_s: float) -> float:
+    """The normalised correlation of `near` with `far` (laid out as for `_clear_peak_s`), the best
+    at a delay from `from_s` to `to_s`: 1 for an echo alone, about 0 for another sound. Where the far
+    end there is over 40 dB quieter than `near` it explains none of it (0)."""
+    n, m = len(near), len(far)
+    size = 1 << int(np.ceil(np.log2(n + m)))
+    dots = np.fft.irfft(np.fft.rfft(far, size) * np.conj(np.fft.rfft(near, size)), size)[: m - n + 1][::-1]  # by delay
+    energy = np.cumsum(np.concatenate([[0.0], far.astype(np.float64) ** 2]))
+    played = (energy[n:] - energy[:-n])[::-1]  # of the far end at each delay
+    near_energy = float(np.dot(near, near))
+    lo, hi = max(0, round(from_s * LISTEN_RATE)), min(m - n, round(to_s * LISTEN_RATE))
+    if hi < lo or near_energy <= 0:
+        return 0.0
+    dots, played = np.abs(dots[lo : hi + 1]), played[lo : hi + 1]
+    heard = played >= max(near_energy * 1e-4, 1e-12)
+    return float(np.max(np.where(heard, dots / np.sqrt(np.maximum(played, 1e-12) * near_energy), 0.0)))
 
 
 def _echo_correlation(near: np.ndarray, far: np.ndarray) -> tuple[float | None, float]:
     """GCC-PHAT's clear peak, and the correlation there (0 without one)."""
     peak = _clear_peak_s(near, far)
-    return peak, 0.0 if peak is None else _correlation(near, far, peak)
+    return peak, 0.0 if peak is None else _correlation(near, far, peak - 0.002, peak + 0.002)
 
 
 def _clear_peak_s(near: np.ndarray, far: np.ndarray) -> float | None:
     """GCC-PHAT: the delay of `near` behind the end of `far` (which starts MAX_DELAY_S before `near`),
     in seconds; None where the correlation has no clear peak (music or a noisy room gives a flat
     one, and a guess would misalign)."""
-    max_lag = round(MAX_DELAY_S * SAMPLE_RATE)
+    max_lag = round(MAX_DELAY_S * LISTEN_RATE)
     n = 1 << int(np.ceil(np.log2(len(far) + len(near))))
     cross = np.fft.rfft(far, n) * np.conj(np.fft.rfft(near, n))
     corr = np.fft.irfft(cross / (np.abs(cross) + 1e-12), n)
     # far starts max_lag earlier than near, so an echo `delay` samples late peaks at max_lag - delay.
     lags = corr[: max_lag + 1][::-1]  # index = delay in samples
     peak = int(np.argmax(lags))
-    return peak / SAMPLE_RATE if lags[peak] >= 8 * np.median(np.abs(lags)) else None
+    return peak / LISTEN_RATE if lags[peak] >= 8 * np.median(np.abs(lags)) else None
 
 
 class DelayTracker:
     """Echo delay of one session, in seconds: GCC-PHAT between what was played and what came back."""
 
     def __init__(self) -> None:
-        self._near: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * SAMPLE_RATE / BLOCK))
-        self._far: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * SAMPLE_RATE / BLOCK))
+        self._near: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * LISTEN_RATE / BLOCK))
+        self._far: deque[np.ndarray] = deque(maxlen=round(HISTORY_S * LISTEN_RATE / BLOCK))
         self._since_estimate = 0
         self._since_early = 0
         # The median of the last few estimates: one window can fool GCC-PHAT (the end of a reply,
@@ -136,17 +160,26 @@ class DelayTracker:
         self.early_delay_s: float | None = None
         self._last_early_s: float | None = None
         # The onset check, once a playout: whether it is still to come, the playout's audible blocks
-        # so far, and the input's since it was first not quiet (None: quiet so far).
-        self._far_silent_blocks = round(MAX_DELAY_S * SAMPLE_RATE / BLOCK)  # since the reply last played
+        # and all its blocks so far, and the input's since it was first not quiet (None: quiet so far).
+        self._far_silent_blocks = round(MAX_DELAY_S * LISTEN_RATE / BLOCK)  # since the reply last played
         self._onset_due = False
-        self._playout_blocks = 0
+        self._playout_blocks = self._quiet_blocks = 0
         self._onset_blocks: int | None = None
+        self._onset_unproven = False  # no echo taken from the onset on, before the quiet reached AEC3_REACH_S
         self._no_echo_windows = 0  # early windows in a row with no echo at any delay
 
     @property
     def reply_recent(self) -> bool:
         """The reply played within MAX_DELAY_S: its echo may be in the input now."""
-        return self._far_silent_blocks * BLOCK < MAX_DELAY_S * SAMPLE_RATE
+        return self._far_silent_blocks * BLOCK < MAX_DELAY_S * LISTEN_RATE
+
+    @property
+    def input_heard(self) -> bool:
+        """Whether the gate and the VAD hear the input itself: no echo, or none back yet at a new
+        playout's onset (the input quiet since it began: AEC3's output there is its own noise, a bit or
+        two, -95 dBFS over digital silence, and Silero's state over that and over the silence differed
+        enough to hear words 0.5 s into a first reply 0.32 s later: tests/unit/test_echo.py)."""
+        return self.echo_absent or (self._onset_due and self._onset_blocks is None and not self.echo_confirmed)
 
     @property
     def linear_delay_s(self) -> float | None:
@@ -163,11 +196,11 @@ class DelayTracker:
         self._since_estimate += BLOCK
         self._since_early += BLOCK
         self._follow_onset(near_block, far_block)
-        if self._since_estimate >= ESTIMATE_EVERY_S * SAMPLE_RATE and len(self._far) == self._far.maxlen:
+        if self._since_estimate >= ESTIMATE_EVERY_S * LISTEN_RATE and len(self._far) == self._far.maxlen:
             self._since_estimate = 0
             self._estimate()
         # Until the tracker confirms an echo: the linear hold's estimate comes from them (once), and whether there is an echo.
-        if not self.echo_confirmed and self._since_early >= EARLY_EVERY_S * SAMPLE_RATE:
+        if not self.echo_confirmed and self._since_early >= EARLY_EVERY_S * LISTEN_RATE:
             self._since_early = 0
             self._early_estimate()
 
@@ -175,26 +208,33 @@ class DelayTracker:
         """The onset check: a new playout (the reply silent for MAX_DELAY_S before it) with the input
         quiet since, then the first input that is not quiet against the far end."""
         far_active = np.sqrt(np.mean(far_block**2)) >= FAR_ACTIVE_RMS
-        if far_active and self._far_silent_blocks * BLOCK >= MAX_DELAY_S * SAMPLE_RATE:
-            self._onset_due, self._playout_blocks, self._onset_blocks = not self.echo_confirmed, 0, None
+        if far_active and self._far_silent_blocks * BLOCK >= MAX_DELAY_S * LISTEN_RATE:
+            self._onset_due, self._playout_blocks, self._quiet_blocks, self._onset_blocks = not self.echo_confirmed, 0, 0, None
         self._far_silent_blocks = 0 if far_active else self._far_silent_blocks + 1
         if not self._onset_due or self.echo_confirmed:
             return
         if self._onset_blocks is None:
-            if np.sqrt(np.mean(near_block**2)) >= FAR_ACTIVE_RMS / 10:
+            self._quiet_blocks += 1
+            if np.sqrt(np.mean(near_block**2)) >= QUIET_RMS:
                 # Too soon for the window to reach AEC3_REACH_S (a noise floor is never quiet): the early windows decide.
-                reach = self._playout_blocks * BLOCK + ONSET_WINDOW_S * SAMPLE_RATE >= AEC3_REACH_S * SAMPLE_RATE
+                reach = self._playout_blocks * BLOCK + ONSET_WINDOW_S * LISTEN_RATE >= AEC3_REACH_S * LISTEN_RATE
                 self._onset_due, self._onset_blocks = reach, 0
+                self._onset_unproven = reach and not self.echo_absent
+                self.echo_absent |= reach  # until ONSET_QUICK_S of it is checked
             elif far_active:
                 self._playout_blocks += 1
-                if self._playout_blocks * BLOCK >= AEC3_REACH_S * SAMPLE_RATE:
+                if self._playout_blocks * BLOCK >= AEC3_REACH_S * LISTEN_RATE:
                     self.echo_absent = True  # so far
             return
         self._onset_blocks += 1
-        if self._onset_blocks * BLOCK == round(ONSET_CHECK_S * SAMPLE_RATE):
+        if (self._onset_blocks + 1) * BLOCK == round(ONSET_QUICK_S * LISTEN_RATE):  # the onset's block and those after it
+            quiet_s = self._quiet_blocks * BLOCK / LISTEN_RATE
+            explained = _correlation(*self._ends(ONSET_QUICK_S), quiet_s - ONSET_SLACK_S, quiet_s) >= NO_ECHO_CORRELATION
+            self.echo_absent = self.echo_absent and not (explained and self._onset_unproven)
+        elif self._onset_blocks * BLOCK == round(ONSET_CHECK_S * LISTEN_RATE):
             if _echo_correlation(*self._ends(ONSET_CHECK_S))[1] >= ECHO_CORRELATION:
                 self.echo_absent, self._onset_due = False, False
-        elif self._onset_blocks * BLOCK >= ONSET_WINDOW_S * SAMPLE_RATE:
+        elif self._onset_blocks * BLOCK >= ONSET_WINDOW_S * LISTEN_RATE:
             self._onset_due = False
             self.echo_absent = _echo_correlation(*self._ends(ONSET_WINDOW_S))[1] < NO_ECHO_CORRELATION  # not sure: AEC3's
 
@@ -212,7 +252,7 @@ class DelayTracker:
 
     def _ends(self, window_s: float) -> tuple[np.ndarray, np.ndarray]:
         """The last `window_s` of the near end and that plus MAX_DELAY_S of the far end (zeros before the session)."""
-        window, far_len = round(window_s * SAMPLE_RATE), round((window_s + MAX_DELAY_S) * SAMPLE_RATE)
+        window, far_len = round(window_s * LISTEN_RATE), round((window_s + MAX_DELAY_S) * LISTEN_RATE)
         near, far = np.concatenate(self._near)[-window:], np.concatenate(self._far)[-far_len:]
         return near, np.pad(far, (far_len - len(far), 0))
 
@@ -223,7 +263,7 @@ class DelayTracker:
         # No echo means none of any delay up to MAX_DELAY_S: only when the bot spoke in both halves
         # of the far history, not only in the part that a late echo has not come back from yet.
         no_echo = not self.echo_confirmed and min(np.sqrt(np.mean(h**2)) for h in np.array_split(far, 2)) >= FAR_ACTIVE_RMS
-        if np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:  # nothing came back at all
+        if np.sqrt(np.mean(near**2)) < QUIET_RMS:  # nothing came back at all
             self.echo_absent |= no_echo
             return
         # No clear peak is not taken for no echo: a real echo in a noisy room, or under music, can
@@ -244,11 +284,11 @@ class DelayTracker:
         if np.sqrt(np.mean(far**2)) < FAR_ACTIVE_RMS:
             return  # the bot is silent: the last peak still stands
         # An echo of any delay AEC3 reaches would be in this window: the reply played over it and before it.
-        reach = far[-round((EARLY_WINDOW_S + AEC3_REACH_S) * SAMPLE_RATE):]
+        reach = far[-round((EARLY_WINDOW_S + AEC3_REACH_S) * LISTEN_RATE):]
         covered = min(np.sqrt(np.mean(h**2)) for h in np.array_split(reach, 2)) >= FAR_ACTIVE_RMS
         self._no_echo_windows = self._no_echo_windows + 1 if covered else 0  # unless one is found below
         enough = self._no_echo_windows >= NO_ECHO_WINDOWS
-        if np.sqrt(np.mean(near**2)) < FAR_ACTIVE_RMS / 10:  # nothing came back
+        if np.sqrt(np.mean(near**2)) < QUIET_RMS:  # nothing came back
             if enough and not self.echo_confirmed:
                 self.echo_absent = True
             return

@@ -5,8 +5,8 @@ The endpoint rule (audio/endpoint.py) hears AEC3's suppressed output; in double 
 reply the suppressor can take the user's first words down so far that the utterance, and so the
 recognizer's audio, starts inside them, and take half a second from inside them, so that the rule
 ends the utterance there. EchoOnset, one per session with an echo canceller, watches the suppressed
-output's level window by window and moves such an utterance's start back, and says which windows
-the suppressor hid (SUPPRESSOR_HID_DB): the endpoint rule does not count those as the user's silence.
+output's level window by window and moves such an utterance's start back (over a hole it made after
+the first word too), and says which windows the suppressor hid (SUPPRESSOR_HID_DB): the endpoint rule does not count those as the user's silence.
 """
 
 from __future__ import annotations
@@ -32,19 +32,35 @@ from voicebot.audio.rates import LISTEN_RATE
 # words heard from the utterance's start: the -6 dB rows lost 9 of 108 each against the endpoint
 # rule's start; from ECHO_MARGIN_MS before, no row lost any, and 531 of 648 became 575).
 # Open: where the suppressor takes the first words down to its floor (a 180 ms path 1.5 s into the
-# reply: their first 0.3 s), nothing rises and the endpoint rule's start stands; where it takes more
-# than ECHO_GAP_MS from inside them (240 ms), the reach stops at that hole (tests/unit/test_echo.py).
+# reply: their first 0.3 s), nothing rises and the endpoint rule's start stands (tests/unit/test_echo.py).
 # Its output alone cannot tell them from the echo: over the 180 ms path an echo-only window stood 12-14
 # dB over the floor where the words' first stood 3-8. The linear output (MDF 3-10 dB into the echo
 # 1.5 s into a first reply) and an energy double-talk rule on the far end (no false trace on a pure
-# delay, 5-13% of echo-only blocks in rooms with an RT60 of 0.4-0.8 s) were no better evidence.
+# delay, 5-13% of echo-only blocks in rooms with an RT60 of 0.4-0.8 s) were no better evidence; per 32
+# ms window over those words the linear output stood at -20 to -43 dBFS (the echo alone's -19 to -46),
+# and the input's correlation with the far end at the path 0.56-0.97 (the echo alone's 0.97-1.00 on this
+# pure delay, 0.67-0.95 in rooms: echo_delay.py).
 ECHO_REACH_S = 1.2
 ECHO_MARGIN_MS = 96
-ECHO_HISTORY_S = 3.0  # per session: 94 windows of (level, suppressing)
+ECHO_HISTORY_S = 3.0  # per session: 94 windows of (level, suppressing, the linear output's level)
 ECHO_FLOOR_PERCENTILE = 10
 ECHO_FLOOR_MIN_DBFS = -75.0
 ECHO_ONSET_DB = 10.0
 ECHO_GAP_MS = 300
+# Where the suppressor lets the first word through (too short for the endpoint rule) and takes the next
+# ~0.45 s, the second word with it, a hole longer than ECHO_GAP_MS (a 240 ms path 1.5 s into the
+# reply): the reach stopped there, 0.55 s into the words. So past the earliest window it reached, a hole
+# of windows the suppressor hid (SUPPRESSOR_HID_DB), at most ECHO_HOLE_MS (the holes that split words were
+# ~0.5 s: endpoint.py's HELD_SILENCE_SHARE), is bridged to a word before it: windows it let through,
+# one of them ECHO_HOLE_RISE_DB over its floor, and in the linear output as loud as the hole's median or
+# louder. Without that last test an echo-only stretch the suppressor let through (25 dB over its floor,
+# the linear output there 3.5 dB under the hole's median) started an utterance 0.53 s before the words
+# over a 300 ms path and the recognizer heard none of them (bench/echo.py --offline's 300 ms -6 dB row:
+# 78 -> 69 of 108 words). With it the bridge changes one start of 132 offline cases (the 240 ms one:
+# 0.55 s into the words -> 0.06 s before them; the bench's 96 and test_echo's 36 at 60-300 ms,
+# 1.25-2.5 s into the reply): evidence from one case, which the next hole measured should test.
+ECHO_HOLE_MS = 512
+ECHO_HOLE_RISE_DB = 20.0
 # A window the suppressor hid: AEC3's output SUPPRESSOR_HID_DB or more under the linear canceller's
 # (linear_echo.py), which has the same near and far ends and subtracts its echo estimate without
 # suppressing anything, and the linear output over SUPPRESSOR_HID_MIN_DBFS: something was there, and
@@ -68,18 +84,20 @@ class EchoOnset:
     session with no echo canceller, or where it found no echo, is left as the endpoint rule has it."""
 
     def __init__(self) -> None:
-        self._windows: deque[tuple[float, bool]] = deque(maxlen=round(ECHO_HISTORY_S * 1000 / WINDOW_MS))
+        # (level, suppressing, the linear output's level there: None until `hid` was asked)
+        self._windows: deque[tuple[float, bool, float | None]] = deque(maxlen=round(ECHO_HISTORY_S * 1000 / WINDOW_MS))
 
     def observe(self, window: np.ndarray, suppressing: bool) -> None:
         """The next VAD window of the suppressed output, and whether the canceller suppressed in it."""
-        self._windows.append((_level_db(window), suppressing))
+        self._windows.append((_level_db(window), suppressing, None))
 
     def hid(self, linear: np.ndarray) -> bool:
         """Whether the suppressor hid what was in the window observed last, given the linear output
-        at its samples (see SUPPRESSOR_HID_DB)."""
-        level, suppressing = self._windows[-1]
+        at its samples (see SUPPRESSOR_HID_DB); kept for `start`."""
+        level, suppressing, _ = self._windows[-1]
         linear_level = _level_db(linear)
-        return suppressing and linear_level >= SUPPRESSOR_HID_MIN_DBFS and linear_level - level >= SUPPRESSOR_HID_DB
+        self._windows[-1] = (level, suppressing, linear_level)
+        return _hidden(level, suppressing, linear_level)
 
     def start(self, start: int, end: int, not_before: int) -> int:
         """The start of an utterance the endpoint rule began at `start` (pre-speech included), the
@@ -87,10 +105,10 @@ class EchoOnset:
         never before `not_before` (where the utterance before it ended: its audio is that one's)."""
         history = list(self._windows)
         reach = min(len(history), (end - start) // WINDOW + round(ECHO_REACH_S * 1000 / WINDOW_MS))
-        floor = max(float(np.percentile([level for level, _ in history], ECHO_FLOOR_PERCENTILE)), ECHO_FLOOR_MIN_DBFS)
+        floor = max(float(np.percentile([level for level, _, _ in history], ECHO_FLOOR_PERCENTILE)), ECHO_FLOOR_MIN_DBFS)
         earliest, gap = None, 0  # windows back from `end`
         for back in range(1, reach + 1):  # from the utterance's latest window back over its speech, its pre-roll and before
-            level, suppressing = history[-back]
+            level, suppressing, _ = history[-back]
             if not suppressing:
                 break
             if level >= floor + ECHO_ONSET_DB:
@@ -99,7 +117,34 @@ class EchoOnset:
                 break
         if earliest is None:
             return start
+        earliest = _before_the_hole(history[-reach:], earliest, floor)
         return max(not_before, min(start, end - earliest * WINDOW - round(ECHO_MARGIN_MS * LISTEN_RATE / 1000)))
+
+
+def _hidden(level: float, suppressing: bool, linear_level: float | None) -> bool:
+    return (suppressing and linear_level is not None and linear_level >= SUPPRESSOR_HID_MIN_DBFS
+            and linear_level - level >= SUPPRESSOR_HID_DB)
+
+
+def _before_the_hole(history: list[tuple[float, bool, float | None]], earliest: int, floor: float) -> int:
+    """`earliest` (windows back from the end of `history`), or further back where the windows before it
+    are a hole the suppressor made inside the words (hidden, at most ECHO_HOLE_MS) after a word it let
+    through (ECHO_HOLE_RISE_DB over its floor, and in the linear output no quieter than the hole): that
+    word's first window."""
+    back = earliest + 1
+    while back <= len(history) and _hidden(*history[-back]) and history[-back][0] < floor + ECHO_ONSET_DB:
+        back += 1
+    hole = [linear for _, _, linear in history[-back + 1 : -earliest]]
+    if not 0 < len(hole) <= ECHO_HOLE_MS / WINDOW_MS:
+        return earliest
+    word = back  # back over the windows it let through
+    while word <= len(history) and history[-word][1] and history[-word][0] >= floor + ECHO_ONSET_DB:
+        word += 1
+    let_through = history[len(history) - word + 1 : len(history) - back + 1]
+    if (not let_through or max(level for level, _, _ in let_through) < floor + ECHO_HOLE_RISE_DB
+            or max(-np.inf if linear is None else linear for _, _, linear in let_through) < float(np.median(hole))):
+        return earliest
+    return word - 1
 
 
 def _level_db(window: np.ndarray) -> float:

@@ -26,8 +26,8 @@ them (two utterances, each half '' to the recognizer). A window the canceller sa
 silence is not counted on over it, for at most HELD_SILENCE_SHARE of endpoint_silence_ms in one
 pause. The canceller cannot tell words it hid from echo it removed: once the user has stopped, the
 echo alone is hidden just as well, so an utterance said over the echo ends that much later than its
-silence alone would have ended it (each END says how much: `held_ms`; its speech end stays at the
-last word). The barge-in rule's `speech_run_ms` is left as Silero has it.
+silence alone would have ended it (each END says how much: `held_ms`, voicebot_endpoint_held_seconds
+on /metrics; its speech end stays at the last word). The barge-in rule's `speech_run_ms` is left as Silero has it.
 """
 
 from __future__ import annotations

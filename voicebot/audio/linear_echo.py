@@ -29,8 +29,9 @@ import weakref
 
 import numpy as np
 
-SAMPLE_RATE = 16000  # both cancellers and the delay tracker work on the 16 kHz input
-BLOCK = 160  # in 10 ms blocks (AEC3's, and MDF's frame here)
+from voicebot.audio.rates import LISTEN_RATE
+
+BLOCK = 160  # both cancellers and the delay tracker work on the LISTEN_RATE input in 10 ms blocks (AEC3's, MDF's frame here)
 # The linear canceller's filter: 16 blocks, 160 ms of echo path. MDF adapts too slowly for a new
 # reply's first seconds (its step is normalised over the whole filter, and set by an estimate of
 # the echo left that itself takes ~2 s to follow): with 250 ms of filter a 150 ms -6 dB path was
@@ -79,8 +80,8 @@ class LinearCanceller:
         if self._lib is None:
             raise RuntimeError(SPEEXDSP_MISSING)
         lib = self._lib
-        self._state = lib.speex_echo_state_init(BLOCK, round(LINEAR_FILTER_S * SAMPLE_RATE))
-        rate = ctypes.c_int(SAMPLE_RATE)
+        self._state = lib.speex_echo_state_init(BLOCK, round(LINEAR_FILTER_S * LISTEN_RATE))
+        rate = ctypes.c_int(LISTEN_RATE)
         lib.speex_echo_ctl(self._state, SPEEX_ECHO_SET_SAMPLING_RATE, ctypes.byref(rate))
         weakref.finalize(self, lib.speex_echo_state_destroy, self._state)
         self._out = np.zeros(BLOCK, "<i2")

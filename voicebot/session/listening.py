@@ -285,6 +285,8 @@ class Listening:
             return None
         if event.kind is EventKind.END:
             opened, self._open = self._open, None
+            if self.front_end.echo is not None:
+                self._metrics.endpoint_held.observe(event.held_ms / 1000)
             if self.on_endpoint is not None:
                 self.on_endpoint()  # before the recognizer's finish, so what waits on the pause overlaps it
             return await self._finish(event, opened)
