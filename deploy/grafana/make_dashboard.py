@@ -81,6 +81,12 @@ ROWS: list[tuple[str, list[Panel]]] = [
             (f"sum by (reason) (rate(voicebot_input_dropped_seconds_total{J}[{RATE}])) * 60 or on() vector(0)",
              "input dropped s / min {{reason}}"),
         ]),
+        Panel("Pauses held over echo", "How much later an utterance ended because the echo canceller's suppressor "
+              "hid windows after its last word (not counted as the user's silence; at most half of "
+              "endpoint_silence_ms a pause), p50 and p95: the price of keeping words said over the bot's echo.", "s", [
+            (quantile(0.5, "voicebot_endpoint_held_seconds"), "p50"),
+            (quantile(0.95, "voicebot_endpoint_held_seconds"), "p95"),
+        ], no_value="no echo cancellation"),
     ]),
     ("Engines", [
         Panel("Engine errors by engine", "Engine calls that failed in a session per minute (each costs a turn), and "
