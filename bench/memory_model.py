@@ -16,10 +16,11 @@ Qwen2 geometry) and the estimator's structure, not measured on a GPU:
   values and bias of one attention layer — and the LM decode step's (small). An estimate from the
   shapes: a CUDA graph pool holds at least a captured region's peak; bench/gpu_check.sh measures
   the real peak on the device;
-- bucketed renders (a window, CUDA graphs: voicebot/tts/cosyvoice2/flow_window.py): the graphs'
-  static inputs hold the largest bucket's streams' window states, and a render stacks its streams'
-  states once more to copy them in: 2 × RENDER_BUCKET window states. A stream's own state is its
-  window either way (a copy of its rows of the call's output).
+- bucketed renders (a window, CUDA graphs: voicebot/tts/cosyvoice2/flow_window.py): every
+  stream's window state is a slot of one pool the graphs read in place, allocated at start-up for
+  `batch_slots` streams (one per LM slot) and a scratch slot; nothing is stacked or copied out per
+  render. Its streams are then the LM slots: what fits is the most slots whose KV row and flow
+  state fit beside the rest.
 
     python -m bench.memory_model                      # the table for a few configurations
     python -m bench.memory_model --left-chunks 2 --reply-s 30 --dtype float16
@@ -84,8 +85,8 @@ def breakdown(c: Config) -> dict[str, float]:
         * q["num_key_value_heads"] * head_dim * c.dtype_bytes,
         "voice states (flow prompt)": c.voices * prompt_frames * flow_frame_bytes(c.dtype_bytes),
         "graph pools / activations (est.)": (rows * widest + attention) * c.dtype_bytes,
-        "bucketed render states (graph inputs)": 2 * RENDER_BUCKET * (held_frames * flow_frame_bytes(c.dtype_bytes)
-                                                                      + conv_bytes) if c.bucketed else 0,
+        "flow state pool, bucketed (slots+1)": (c.batch_slots + 1) * (held_frames * flow_frame_bytes(c.dtype_bytes)
+                                                                        + conv_bytes) if c.bucketed else 0,
         "per stream: flow cache": held_frames * flow_frame_bytes(c.dtype_bytes) + conv_bytes,
     }
 
@@ -122,6 +123,13 @@ def main() -> None:
         fixed = sum(v for k, v in parts.items() if not k.startswith("per stream"))
         per_stream = parts["per stream: flow cache"]
         for device, capacity in DEVICES.items():
+            if c.bucketed:  # pool and KV rows both sized by the LM slots: one slot = one stream
+                per_slot = per_stream + parts["LM KV pool"] / (c.batch_slots + 1)
+                rest = fixed - parts["flow state pool, bucketed (slots+1)"] - parts["LM KV pool"]
+                fit = max(0, int((capacity - rest - per_slot) // per_slot))  # less the scratch slot and row
+                print(f"  LM slots (= streams) that fit in {device:14} {fit:6d}  "
+                      f"({'fits' if fixed <= capacity else 'does not fit'} with {c.batch_slots})")
+                continue
             fit = max(0, int((capacity - fixed) // per_stream))
             # a stream also needs an LM slot while it decodes; beyond the slots it waits for one
             print(f"  streams that fit in {device:14} {fit:6d}  (LM slots {c.batch_slots})")

@@ -107,7 +107,8 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.token2wav = Token2Wav(modules.flow, modules.hift, mode=self.config.stream_mode,
                                    max_prompt_states=self.config.flow_prompt_states,
                                    flow_left_chunks=self.config.flow_left_chunks,
-                                   max_render_streams=self.config.render_batch, bucketed=bucketed)
+                                   max_render_streams=self.config.render_batch, bucketed=bucketed,
+                                   max_streams=self.config.batch_slots)  # one stream per LM slot
         if bucketed:
             began = time.perf_counter()
             n_graphs = self.token2wav.capture_graphs()
