@@ -244,3 +244,18 @@ def test_a_stream_closed_before_or_during_a_render_frees_its_slot_and_costs_the_
         _assert_equal_chunks(g, _alone_chunks(eager, voice, toks), f"kept stream {i}")
     _assert_equal_chunks(joined, _alone_chunks(eager, voices[3], tokens[3]), "the stream in the freed slot")
     assert pool.free == 3
+
+
+def test_a_render_calls_budget_in_audio_is_written_down(t2w: Token2Wav, prompt: FlowPrompt) -> None:
+    """Token2Wav.render_budget: 8 streams' longest first chunks (a 25-token hop padded to 49, and 3
+    lookahead: 104 frames, 2.08 s), 16.64 s; the longest chunk 206 frames, 4.12 s; a chunk's
+    seconds are its tokens past its offset. The figures render_queue.py's tests use."""
+    budget = Token2Wav(t2w.flow, t2w.hift, max_render_streams=8).render_budget()
+    assert (budget.max_call_s, budget.longest_chunk_s) == pytest.approx((16.64, 4.12))
+    stream = t2w.stream(prompt, zero_noise=True)
+    stream.add(_tokens(t2w, 300, 70))
+    first = stream.next_chunk()
+    assert budget.seconds_of(first) == pytest.approx(first.n_tokens * 2 * 480 / 24000) and budget.seconds_of(first) <= 2.08
+    t2w.render([first])
+    second = stream.next_chunk()
+    assert budget.seconds_of(second) == pytest.approx((second.n_tokens - second.offset) * 0.04)

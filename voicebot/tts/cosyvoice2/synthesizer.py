@@ -121,6 +121,7 @@ class CosyVoice2Synthesizer(Synthesizer):
                       graphs=self.device.type == "cuda" and self.config.cuda_graphs)
         self.scheduler = Scheduler(f"cosyvoice2-{self.device}", pool, self._render,
                                    max_render_batch=self.config.render_batch,
+                                   render_budget=self.token2wav.render_budget(),
                                    sample_rate=SAMPLE_RATE, tokens_per_s=self.hparams["token_frame_rate"])
         self.voice_prompts = VoicePrompts(library, self.lm, self.token2wav, self.scheduler, self.voice_worker,
                                           self.config, self.device, self.dtype)

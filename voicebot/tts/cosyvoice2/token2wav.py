@@ -78,6 +78,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from voicebot.serving.model_interfaces import Rendering
+from voicebot.serving.render_queue import AudioBudget
+from voicebot.tts.base import SAMPLE_RATE
 from voicebot.tts.cosyvoice2.flow import Flow, FlowCache, FlowRequest
 from voicebot.tts.cosyvoice2.flow_window import SlotState, WindowFlow, WindowRequest, WindowState
 from voicebot.tts.cosyvoice2.chunk_vocoder import ChunkVocoder
@@ -161,6 +163,19 @@ class Token2Wav:
         hop = self.schedule.hop_tokens or self.flow.encoder.chunk_size
         tokens = max(2 * hop - 1, self.schedule.max_hop_tokens) + self.flow.pre_lookahead_len
         return tokens * self.flow.token_mel_ratio
+
+    def render_budget(self) -> AudioBudget:
+        """A scheduler's render call's bound in audio (render_queue.py): `max_render_streams` of the
+        longest first chunks (a first hop padded to a chunk boundary and the lookahead: 104 frames,
+        2.08 s), so a call with a reply's first chunk in it costs at most what a call of first chunks
+        does; a call of the longest chunks (4.12 s) takes half as many streams."""
+        hop = self.schedule.hop_tokens or self.flow.encoder.chunk_size
+        first_frames = (2 * hop - 1 + self.flow.pre_lookahead_len) * self.flow.token_mel_ratio
+        return AudioBudget(ChunkRequest.audio_s, self.max_render_streams * self._frames_s(first_frames),
+                           self._frames_s(self.max_chunk_frames))
+
+    def _frames_s(self, frames: int) -> float:
+        return frames * self.hift.samples_per_frame / SAMPLE_RATE
 
     def capture_graphs(self) -> int:
         """Capture every bucket's CUDA graph, flow and HiFT (start-up, before any render): how many."""
@@ -295,6 +310,11 @@ class ChunkRequest:
     n_tokens: int
     offset: int
     finalize: bool
+
+    def audio_s(self) -> float:
+        """The seconds of audio this chunk computes: its tokens past the offset, lookahead included."""
+        t2w = self.stream.t2w
+        return t2w._frames_s((self.n_tokens - self.offset) * t2w.flow.token_mel_ratio)
 
 
 class Token2WavStream:
