@@ -78,17 +78,18 @@ def breakdown(c: Config) -> dict[str, float]:
     widest = ESTIMATOR["channels"] * (1 + 3 + 4 + 3)  # x, qkv, feed-forward hidden, conv windows
     e = ESTIMATOR
     attention = (2 * 2 * RENDER_BUCKET * e["heads"] * keys * e["head_dim"] + RENDER_BUCKET * MAX_HOP_FRAMES * keys)
-    return {
+    parts = {
         "weights (LM, flow; HiFT fp32)": (manifest["llm"]["num_params_unique"] + manifest["flow"]["num_params_unique"])
         * c.dtype_bytes + manifest["hift"]["num_params_unique"] * 4,
         "LM KV pool": (c.batch_slots + 1) * c.kv_cache_tokens * q["num_hidden_layers"] * 2
         * q["num_key_value_heads"] * head_dim * c.dtype_bytes,
         "voice states (flow prompt)": c.voices * prompt_frames * flow_frame_bytes(c.dtype_bytes),
         "graph pools / activations (est.)": (rows * widest + attention) * c.dtype_bytes,
-        "flow state pool, bucketed (slots+1)": (c.batch_slots + 1) * (held_frames * flow_frame_bytes(c.dtype_bytes)
-                                                                        + conv_bytes) if c.bucketed else 0,
         "per stream: flow cache": held_frames * flow_frame_bytes(c.dtype_bytes) + conv_bytes,
     }
+    if c.bucketed:  # every stream's state preallocated: the LM slots' and the scratch slot
+        parts["flow state pool, bucketed (slots+1)"] = (c.batch_slots + 1) * parts["per stream: flow cache"]
+    return parts
 
 
 def main() -> None:
@@ -100,7 +101,8 @@ def main() -> None:
     parser.add_argument("--bucketed", action="store_true", default=None,
                         help="flow and HiFT as CUDA graphs at bucketed shapes (needs --left-chunks >= 0)")
     args = parser.parse_args()
-    configs = [Config("fp16, unbounded, 10 s replies", reply_s=10), Config("fp16, unbounded, 30 s replies"),
+    configs = [Config("fp16, unbounded, 10 s replies (configs/a10.yaml)", reply_s=10),
+               Config("fp16, unbounded, 30 s replies (configs/a10.yaml)"),
                Config("fp16, window 2 chunks", left_chunks=2), Config("fp16, window 4 chunks", left_chunks=4),
                Config("fp32, window 2 chunks", dtype_bytes=4, left_chunks=2),
                Config("fp16, window 2, 64 LM slots", left_chunks=2, batch_slots=64),
