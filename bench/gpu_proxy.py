@@ -284,18 +284,23 @@ def measure_lm(hp: dict, device) -> dict:
 
 def measure_first_token(hp: dict, device) -> dict:
     """What stands between the first reply word and the first speech token: the reply words the
-    synthesizer's sentence segmentation holds before it pushes text, and the text tokens the
-    bistream LM needs before it may emit speech (its prompt speech is interleaved 15 to 5 text)."""
+    synthesizer's text feed holds before it pushes text (bistream_text.WordFeed: a word once the
+    next space follows it; a revision without it: its sentence segmenter, a sentence at a time), and
+    the text tokens the bistream LM needs before it may emit speech (its prompt speech is
+    interleaved 15 to 5 text)."""
     import torch
 
     from voicebot.tts.cosyvoice2.bistream import Bistream
     from voicebot.tts.cosyvoice2.lm import build_lm, run_alone
     from voicebot.tts.cosyvoice2.sampling import RasSampler
-    from voicebot.tts.segmenter import SentenceSegmenter
+    try:
+        from voicebot.tts.cosyvoice2.bistream_text import WordFeed as feed
+    except ModuleNotFoundError:  # a revision from before it (--ref)
+        from voicebot.tts.segmenter import SentenceSegmenter as feed
 
     words = REPLY.split(" ")
-    segmenter = SentenceSegmenter()
-    held = next((i + 1 for i, w in enumerate(words) if segmenter.push(w + " ")), len(words))
+    text = feed()
+    held = next((i + 1 for i, w in enumerate(words) if text.push(w + " ")), len(words))
     lm = build_lm(hp).eval().to(device)
     cache = lm.new_cache(1024)
     g = torch.Generator(device).manual_seed(0)
