@@ -200,7 +200,8 @@ class WindowFlow:
         return (w.new_zeros(kv), w.new_zeros(kv), w.new_zeros(steps, *lead, 2, self.left_pad, self.conv_channels))
 
     def state(self, base: FlowCache) -> WindowState:
-        """A new stream's state continuing a voice's prompt state (flow.prompt_cache, windowed)."""
+        """A voice's prompt state (flow.prompt_cache, windowed) in the layout of a slot, which the
+        first render of each stream opened from it (`open`) loads into the stream's slot."""
         if base.left_chunks != self.left_chunks:
             raise ValueError(f"a prompt state of window {base.left_chunks}, the flow's is {self.left_chunks}")
         keys, values, conv = self._empty_state()
