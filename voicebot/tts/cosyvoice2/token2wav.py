@@ -399,8 +399,9 @@ class Token2WavStream:
         """The stream is cancelled and will not be asked again (any thread): its flow slot, if it
         has one, is free at once; a chunk of it already handed to a render renders nothing."""
         self.closed = True
-        if isinstance(self.flow_cache, SlotState):
-            self.flow_cache.slot.release()
+        state = self.flow_cache  # read once: the render's thread may drop it meanwhile (the last chunk)
+        if isinstance(state, SlotState):
+            state.slot.release()
 
     def _check(self, request: ChunkRequest) -> None:
         if request.stream is not self or request.offset != self.offset or self.finished:
