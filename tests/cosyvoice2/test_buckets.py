@@ -259,3 +259,20 @@ def test_a_render_calls_budget_in_audio_is_written_down(t2w: Token2Wav, prompt: 
     t2w.render([first])
     second = stream.next_chunk()
     assert budget.seconds_of(second) == pytest.approx((second.n_tokens - second.offset) * 0.04)
+
+
+def test_a_speech_jobs_close_frees_its_streams_slot_before_its_lm_slot(t2w: Token2Wav, prompt: FlowPrompt) -> None:
+    """SpeechJob.close (a reply done or cancelled): the stream is closed and its flow slot free
+    before the LM slot goes back, so the next stream that LM slot opens finds a flow slot."""
+    from voicebot.tts.cosyvoice2.speech_job import PlaybackClock, SpeechJob
+
+    t = _bucketed(t2w, max_streams=1)
+    stream = t.stream(prompt, zero_noise=True, mode="fast")
+    released = []
+
+    class Scheduler:  # the one call close makes
+        def release(self, row):
+            released.append((row, t.window_flow.slots.free))
+
+    SpeechJob(Scheduler(), "row", stream, PlaybackClock()).close()
+    assert released == [("row", 1)] and stream.closed
