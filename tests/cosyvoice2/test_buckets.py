@@ -251,7 +251,8 @@ def test_a_render_calls_budget_in_audio_is_written_down(t2w: Token2Wav, prompt: 
     lookahead: 104 frames, 2.08 s), 16.64 s; the longest chunk 206 frames, 4.12 s; a chunk's
     seconds are its tokens past its offset. The figures render_queue.py's tests use."""
     budget = Token2Wav(t2w.flow, t2w.hift, max_render_streams=8).render_budget()
-    assert (budget.max_call_s, budget.longest_chunk_s) == pytest.approx((16.64, 4.12))
+    assert (budget.max_call_s, budget.longest_chunk_s) == pytest.approx((16.64, 4.12)) and not budget.padded
+    assert _bucketed(t2w, max_render_streams=8).render_budget().padded
     stream = t2w.stream(prompt, zero_noise=True)
     stream.add(_tokens(t2w, 300, 70))
     first = stream.next_chunk()

@@ -3,12 +3,12 @@ deadline first, and the one call running on the device.
 
 The most urgent renders, at most `max_batch` of them, go in one `render` call (one flow call and
 one vocoder call for all of them: Token2Wav.render), and, with an `AudioBudget`, at most its
-`max_call_s` seconds of audio as the call computes it: its chunks × its longest chunk's seconds,
-what a bucketed call pads every stream to (an eager call packs them, and computes at most that).
-So a call that carries a new reply's short first chunk cannot also carry long chunks of other
-replies that would pad it to theirs: a chunk that would take the call past its budget waits, first
-in line, for the next call (counted in `budget_deferrals`; none is dropped), and a call always
-takes its most urgent chunk, whatever its length (a budget holds at least the longest chunk). A render may answer with a `Rendering` still
+`max_call_s` seconds of audio as the call computes it: padded, its chunks × its longest chunk's
+seconds (a bucketed call pads every stream to the longest), else their sum (an eager call packs
+them). So a call that carries a new reply's short first chunk cannot also carry long chunks of
+other replies that would make it cost more than the budget: a chunk that would take the call past
+it waits, first in line, for the next call (counted in `budget_deferrals`; none is dropped), and a
+call always takes its most urgent chunk, whatever its length (a budget holds the longest chunk). A render may answer with a `Rendering` still
 running on the device (CUDA: the model's side stream): the LM steps go on while it runs, its
 requests are answered once it is done, and the next render starts after it. Sessions reach their
 chunk boundaries at different steps, so a render whose listener still has audio to spare (more than
@@ -42,11 +42,16 @@ RENDER_MARGIN_S = 0.1  # slack a held render keeps beyond twice the render cost
 @dataclass(frozen=True)
 class AudioBudget:
     """A render call's bound in seconds of audio: `seconds_of(chunk)`, the audio a chunk computes,
-    at most `longest_chunk_s`; `max_call_s`, a call's chunks × its longest chunk's seconds."""
+    at most `longest_chunk_s`; `max_call_s`, the most a call computes: `padded`, its chunks × its
+    longest chunk's seconds, else their sum (`call_s`)."""
 
     seconds_of: Callable[[Any], float]
     max_call_s: float
     longest_chunk_s: float
+    padded: bool
+
+    def call_s(self, seconds: list[float]) -> float:
+        return len(seconds) * max(seconds, default=0.0) if self.padded else sum(seconds)
 
     def __post_init__(self) -> None:
         if self.max_call_s < self.longest_chunk_s:
@@ -117,23 +122,24 @@ class RenderQueue:
             self._finish(in_flight)
 
     def _take(self) -> tuple[list[Render], list[Render]]:
-        """The next call's renders, most urgent first, within max_batch and the audio budget (the
-        most urgent one whatever its length), and the ones the budget left, to go first next time."""
+        """Of the max_batch most urgent renders, those within the audio budget (the most urgent one
+        whatever its length): the next call's; and the ones the budget left, to go first next time."""
         batch: list[Render] = []
         deferred: list[Render] = []
-        longest, budget = 0.0, self.budget.max_call_s if self.budget else float("inf")
-        while self.waiting and len(batch) < self.max_batch and (len(batch) + 1) * longest <= budget:
+        seconds: list[float] = []  # the batch's chunks' audio
+        while self.waiting and len(batch) + len(deferred) < self.max_batch:
             request = self.waiting.pop(0)
             if request.future.cancelled():  # its session stopped waiting (barge-in, disconnect)
                 self._answer(request, None)
                 continue
-            seconds = self.budget.seconds_of(request.chunk) if self.budget else 0.0
-            if batch and (len(batch) + 1) * max(longest, seconds) > budget:
-                deferred.append(request)
-                self.budget_deferrals += 1
-                continue
+            if self.budget is not None:
+                more = seconds + [self.budget.seconds_of(request.chunk)]
+                if batch and self.budget.call_s(more) > self.budget.max_call_s:
+                    deferred.append(request)
+                    self.budget_deferrals += 1
+                    continue
+                seconds = more
             batch.append(request)
-            longest = max(longest, seconds)
         return batch, deferred
 
     def _finish(self, in_flight: _InFlight) -> None:
