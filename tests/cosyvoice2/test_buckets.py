@@ -253,6 +253,7 @@ def test_a_render_calls_budget_in_audio_is_written_down(t2w: Token2Wav, prompt: 
     budget = Token2Wav(t2w.flow, t2w.hift, max_render_streams=8).render_budget()
     assert (budget.max_call_s, budget.longest_chunk_s) == pytest.approx((16.64, 4.12)) and not budget.padded
     assert _bucketed(t2w, max_render_streams=8).render_budget().padded
+    assert Token2Wav(t2w.flow, t2w.hift, max_render_streams=1).render_budget().max_call_s == pytest.approx(4.12)
     stream = t2w.stream(prompt, zero_noise=True)
     stream.add(_tokens(t2w, 300, 70))
     first = stream.next_chunk()

@@ -168,12 +168,14 @@ class Token2Wav:
         """A scheduler's render call's bound in audio (render_queue.py): `max_render_streams` of the
         longest first chunks (a first hop padded to a chunk boundary and the lookahead: 104 frames,
         2.08 s), so a call with a reply's first chunk in it costs at most what a call of first chunks
-        does; a call of the longest chunks (4.12 s) takes half as many streams. Bucketed, a call's
-        audio is its chunks padded to the longest; eager, their sum."""
+        does; a call of the longest chunks (4.12 s) takes half as many streams (and one at least:
+        with max_render_streams 1 the budget is the longest chunk). Bucketed, a call's audio is its
+        chunks padded to the longest; eager, their sum."""
         hop = self.schedule.hop_tokens or self.flow.encoder.chunk_size
         first_frames = (2 * hop - 1 + self.flow.pre_lookahead_len) * self.flow.token_mel_ratio
-        return AudioBudget(ChunkRequest.audio_s, self.max_render_streams * self._frames_s(first_frames),
-                           self._frames_s(self.max_chunk_frames), padded=self.window_flow is not None)
+        longest = self._frames_s(self.max_chunk_frames)
+        return AudioBudget(ChunkRequest.audio_s, max(self.max_render_streams * self._frames_s(first_frames), longest),
+                           longest, padded=self.window_flow is not None)
 
     def _frames_s(self, frames: int) -> float:
         return frames * self.hift.samples_per_frame / SAMPLE_RATE
