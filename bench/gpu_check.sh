@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call, the first thing run on the GPU box (the device tool's machine, from the
-# repository root; at most 9 minutes, each step cut by its own timeout so the rest still runs):
+# repository root; its steps' timeouts add up to 575 s, leaving about 20 s of ~595 to the untimed lines (the wheels'
+# install, nvidia-smi, two imports of torch); each step is cut by its own timeout so the rest still runs):
 #   bash bench/gpu_check.sh                  figures to stdout and, when $OUT is set, $OUT/gpu_check.txt
 #   bash bench/gpu_check.sh --device cpu     the dry run: the same steps at tiny size on CPU
 #                                            (tests/serving/test_gpu_check.py runs it)
@@ -60,11 +61,11 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
 
   # 1. Correctness first: fp16 vs fp32, graph = eager per bucket (LM step; flow and HiFT renders), host
   # syncs per step, batch vs alone.
-  step 140 "correctness" $python bench/gpu_correctness.py --device "$device" --size "$size" --dtype "$dtype"
+  step 130 "correctness" $python bench/gpu_correctness.py --device "$device" --size "$size" --dtype "$dtype"
 
   # 2. The GPU-proxy table (aten calls and host syncs per LM step and per render), measured for real.
   if [ -f bench/gpu_proxy.py ] && [ "$device" = cuda ]; then
-    step 60 "GPU proxies on the GPU" $python bench/gpu_proxy.py --device cuda
+    step 55 "GPU proxies on the GPU" $python bench/gpu_proxy.py --device cuda
   else
     echo; echo "== GPU proxies: skipped (bench/gpu_proxy.py absent, or a dry run: it runs at released depth)"
   fi
@@ -74,23 +75,33 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
   # speak at once (bounded by work, so the unbatched passes end too), batched and not; peak GPU
   # memory per pass. Targets: first audio p50 <= 250 ms, p95 <= 500 ms, no underruns.
   if [ "$device" = cuda ]; then
-    step 270 "serve" $python bench/serve.py --size released --device cuda --dtype float16 --lm-targets \
-        --sessions 1,16,64 --duty 0.3 --replies 1 --pass-timeout 75
+    step 210 "serve" $python bench/serve.py --size released --device cuda --dtype float16 --lm-targets \
+        --sessions 1,16,64 --duty 0.3 --replies 1 --pass-timeout 60
   else
     step 150 "serve" $python bench/serve.py --size tiny --device cpu --threads 1 --sessions 1,2 --duty 1 \
         --replies 1 --pass-timeout 60
   fi
+  # 3b. The same engine with a 2-chunk flow window: on CUDA flow and HiFT render as CUDA graphs (every
+  # bucket captured at start-up, the streams' states in the slot pool), the path a windowed GPU config
+  # serves; 16 sessions, batched only, one reply each. On CPU the same flags, rendered eagerly.
+  if [ "$device" = cuda ]; then
+    step 75 "serve, flow window 2 (render graphs)" $python bench/serve.py --size released --device cuda \
+        --dtype float16 --flow-left-chunks 2 --sessions 16 --duty 0.3 --replies 1 --pass-timeout 40 --no-unbatched
+  else
+    step 60 "serve, flow window 2 (render graphs)" $python bench/serve.py --size tiny --device cpu --threads 1 \
+        --flow-left-chunks 2 --sessions 2 --duty 1 --replies 1 --pass-timeout 30 --no-unbatched
+  fi
 
   # 4. CosyVoice 2 end to end, one stream: first audio and RTF per stream mode.
   if [ "$device" = cuda ]; then
-    step 80 "cosyvoice2" $python bench/cosyvoice2.py --size released --device cuda --dtype float16 \
+    step 65 "cosyvoice2" $python bench/cosyvoice2.py --size released --device cuda --dtype float16 \
         --modes exact,fast --int8-modes '' --overlap-modes ''
   else
     step 120 "cosyvoice2" $python bench/cosyvoice2.py --size tiny --device cpu --threads 1 \
         --modes exact --int8-modes '' --overlap-modes ''
   fi
   # 5. The batched streaming Paraformer (issue 25): one chunk of 1 / 4 / 8 / 16 sessions in one step, ours only.
-  step 45 "paraformer" $python bench/paraformer.py --device "$device" --dtype "$dtype" --skip-funasr --rounds 5 --warm 3 --size "$([ "$device" = cuda ] && echo large || echo tiny)"
+  step 40 "paraformer" $python bench/paraformer.py --device "$device" --dtype "$dtype" --skip-funasr --rounds 5 --warm 3 --size "$([ "$device" = cuda ] && echo large || echo tiny)"
   rm -rf "$site"
   echo
   echo "gpu_check: $([ $status -eq 0 ] && echo 'every step ended cleanly' || echo 'a step failed or was cut (above)')"

@@ -294,20 +294,27 @@ def check_render_graphs(hp: dict, flow: torch.nn.Module, hift: torch.nn.Module, 
               f"{bucketed.hift_buckets.buckets[0]}..{bucketed.hift_buckets.buckets[-1]}, streams × frames); "
               f"{torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated", flush=True)
         window = bucketed.window_flow
+        pool = window.slots.keys, window.slots.values, window.slots.conv  # the states the graphs read in place
         for streams, frames in window.buckets:  # random inputs in the bucket: the last stream short of it
             n_new = [frames - (7 if s == streams - 1 else 0) for s in range(streams)]
             start = [50 * (2 + s) for s in range(streams)]
-            state = [t.normal_(generator=torch.Generator(device).manual_seed(streams)) for t in window._empty_state(streams)]
+            slots = list(range(streams - 1, -1, -1))  # the streams' slots, in another order than theirs
+            for t in pool:
+                t.normal_(generator=torch.Generator(device).manual_seed(streams))
+            states = [t.clone() for t in pool]
             inputs = (torch.randn(streams, frames, 80, generator=gen).to(device, dtype),
                       torch.randn(streams, 80, generator=gen).to(device, dtype),
                       torch.randn(streams, frames, 80, generator=gen).to(device, dtype),
-                      torch.tensor([start, [100] * streams, n_new], device=device), *state)
-            graphed = [t.clone() for t in window.graphs.run((streams, frames), tuple(t.clone() for t in inputs))]
+                      torch.tensor([start, [100] * streams, n_new, slots], device=device))
+            graphed = window.graphs.run((streams, frames), tuple(t.clone() for t in inputs))[0].clone()
+            graphed_states = [t.clone() for t in pool]
+            for t, before in zip(pool, states):
+                t.copy_(before)
             with torch.inference_mode():
-                eager = window._solve(*(t.clone() for t in inputs))
-            error = max(max_error_to_peak(g[s, :n].float().cpu(), e[s, :n].float().cpu())
-                        for g, e in zip(graphed[:1], eager[:1]) for s, n in enumerate(n_new))
-            state_error = max(max_error_to_peak(g.float().cpu(), e.float().cpu()) for g, e in zip(graphed[1:], eager[1:]))
+                eager = window._solve(*(t.clone() for t in inputs))[0]
+            error = max(max_error_to_peak(graphed[s, :n].float().cpu(), eager[s, :n].float().cpu())
+                        for s, n in enumerate(n_new))
+            state_error = max(max_error_to_peak(g.float().cpu(), e.float().cpu()) for g, e in zip(graphed_states, pool))
             report(f"flow bucket {streams} × {frames:3d}: max |graph - eager| / peak (mel; states)", max(error, state_error),
                    bound, f"  mel {error:.2g}, states {state_error:.2g}")
         for rows, frames in bucketed.hift_buckets.buckets:

@@ -1,5 +1,6 @@
 """The one counter of what a GPU would be asked to do, run on CPU: kernel launches (non-view aten
-calls) and host syncs, by name. bench/gpu_proxy.py prints its figures and tests/cosyvoice2 assert
+calls), host syncs, by name, and the bytes that copies write (device memory traffic that computes
+nothing: `COPYING` ops, the bytes of what each writes). bench/gpu_proxy.py prints its figures and tests/cosyvoice2 assert
 them (test_lm_syncs: one sync per LM step).
 
 On CUDA the host waits for the device at
@@ -38,15 +39,22 @@ VALUE_SIZED = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.n
                aten.unique_consecutive.default, aten.unique_dim.default}
 INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 COPIES = {aten._to_copy.default, aten.copy_.default}
+# ops that only move data, and which argument holds what they write (None: their output)
+COPYING = {aten._to_copy.default: None, aten.clone.default: None, aten.cat.default: None, aten.stack.default: None,
+           aten.index_select.default: None, aten.gather.default: None, aten.index.Tensor: None,
+           aten.copy_.default: 1, aten.index_copy_.default: 3, aten.index_put_.default: 2,
+           aten._index_put_impl_.default: 2}
 
 
 class DeviceWork(TorchDispatchMode):
-    """While active: `calls`, the non-view aten calls (kernel launches on a GPU), and `syncs`, the
-    calls that make the host wait for the device, by name (module docstring)."""
+    """While active: `calls`, the non-view aten calls (kernel launches on a GPU), `syncs`, the
+    calls that make the host wait for the device, by name, and `copied`, the bytes copies wrote
+    (module docstring)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.copied = 0
         self.syncs: collections.Counter[str] = collections.Counter()
         self._reading = 0  # inside a counted Python-level read: its own aten calls are not syncs again
         self._patches: contextlib.ExitStack | None = None
@@ -111,7 +119,11 @@ class DeviceWork(TorchDispatchMode):
             sync = _sync_name(func, args, kwargs)
             if sync is not None:
                 self.syncs[sync] += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in COPYING:
+            written = out if COPYING[func] is None else args[COPYING[func]]
+            self.copied += written.numel() * out.element_size()
+        return out
 
 
 def _sync_name(func, args, kwargs) -> str | None:

@@ -16,6 +16,13 @@ stream are counted in mel frames held at this width and converted to the release
     python -m bench.gpu_proxy --ref /tmp/ref77         # beside an export of another revision:
         git -C /work/main archive 77c2663 | tar -x -C /tmp/ref77   (made first)
     python -m bench.gpu_proxy --device cuda            # the same counts on a GPU (bench/gpu_check.sh)
+    python -m bench.gpu_proxy --only render,memory     # sections: lm, render, memory, first, window
+    python -m bench.gpu_proxy --flow-left-chunks 2     # the eager renders' flow window (default: the code's)
+
+Bucketed renders also print the bytes their copies write (gpu_counts.COPYING: copies, cats,
+gathers, index selects and scatters), those the host launches and those inside the graphs, at the
+proxy's width (fp32) and scaled to the released size's fp16 by the ratio of a stream state's bytes
+(keys and values dominate both; the activations' copies scale by about half that).
 """
 
 from __future__ import annotations
@@ -137,15 +144,20 @@ def measure(args) -> dict:
                     s.add(tokens(400, i))
                 for chunk in ("first", "second"):
                     requests = [s.next_chunk() for s in streams]
-                    with DeviceWork() as c, graph_replays(c):
+                    with DeviceWork() as c, graph_replays(c) as in_graphs:
                         renderer.render(requests)
-                    out[f"render {chunk} chunk, {n} stream{'s' * (n > 1)}{label}"] = (c.calls, c.total_syncs)
+                    name = f"{chunk} chunk, {n} stream{'s' * (n > 1)}{label}"
+                    out[f"render {name}"] = (c.calls, c.total_syncs)
+                    if label:  # the bytes copies write: launched by the host, in the graphs; at released size
+                        scale = released_bytes_per_frame() / RELEASED_ESTIMATOR["steps"] / (state_bytes_per_frame(flow) * 4)
+                        out[f"MB copies wrote, {name}: host-launched + in graphs"] = (
+                            f"{c.copied / 1e6:.1f} + {in_graphs.copied / 1e6:.1f}", None)
+                        out[f"GB copies wrote, {name}, released size fp16 (× {scale:.0f}, the state's ratio)"] = (
+                            f"{c.copied * scale / 1e9:.2f} + {in_graphs.copied * scale / 1e9:.2f}", None)
     if "window" in args.only:
         out.update(measure_window(args.fixtures))
     if "memory" in args.only:
-        attn = flow.decoder.estimator.down_blocks[0][1][0].attn1
-        n_attn = sum(isinstance(m, type(attn)) for m in flow.decoder.estimator.modules())
-        per_frame = n_attn * 2 * 2 * attn.heads * attn.head_dim  # keys and values of the CFG pair, one step
+        per_frame = state_bytes_per_frame(flow)
         holders = [("", t2w)]
         try:  # a bucketed stream's state: its window's tensors (what it holds whatever it has held)
             holders.append((", bucketed", Token2Wav(flow, hift, flow_left_chunks=BUCKETED_WINDOW, bucketed=True)))
@@ -161,12 +173,22 @@ def measure(args) -> dict:
                 if hasattr(state, "steps"):  # a FlowCache: per Euler step, per layer
                     held = sum(t.numel() for step in state.steps for t in (*step.keys, *step.values) if t is not None)
                     frames = held / per_frame / len(state.steps)
-                else:  # a WindowState: (steps, layers, CFG pair, heads, frames, head_dim) keys and values
+                elif hasattr(state, "keys"):  # a WindowState: (steps, layers, CFG pair, heads, frames, head_dim)
                     frames = state.keys.shape[-2]
+                else:  # a SlotState: its slot of the pool, a window's frames
+                    frames = holder.window_flow.window
                 out[f"flow frames held per stream after {seconds} s{label}"] = (round(frames), None)
                 out[f"MB held per stream after {seconds} s (released, fp16){label}"] = (
                     round(frames * released_bytes_per_frame() / 1e6, 1), None)
     return out
+
+
+def state_bytes_per_frame(flow) -> int:
+    """Keys and values of one mel frame in every estimator attention layer, CFG pair, one Euler
+    step, in elements (the proxy's width)."""
+    attn = flow.decoder.estimator.down_blocks[0][1][0].attn1
+    n_attn = sum(isinstance(m, type(attn)) for m in flow.decoder.estimator.modules())
+    return n_attn * 2 * 2 * attn.heads * attn.head_dim
 
 
 WINDOWS = (0, 1, 2, 4)
@@ -177,24 +199,28 @@ BUCKETED_WINDOW = 2  # bucketed shapes need a bounded flow window: the render ro
 def graph_replays(counter: DeviceWork):
     """While counting: a bucket's work (graphs.BucketGraphs.run) counted as what the host launches
     on CUDA, where it is a captured graph: the inputs' copies into the static ones and one replay
-    (the caller's copies of the outputs are counted as they run). Its captured work runs uncounted. No-op for a revision without it."""
+    (the caller's copies of the outputs are counted as they run). Its captured work's launches are
+    not counted; the bytes its copies write are, in the DeviceWork it yields. No-op for a revision
+    without it."""
+    in_graphs = DeviceWork()
     try:
         from voicebot.tts.cosyvoice2.graphs import BucketGraphs
     except ModuleNotFoundError:
-        yield
+        yield in_graphs
         return
     from torch.utils._python_dispatch import _disable_current_modes
 
     def run(self, bucket, inputs):
-        with _disable_current_modes():
+        with _disable_current_modes(), in_graphs:
             outputs = self.fn(*inputs)
         counter.calls += len(inputs) + 1  # the copies in, the replay
+        counter.copied += sum(x.numel() * x.element_size() for x in inputs)
         return outputs
 
     original = BucketGraphs.run
     BucketGraphs.run = run
     try:
-        yield
+        yield in_graphs
     finally:
         BucketGraphs.run = original
 
@@ -258,18 +284,23 @@ def measure_lm(hp: dict, device) -> dict:
 
 def measure_first_token(hp: dict, device) -> dict:
     """What stands between the first reply word and the first speech token: the reply words the
-    synthesizer's sentence segmentation holds before it pushes text, and the text tokens the
-    bistream LM needs before it may emit speech (its prompt speech is interleaved 15 to 5 text)."""
+    synthesizer's text feed holds before it pushes text (bistream_text.WordFeed: a word once the
+    next space follows it; a revision without it: its sentence segmenter, a sentence at a time), and
+    the text tokens the bistream LM needs before it may emit speech (its prompt speech is
+    interleaved 15 to 5 text)."""
     import torch
 
     from voicebot.tts.cosyvoice2.bistream import Bistream
     from voicebot.tts.cosyvoice2.lm import build_lm, run_alone
     from voicebot.tts.cosyvoice2.sampling import RasSampler
-    from voicebot.tts.segmenter import SentenceSegmenter
+    try:
+        from voicebot.tts.cosyvoice2.bistream_text import WordFeed as feed
+    except ModuleNotFoundError:  # a revision from before it (--ref)
+        from voicebot.tts.segmenter import SentenceSegmenter as feed
 
     words = REPLY.split(" ")
-    segmenter = SentenceSegmenter()
-    held = next((i + 1 for i, w in enumerate(words) if segmenter.push(w + " ")), len(words))
+    text = feed()
+    held = next((i + 1 for i, w in enumerate(words) if text.push(w + " ")), len(words))
     lm = build_lm(hp).eval().to(device)
     cache = lm.new_cache(1024)
     g = torch.Generator(device).manual_seed(0)

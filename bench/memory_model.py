@@ -16,10 +16,11 @@ Qwen2 geometry) and the estimator's structure, not measured on a GPU:
   values and bias of one attention layer — and the LM decode step's (small). An estimate from the
   shapes: a CUDA graph pool holds at least a captured region's peak; bench/gpu_check.sh measures
   the real peak on the device;
-- bucketed renders (a window, CUDA graphs: voicebot/tts/cosyvoice2/flow_window.py): the graphs'
-  static inputs hold the largest bucket's streams' window states, and a render stacks its streams'
-  states once more to copy them in: 2 × RENDER_BUCKET window states. A stream's own state is its
-  window either way (a copy of its rows of the call's output).
+- bucketed renders (a window, CUDA graphs: voicebot/tts/cosyvoice2/flow_window.py): every
+  stream's window state is a slot of one pool the graphs read in place, allocated at start-up for
+  `batch_slots` streams (one per LM slot) and a scratch slot; nothing is stacked or copied out per
+  render. Its streams are then the LM slots: what fits is the most slots whose KV row and flow
+  state fit beside the rest.
 
     python -m bench.memory_model                      # the table for a few configurations
     python -m bench.memory_model --left-chunks 2 --reply-s 30 --dtype float16
@@ -77,17 +78,18 @@ def breakdown(c: Config) -> dict[str, float]:
     widest = ESTIMATOR["channels"] * (1 + 3 + 4 + 3)  # x, qkv, feed-forward hidden, conv windows
     e = ESTIMATOR
     attention = (2 * 2 * RENDER_BUCKET * e["heads"] * keys * e["head_dim"] + RENDER_BUCKET * MAX_HOP_FRAMES * keys)
-    return {
+    parts = {
         "weights (LM, flow; HiFT fp32)": (manifest["llm"]["num_params_unique"] + manifest["flow"]["num_params_unique"])
         * c.dtype_bytes + manifest["hift"]["num_params_unique"] * 4,
         "LM KV pool": (c.batch_slots + 1) * c.kv_cache_tokens * q["num_hidden_layers"] * 2
         * q["num_key_value_heads"] * head_dim * c.dtype_bytes,
         "voice states (flow prompt)": c.voices * prompt_frames * flow_frame_bytes(c.dtype_bytes),
         "graph pools / activations (est.)": (rows * widest + attention) * c.dtype_bytes,
-        "bucketed render states (graph inputs)": 2 * RENDER_BUCKET * (held_frames * flow_frame_bytes(c.dtype_bytes)
-                                                                      + conv_bytes) if c.bucketed else 0,
         "per stream: flow cache": held_frames * flow_frame_bytes(c.dtype_bytes) + conv_bytes,
     }
+    if c.bucketed:  # every stream's state preallocated: the LM slots' and the scratch slot
+        parts["flow state pool, bucketed (slots+1)"] = (c.batch_slots + 1) * parts["per stream: flow cache"]
+    return parts
 
 
 def main() -> None:
@@ -99,7 +101,8 @@ def main() -> None:
     parser.add_argument("--bucketed", action="store_true", default=None,
                         help="flow and HiFT as CUDA graphs at bucketed shapes (needs --left-chunks >= 0)")
     args = parser.parse_args()
-    configs = [Config("fp16, unbounded, 10 s replies", reply_s=10), Config("fp16, unbounded, 30 s replies"),
+    configs = [Config("fp16, unbounded, 10 s replies (configs/a10.yaml)", reply_s=10),
+               Config("fp16, unbounded, 30 s replies (configs/a10.yaml)"),
                Config("fp16, window 2 chunks", left_chunks=2), Config("fp16, window 4 chunks", left_chunks=4),
                Config("fp32, window 2 chunks", dtype_bytes=4, left_chunks=2),
                Config("fp16, window 2, 64 LM slots", left_chunks=2, batch_slots=64),
@@ -122,6 +125,13 @@ def main() -> None:
         fixed = sum(v for k, v in parts.items() if not k.startswith("per stream"))
         per_stream = parts["per stream: flow cache"]
         for device, capacity in DEVICES.items():
+            if c.bucketed:  # pool and KV rows both sized by the LM slots: one slot = one stream
+                per_slot = per_stream + parts["LM KV pool"] / (c.batch_slots + 1)
+                rest = fixed - parts["flow state pool, bucketed (slots+1)"] - parts["LM KV pool"]
+                fit = max(0, int((capacity - rest - per_slot) // per_slot))  # less the scratch slot and row
+                print(f"  LM slots (= streams) that fit in {device:14} {fit:6d}  "
+                      f"({'fits' if fixed <= capacity else 'does not fit'} with {c.batch_slots})")
+                continue
             fit = max(0, int((capacity - fixed) // per_stream))
             # a stream also needs an LM slot while it decodes; beyond the slots it waits for one
             print(f"  streams that fit in {device:14} {fit:6d}  (LM slots {c.batch_slots})")

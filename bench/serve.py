@@ -346,10 +346,10 @@ def make_model_and_voice(root: Path) -> tuple[Path, Path]:
     return model_dir, voices
 
 
-def build(size: str, device: str, dtype: str, root: Path, slots: int) -> CosyVoice2Synthesizer:
+def build(size: str, device: str, dtype: str, root: Path, slots: int, flow_left_chunks: int = -1) -> CosyVoice2Synthesizer:
     model_dir, voices = make_model_and_voice(root)
     config = Cosyvoice2Config(model=str(model_dir), voices_dir=voices, voice_cache_dir=root / "cache", device=device,
-                              dtype=dtype, batch_slots=slots, kv_cache_tokens=1024)
+                              dtype=dtype, batch_slots=slots, kv_cache_tokens=1024, flow_left_chunks=flow_left_chunks)
     synth = CosyVoice2Synthesizer(config, default_voice="bench")
     if size == "tiny":
         synth.load()  # the real loading path
@@ -380,6 +380,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lm-targets", action="store_true", help="print the LM decode targets first")
     parser.add_argument("--no-unbatched", action="store_true", help="skip the runs with batching off")
+    parser.add_argument("--flow-left-chunks", type=int, default=-1,
+                        help="the flow cache's window in chunks (-1: unbounded); >= 0 on CUDA: renders as CUDA graphs")
     parser.add_argument("--server", type=int, default=0, metavar="N",
                         help="then N WebSocket clients through the real server at tiny size (0: none)")
     args = parser.parse_args()
@@ -395,9 +397,16 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         began = time.perf_counter()
-        synth = build(args.size, args.device, args.dtype, Path(tmp), slots=max([16, *counts]))
+        synth = build(args.size, args.device, args.dtype, Path(tmp), slots=max([16, *counts]),
+                      flow_left_chunks=args.flow_left_chunks)
         print(f"{args.size} engine on {synth.device}/{synth.dtype} in {time.perf_counter() - began:.1f} s, "
               f"{args.threads} threads; calibrated decode step s by batch: {synth.scheduler.costs.decode}", flush=True)
+        t2w = synth.token2wav
+        print(f"flow window {t2w.flow_left_chunks} chunks; renders "
+              + (f"bucketed: {len(t2w.window_flow.graphs.captured)} flow and {len(t2w.hift_buckets.graphs.captured)} "
+                 f"HiFT CUDA graphs, a flow state pool of {t2w.window_flow.slots.slots} slots "
+                 f"({t2w.window_flow.slots.nbytes() / 2**30:.2f} GiB)" if t2w.window_flow
+                 else "eager (bucketed shapes need CUDA, cuda_graphs and a window)"), flush=True)
         try:
             if args.lm_targets:
                 print_lm_targets(synth.lm)

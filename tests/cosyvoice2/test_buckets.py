@@ -18,7 +18,7 @@ import torch
 
 from golden_bounds import MEL, SPEECH, max_error_to_peak
 from test_flow_batch import Session, _alone, _random_prompt, _together, _tokens
-from voicebot.tts.cosyvoice2.flow_window import WindowState
+from voicebot.tts.cosyvoice2.flow_window import SlotState
 from voicebot.tts.cosyvoice2.token2wav import FlowPrompt, Token2Wav
 
 pytestmark = pytest.mark.golden
@@ -143,7 +143,7 @@ def test_a_bucketed_stream_holds_its_window_whatever_its_length(t2w: Token2Wav, 
     held = []
     for _ in range(6):
         t.render([stream.next_chunk()])
-        assert isinstance(stream.flow_cache, WindowState)
+        assert isinstance(stream.flow_cache, SlotState)
         held.append((stream.flow_cache.held, stream.flow_cache.nbytes()))
     assert held[2] == held[5] and held[5][0] == 100, held
 
@@ -160,3 +160,121 @@ def test_the_encoder_batched_over_streams_equals_each_alone(t2w: Token2Wav) -> N
             alone = flow.encode(t, final, True)[0]
             assert ends[b] == alone.shape[0]
             assert max_error_to_peak(mu[b, : ends[b]], alone) <= MEL, f"row {b}"
+
+
+def _alone_chunks(t2w: Token2Wav, prompt: FlowPrompt, tokens: list[int]) -> list[torch.Tensor]:
+    stream = t2w.stream(prompt, zero_noise=True, mode="fast")
+    return stream.push(tokens) + [stream.finish()]
+
+
+def _assert_equal_chunks(got: list[torch.Tensor], alone: list[torch.Tensor], name: str) -> None:
+    assert [c.shape for c in got] == [c.shape for c in alone[: len(got)]], name
+    errors = [max_error_to_peak(a, b) for a, b in zip(got, alone)]
+    assert max(errors) <= SPEECH, f"{name}: max abs error per chunk, of its peak: {errors}"
+
+
+def test_a_stream_owns_its_slot_until_its_last_chunk_and_the_next_stream_reuses_it(t2w: Token2Wav,
+                                                                                    prompt: FlowPrompt) -> None:
+    """max_streams 2: two open streams own both slots, a third is refused (SlotsExhausted, nothing
+    taken); one stream's last chunk frees its slot and the next stream takes it, starting from its
+    voice's prompt state, not the previous owner's window: its audio equals its own alone; a
+    dropped stream object frees its slot too."""
+    from voicebot.tts.cosyvoice2.flow_window import SlotsExhausted
+
+    eager, t = Token2Wav(t2w.flow, t2w.hift, flow_left_chunks=1), _bucketed(t2w, max_streams=2)
+    pool = t.window_flow.slots
+    first, second = (t.stream(prompt, zero_noise=True, mode="fast") for _ in range(2))
+    assert pool.free == 0 and {first.flow_cache.slot.index, second.flow_cache.slot.index} == {0, 1}
+    with pytest.raises(SlotsExhausted):
+        t.stream(prompt, zero_noise=True, mode="fast")
+    assert pool.free == 0
+    first.push(_tokens(t2w, 130, 40))
+    first.finish()
+    assert pool.free == 1 and not first.flow_cache
+    voice, tokens = _random_prompt(t2w, 37, 41), _tokens(t2w, 160, 42)
+    reused = t.stream(voice, zero_noise=True, mode="fast")
+    assert reused.flow_cache.slot.index == 0 and pool.free == 0
+    _assert_equal_chunks(reused.push(tokens) + [reused.finish()], _alone_chunks(eager, voice, tokens), "reused slot")
+    del second
+    assert pool.free == 2
+
+
+def test_a_stream_closed_before_or_during_a_render_frees_its_slot_and_costs_the_others_nothing(
+        t2w: Token2Wav, prompt: FlowPrompt) -> None:
+    """Three streams render together; one is closed (its session cancelled, from the loop's thread)
+    while their render runs: the render completes, the others' audio equals each alone, and its
+    slot is free at once. Its next chunk, handed to a render after the close, renders nothing and
+    is counted; a new stream takes its slot and renders beside the others, equal to itself alone."""
+    eager, t = Token2Wav(t2w.flow, t2w.hift, flow_left_chunks=1), _bucketed(t2w, max_streams=3)
+    pool = t.window_flow.slots
+    voices = [prompt, _random_prompt(t2w, 37, 50), _random_prompt(t2w, 61, 51), _random_prompt(t2w, 23, 52)]
+    tokens = [_tokens(t2w, 180, 60 + i) for i in range(4)]
+    streams = [t.stream(v, zero_noise=True, mode="fast") for v in voices[:3]]
+    for s, toks in zip(streams, tokens):
+        s.add(toks)
+        s.end()
+    cancelled, kept = streams[0], streams[1:]
+    render = t.window_flow.render
+
+    def closing(requests):  # the close lands while the flow call runs
+        cancelled.close()
+        return render(requests)
+
+    t.window_flow.render = closing
+    try:
+        first = t.render([s.next_chunk() for s in streams])
+    finally:
+        del t.window_flow.render
+    assert all(a.shape[1] > 0 for a in first) and pool.free == 1 and not cancelled.flow_cache.slot.owned
+    got = [[a] for a in first[1:]]
+    stale = cancelled.next_chunk()
+    audio = t.render([stale] + [s.next_chunk() for s in kept])
+    assert audio[0].shape == (1, 0) and t.closed_chunks == 1
+    for g, a in zip(got, audio[1:]):
+        g.append(a)
+    newcomer = t.stream(voices[3], zero_noise=True, mode="fast")
+    assert newcomer.flow_cache.slot.index == cancelled.flow_cache.slot.index
+    newcomer.add(tokens[3])
+    newcomer.end()
+    joined = []
+    while requests := [(i, r) for i, s in enumerate([*kept, newcomer]) if (r := s.next_chunk()) is not None]:
+        for (i, _), a in zip(requests, t.render([r for _, r in requests])):
+            (got[i] if i < 2 else joined).append(a)
+    for i, (g, voice, toks) in enumerate(zip(got, voices[1:3], tokens[1:3])):
+        _assert_equal_chunks(g, _alone_chunks(eager, voice, toks), f"kept stream {i}")
+    _assert_equal_chunks(joined, _alone_chunks(eager, voices[3], tokens[3]), "the stream in the freed slot")
+    assert pool.free == 3
+
+
+def test_a_render_calls_budget_in_audio_is_written_down(t2w: Token2Wav, prompt: FlowPrompt) -> None:
+    """Token2Wav.render_budget: 8 streams' longest first chunks (a 25-token hop padded to 49, and 3
+    lookahead: 104 frames, 2.08 s), 16.64 s; the longest chunk 206 frames, 4.12 s; a chunk's
+    seconds are its tokens past its offset. The figures render_queue.py's tests use."""
+    budget = Token2Wav(t2w.flow, t2w.hift, max_render_streams=8).render_budget()
+    assert (budget.max_call_s, budget.longest_chunk_s) == pytest.approx((16.64, 4.12)) and not budget.padded
+    assert _bucketed(t2w, max_render_streams=8).render_budget().padded
+    assert Token2Wav(t2w.flow, t2w.hift, max_render_streams=1).render_budget().max_call_s == pytest.approx(4.12)
+    stream = t2w.stream(prompt, zero_noise=True)
+    stream.add(_tokens(t2w, 300, 70))
+    first = stream.next_chunk()
+    assert budget.seconds_of(first) == pytest.approx(first.n_tokens * 2 * 480 / 24000) and budget.seconds_of(first) <= 2.08
+    t2w.render([first])
+    second = stream.next_chunk()
+    assert budget.seconds_of(second) == pytest.approx((second.n_tokens - second.offset) * 0.04)
+
+
+def test_a_speech_jobs_close_frees_its_streams_slot_before_its_lm_slot(t2w: Token2Wav, prompt: FlowPrompt) -> None:
+    """SpeechJob.close (a reply done or cancelled): the stream is closed and its flow slot free
+    before the LM slot goes back, so the next stream that LM slot opens finds a flow slot."""
+    from voicebot.tts.cosyvoice2.speech_job import PlaybackClock, SpeechJob
+
+    t = _bucketed(t2w, max_streams=1)
+    stream = t.stream(prompt, zero_noise=True, mode="fast")
+    released = []
+
+    class Scheduler:  # the one call close makes
+        def release(self, row):
+            released.append((row, t.window_flow.slots.free))
+
+    SpeechJob(Scheduler(), "row", stream, PlaybackClock()).close()
+    assert released == [("row", 1)] and stream.closed

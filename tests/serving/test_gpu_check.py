@@ -34,4 +34,9 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
             row = next(line for line in out.splitlines() if line.startswith(mode) and f"N={n:3d}" in line)
             assert int(row.split(" cut ")[1].split()[0]) == 0, row
     assert "throughput" in out and "admission: capacity" in out
+    # The serve step with a flow window (on CUDA its renders are CUDA graphs): its pass ended, none cut.
+    windowed = out.split("== serve, flow window 2 (render graphs)")[1].split("\n== ")[0]
+    assert "flow window 2 chunks; renders eager" in windowed
+    row = next(line for line in windowed.splitlines() if line.startswith("batched") and "N=  2" in line)
+    assert int(row.split(" cut ")[1].split()[0]) == 0, row
     assert "gpu_check: every step ended cleanly" in out

@@ -2,7 +2,13 @@
 deadline first, and the one call running on the device.
 
 The most urgent renders, at most `max_batch` of them, go in one `render` call (one flow call and
-one vocoder call for all of them: Token2Wav.render). A render may answer with a `Rendering` still
+one vocoder call for all of them: Token2Wav.render), and, with an `AudioBudget`, at most its
+`max_call_s` seconds of audio as the call computes it: padded, its chunks × its longest chunk's
+seconds (a bucketed call pads every stream to the longest), else their sum (an eager call packs
+them). So a call that carries a new reply's short first chunk cannot also carry long chunks of
+other replies that would make it cost more than the budget: a chunk that would take the call past
+it waits, first in line, for the next call (counted in `budget_deferrals`; none is dropped), and a
+call always takes its most urgent chunk, whatever its length (a budget holds the longest chunk). A render may answer with a `Rendering` still
 running on the device (CUDA: the model's side stream): the LM steps go on while it runs, its
 requests are answered once it is done, and the next render starts after it. Sessions reach their
 chunk boundaries at different steps, so a render whose listener still has audio to spare (more than
@@ -33,6 +39,26 @@ log = logging.getLogger(__name__)
 RENDER_MARGIN_S = 0.1  # slack a held render keeps beyond twice the render cost
 
 
+@dataclass(frozen=True)
+class AudioBudget:
+    """A render call's bound in seconds of audio: `seconds_of(chunk)`, the audio a chunk computes,
+    at most `longest_chunk_s`; `max_call_s`, the most a call computes: `padded`, its chunks × its
+    longest chunk's seconds, else their sum (`call_s`)."""
+
+    seconds_of: Callable[[Any], float]
+    max_call_s: float
+    longest_chunk_s: float
+    padded: bool
+
+    def call_s(self, seconds: list[float]) -> float:
+        return len(seconds) * max(seconds, default=0.0) if self.padded else sum(seconds)
+
+    def __post_init__(self) -> None:
+        if self.max_call_s < self.longest_chunk_s:
+            raise ValueError(f"a render call's budget of {self.max_call_s:g} s of audio would not hold "
+                             f"the longest chunk ({self.longest_chunk_s:g} s)")
+
+
 @dataclass(eq=False)
 class _InFlight:
     batch: list[Render]
@@ -43,13 +69,16 @@ class _InFlight:
 class RenderQueue:
     def __init__(self, name: str, render: Callable[[list[Any]], list[np.ndarray] | Rendering], costs: StepCosts,
                  answer: Callable[..., None], aborted: Callable[[BaseException], Exception], *,
-                 max_batch: int, hold_steps: int, sample_rate: int) -> None:
+                 max_batch: int, hold_steps: int, sample_rate: int, budget: AudioBudget | None = None) -> None:
         """`render(chunks)`: the audio (24 kHz float32) of several sessions' chunks, in one call,
-        or a `Rendering` of it still running on the device."""
+        or a `Rendering` of it still running on the device; `budget`: a call's bound in audio
+        (None: max_batch chunks, whatever their length)."""
         self.name, self.render, self.costs = name, render, costs
         self._answer, self._aborted = answer, aborted
         self.max_batch, self.hold_steps, self.sample_rate = max_batch, hold_steps, sample_rate
+        self.budget = budget
         self.sizes: Counter[int] = Counter()  # render calls, by chunks in the call
+        self.budget_deferrals = 0  # chunks a call left to the next one by its audio budget
         self.deadline_misses = 0  # renders done after a listener that had audio ran out
         self.waiting: list[Render] = []
         self.in_flight: _InFlight | None = None  # at most one render running on the device
@@ -76,13 +105,8 @@ class RenderQueue:
             for request in self.waiting:
                 request.held += 1
             return
-        batch: list[Render] = []
-        while self.waiting and len(batch) < self.max_batch:
-            request = self.waiting.pop(0)
-            if request.future.cancelled():  # its session stopped waiting (barge-in, disconnect)
-                self._answer(request, None)
-            else:
-                batch.append(request)
+        batch, deferred = self._take()
+        self.waiting[:0] = deferred  # first in line for the next call, in deadline order
         if not batch:
             return
         start = time.perf_counter()
@@ -96,6 +120,27 @@ class RenderQueue:
             self.in_flight = in_flight
         else:
             self._finish(in_flight)
+
+    def _take(self) -> tuple[list[Render], list[Render]]:
+        """Of the max_batch most urgent renders, those within the audio budget (the most urgent one
+        whatever its length): the next call's; and the ones the budget left, to go first next time."""
+        batch: list[Render] = []
+        deferred: list[Render] = []
+        seconds: list[float] = []  # the batch's chunks' audio
+        while self.waiting and len(batch) + len(deferred) < self.max_batch:
+            request = self.waiting.pop(0)
+            if request.future.cancelled():  # its session stopped waiting (barge-in, disconnect)
+                self._answer(request, None)
+                continue
+            if self.budget is not None:
+                more = seconds + [self.budget.seconds_of(request.chunk)]
+                if batch and self.budget.call_s(more) > self.budget.max_call_s:
+                    deferred.append(request)
+                    self.budget_deferrals += 1
+                    continue
+                seconds = more
+            batch.append(request)
+        return batch, deferred
 
     def _finish(self, in_flight: _InFlight) -> None:
         """Answer a render's requests with its audio (waiting for the device if it is still busy).

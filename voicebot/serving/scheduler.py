@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from voicebot.serving.model_interfaces import DecodePool, DecodeRow, PoolFull, Rendering, finished
-from voicebot.serving.render_queue import RenderQueue
+from voicebot.serving.render_queue import AudioBudget, RenderQueue
 from voicebot.serving.scheduler_requests import Call, Decode, OpenRow, Overloaded, Render, Request, SchedulerFault, resolve
 from voicebot.serving.step_costs import StepCosts
 from voicebot.serving.worker import JobAborted
@@ -55,10 +55,11 @@ log = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, name: str, pool: DecodePool, render: Callable[[list[Any]], list[np.ndarray] | Rendering], *,
                  max_batch: int | None = None, max_render_batch: int = 8, render_hold_steps: int = 2,
-                 max_pending: int = 256,
+                 max_pending: int = 256, render_budget: AudioBudget | None = None,
                  sample_rate: int = 24000, tokens_per_s: float = 25.0, headroom: float = 0.8) -> None:
         """`render(chunks)`: the audio (24 kHz float32) of several sessions' chunks, in one call,
-        or a `Rendering` of it still running on the device."""
+        or a `Rendering` of it still running on the device; `render_budget`: a render call's bound
+        in audio (render_queue.py)."""
         self.name, self.pool = name, pool
         self.max_batch = max_batch or pool.slots  # 1: every row steps alone (no batching)
         self.max_pending, self.sample_rate = max_pending, sample_rate
@@ -77,7 +78,8 @@ class Scheduler:
         self._calls: list[Call] = []
         self._decoding: dict[DecodeRow, Decode] = {}
         self.renders = RenderQueue(name, render, self.costs, self._answer, self._aborted, max_batch=max_render_batch,
-                                   hold_steps=render_hold_steps, sample_rate=sample_rate)  # thread-only
+                                   hold_steps=render_hold_steps, sample_rate=sample_rate,
+                                   budget=render_budget)  # thread-only
         self._thread = threading.Thread(target=self._run, name=f"scheduler-{name}", daemon=True)
 
     def calibrate(self, steps: int = 3, context: int = 200,

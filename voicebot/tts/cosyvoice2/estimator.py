@@ -365,20 +365,22 @@ class PackedCall:
 class WindowCall:
     """One Euler step's estimator call at a bucket's static shapes (flow_window.py): S streams of Q
     new frames each, rows (S, CFG pair, Q) time-major, a stream's rows past its `n_new` padding;
-    each stream's cache is a window of W frames held right-aligned in `keys`/`values` (n_attn, S,
-    2, H, W, d), its last `held` valid, and its causal convs' contexts in `conv` (S, 2, lp, ΣC),
-    conv i's channels at `conv_at[i]`. Attention runs over [window | new frames] with `bias`
-    masking each stream's chunks, window, invalid and padded frames (a padded query sees only
-    itself); afterwards each stream's window and contexts are overwritten in place with its last
-    W frames and last lp input frames (`keep`, `keep_conv`: their positions in [window | new]).
-    Shapes depend on (S, Q, W) only and no value is read back to the host: a CUDA graph captures it.
+    each stream's cache lives in its slot of the pool (`slots` (S,): the streams' slot indices):
+    a window of W frames held right-aligned in `keys`/`values` (n_attn, slots, 2, H, W, d), its
+    last `held` valid, and its causal convs' contexts in `conv` (slots, 2, lp, ΣC), conv i's
+    channels at `conv_at[i]`. Attention runs over [window | new frames], the windows gathered from
+    the pool by slot, with `bias` masking each stream's chunks, window, invalid and padded frames
+    (a padded query sees only itself); afterwards each stream's window and contexts are scattered
+    back to its slot: its last W frames and last lp input frames (`keep`, `keep_conv`: their
+    positions in [window | new]). Shapes depend on (S, Q, W) only and no value is read back to the
+    host: a CUDA graph captures it.
     """
 
-    def __init__(self, keys: Tensor, values: Tensor, conv: Tensor, conv_at: list[int], bias: Tensor,
+    def __init__(self, keys: Tensor, values: Tensor, conv: Tensor, slots: Tensor, conv_at: list[int], bias: Tensor,
                  keep: Tensor, keep_conv: Tensor) -> None:
-        self.keys, self.values, self.conv, self.conv_at = keys, values, conv, conv_at
+        self.keys, self.values, self.conv, self.slots, self.conv_at = keys, values, conv, slots, conv_at
         self.bias, self.keep, self.keep_conv = bias, keep, keep_conv
-        self.streams, self.window = keys.shape[1], keys.shape[4]
+        self.streams, self.window = slots.shape[0], keys.shape[4]
         self.frames = bias.shape[2]  # Q
 
     @staticmethod
@@ -405,13 +407,14 @@ class WindowCall:
         """qkv (R, 3·inner) -> the heads' outputs (R, inner); the stream's window keeps its last W frames."""
         s, q, w, h, d = self.streams, self.frames, self.window, attn.heads, attn.head_dim
         qkv = qkv.view(s, 2, q, 3, h, d).permute(3, 0, 1, 4, 2, 5)  # (3, S, 2, H, Q, d)
-        keys = torch.cat([self.keys[attn.cache_slot], qkv[1]], dim=3)  # (S, 2, H, W+Q, d)
-        values = torch.cat([self.values[attn.cache_slot], qkv[2]], dim=3)
+        pool_keys, pool_values = self.keys[attn.cache_slot], self.values[attn.cache_slot]  # (slots, 2, H, W, d)
+        keys = torch.cat([pool_keys.index_select(0, self.slots), qkv[1]], dim=3)  # (S, 2, H, W+Q, d)
+        values = torch.cat([pool_values.index_select(0, self.slots), qkv[2]], dim=3)
         out = attend(qkv[0].reshape(s * 2, h, q, d), keys.view(s * 2, h, w + q, d), values.view(s * 2, h, w + q, d),
                      self.bias)
         at = self.keep[:, None, None, :, None].expand(-1, 2, h, -1, d)
-        self.keys[attn.cache_slot].copy_(keys.gather(3, at))
-        self.values[attn.cache_slot].copy_(values.gather(3, at))
+        pool_keys.index_copy_(0, self.slots, keys.gather(3, at))
+        pool_values.index_copy_(0, self.slots, values.gather(3, at))
         return out.view(s, 2, h, q, d).permute(0, 1, 3, 2, 4).reshape(s * 2 * q, h * d)
 
     def windows(self, conv: CausalConv1d, x: Tensor) -> Tensor:
@@ -419,9 +422,9 @@ class WindowCall:
         the stream's context becomes its last lp input frames."""
         s, q, lp, c = self.streams, self.frames, conv.left_pad, x.shape[1]
         at = self.conv_at[conv.cache_slot]
-        context = self.conv[:, :, :, at : at + c]  # (S, 2, lp, C), a view of the state
-        frames = torch.cat([context, x.view(s, 2, q, c)], dim=2)  # (S, 2, lp+Q, C)
-        context.copy_(frames.gather(2, self.keep_conv[:, None, :, None].expand(-1, 2, -1, c)))
+        contexts = self.conv[:, :, :, at : at + c]  # (slots, 2, lp, C), a view of the pool
+        frames = torch.cat([contexts.index_select(0, self.slots), x.view(s, 2, q, c)], dim=2)  # (S, 2, lp+Q, C)
+        contexts.index_copy_(0, self.slots, frames.gather(2, self.keep_conv[:, None, :, None].expand(-1, 2, -1, c)))
         return torch.cat([frames[:, :, j : j + q] for j in range(lp + 1)], dim=3).view(s * 2 * q, (lp + 1) * c)
 
 

@@ -6,14 +6,25 @@ frames each runs at its bucket (S', Q'): S' the smallest of `stream_buckets` ≥
 multiple of the 50-frame chunk ≥ Q, up to `max_frames`. Padded streams and frames are inert
 (estimator.py `WindowCall`: masked keys, padded queries see only themselves, nothing of theirs is
 read back). A stream's cache must be bounded: its window of W = left_chunks × 50 frames (the
-official `num_decoding_left_chunks`) lives in a `WindowState` whose keys and values are laid out
-as a bucketed call reads them, right-aligned in W frames, so a call takes S' states with one stack
-each for keys, values and conv contexts, and hands back each stream's next state as a view of
-the call's output.
+official `num_decoding_left_chunks`), keys and values right-aligned in W frames, and its causal
+convs' contexts.
+
+Those states live in one `SlotPool`: tensors with a slot per rendering stream, which the graphs
+read and write in place. A stream owns its slot for its life (`SlotState`): taken when the stream
+opens (`open`), loaded from its voice's prompt state (a `WindowState`, outside the pool) by its
+first render, freed when its last chunk renders, when it is closed, or when the stream object is
+dropped (`Slot`). A call passes its streams' slot indices as a graph input: each attention layer
+gathers its streams' windows from the pool by index and scatters the windows it keeps back, each
+causal conv likewise its contexts, so nothing of a state is copied into or out of the graph
+around the replay (issue 24: with a stack in, a copy into the static inputs and a copy out per
+render, 8 streams at window 2 moved three copies of 1.8 GB a render at released size). Bounded:
+`slots` streams (Token2Wav's `max_streams`; serving opens one stream per LM slot, and closes it
+before the LM slot is given back), plus one scratch slot that a bucket's padding streams read and
+write; opening a stream with none free raises `SlotsExhausted`.
 
 Around the graph, a call's streams share their launches as well: one encoder pass over all their
 tokens (Flow.encode_streaming, rows padded and masked), one gather each for the bucket's mu and
-cond, one stack each for the states.
+cond, one host-made index tensor for positions and slots.
 
 The whole Euler schedule of a bucket (10 estimator calls, CFG, the update) is one function of
 tensors whose shapes depend on (S', Q') alone, with nothing read back to the host: on CUDA it is
@@ -28,6 +39,8 @@ tokens, 2 frames each: 206 frames, Q' ≤ 250, 5 sizes): 4 × 5 = 20 graphs for 
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -42,9 +55,10 @@ from voicebot.tts.cosyvoice2.sampling import host_to_device
 
 @dataclass
 class WindowState:
-    """A stream's flow state in a bucketed call's layout: keys/values (steps, n_attn, 2, H, W, d) of
-    the window's frames right-aligned, the last `held` valid; conv (steps, 2, lp, ΣC) every causal
-    conv's last lp input frames; n_frames: the frames computed so far (the next call's start)."""
+    """A voice's prompt state in a bucketed call's layout (what a stream's slot is loaded from):
+    keys/values (steps, n_attn, 2, H, W, d) of the window's frames right-aligned, the last `held`
+    valid; conv (steps, 2, lp, ΣC) every causal conv's last lp input frames; n_frames: the frames
+    computed so far (the next call's start)."""
 
     keys: Tensor
     values: Tensor
@@ -55,10 +69,82 @@ class WindowState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.conv))
 
-    def fork(self) -> WindowState:
-        """A stream's state continuing this one (a voice's prompt state): the same tensors, which a
-        call only reads (it hands the stream views of its own output)."""
-        return WindowState(self.keys, self.values, self.conv, self.held, self.n_frames)
+
+class SlotsExhausted(RuntimeError):
+    """Every slot of the pool is owned by an open stream."""
+
+
+class Slot:
+    """A stream's slot in the pool, owned until `release` (idempotent), called at the stream's last
+    chunk or close, or when this object is dropped (the stream with it)."""
+
+    def __init__(self, pool: SlotPool, index: int) -> None:
+        self.pool, self.index = pool, index
+        self.release = weakref.finalize(self, pool._free, index)
+
+    @property
+    def owned(self) -> bool:
+        return self.release.alive
+
+
+class SlotPool:
+    """Every open stream's flow state, one slot each, in the tensors the bucketed graphs read and
+    write in place: keys, values (steps, n_attn, slots + 1, 2, H, W, d), conv (steps, slots + 1, 2,
+    lp, ΣC). Slot `slots` is the scratch slot, never owned: a bucket's padding streams read and
+    write it, and nothing of it is ever read back. Bound: `slots` open streams (module docstring).
+    Slots are taken on one thread (the renders'); `release` may come from any."""
+
+    def __init__(self, keys: Tensor, values: Tensor, conv: Tensor) -> None:
+        self.keys, self.values, self.conv = keys, values, conv
+        self.slots = keys.shape[2] - 1
+        self.scratch = self.slots
+        self._free_slots = list(range(self.slots - 1, -1, -1))  # pop() takes the lowest
+        self._lock = threading.Lock()
+
+    @property
+    def free(self) -> int:
+        with self._lock:
+            return len(self._free_slots)
+
+    def slot_bytes(self) -> int:
+        """The bytes of one slot (keys, values and conv contexts): what an open stream holds."""
+        return sum(t[:, :, 0].numel() * t.element_size() for t in (self.keys, self.values)) \
+            + self.conv[:, 0].numel() * self.conv.element_size()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.conv))
+
+    def take(self) -> Slot:
+        with self._lock:
+            if not self._free_slots:
+                raise SlotsExhausted(f"all {self.slots} flow state slots are owned by open streams")
+            index = self._free_slots.pop()
+        return Slot(self, index)
+
+    def _free(self, index: int) -> None:
+        with self._lock:
+            self._free_slots.append(index)
+
+    def load(self, index: int, state: WindowState) -> None:
+        """Slot `index` := a voice's prompt state (a stream's first render, before the graph's)."""
+        self.keys[:, :, index].copy_(state.keys)
+        self.values[:, :, index].copy_(state.values)
+        self.conv[:, index].copy_(state.conv)
+
+
+@dataclass
+class SlotState:
+    """A stream's flow state: its `slot` in the pool, the `held` valid window frames and the
+    `n_frames` computed so far; `prompt`: the voice's state its first render loads into the slot
+    (None once loaded)."""
+
+    slot: Slot
+    held: int
+    n_frames: int
+    prompt: WindowState | None
+
+    def nbytes(self) -> int:
+        return self.slot.pool.slot_bytes()
 
 
 @dataclass
@@ -70,12 +156,12 @@ class WindowRequest:
     prompt_feat: Tensor
     embedding: Tensor
     finalize: bool
-    state: WindowState
+    state: SlotState
 
 
 class WindowFlow:
     def __init__(self, flow: Flow, left_chunks: int, stream_buckets: tuple[int, ...], max_frames: int,
-                 pool: tuple | None = None) -> None:
+                 max_streams: int, pool: tuple | None = None) -> None:
         estimator = flow.decoder.estimator
         if left_chunks < 0:
             raise ValueError("bucketed shapes need a bounded flow window (flow_left_chunks >= 0)")
@@ -93,8 +179,8 @@ class WindowFlow:
         attn = next(m for m in estimator.modules() if isinstance(m, Attention))
         self.n_attn = sum(isinstance(m, Attention) for m in estimator.modules())
         self.heads, self.head_dim = attn.heads, attn.head_dim
+        self.slots = SlotPool(*self._empty_state(max_streams + 1))  # and the scratch slot
         self.graphs = BucketGraphs(self._solve, self._static, pool)
-        self._buffers: tuple[Tensor, Tensor, Tensor] | None = None  # the states' static inputs, shared by buckets
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -114,7 +200,8 @@ class WindowFlow:
         return (w.new_zeros(kv), w.new_zeros(kv), w.new_zeros(steps, *lead, 2, self.left_pad, self.conv_channels))
 
     def state(self, base: FlowCache) -> WindowState:
-        """A new stream's state continuing a voice's prompt state (flow.prompt_cache, windowed)."""
+        """A voice's prompt state (flow.prompt_cache, windowed) in the layout of a slot, which the
+        first render of each stream opened from it (`open`) loads into the stream's slot."""
         if base.left_chunks != self.left_chunks:
             raise ValueError(f"a prompt state of window {base.left_chunks}, the flow's is {self.left_chunks}")
         keys, values, conv = self._empty_state()
@@ -130,6 +217,11 @@ class WindowFlow:
                     conv[s, :, :, self.conv_at[i] : self.conv_at[i] + context.shape[-1]] = context
         return WindowState(keys, values, conv, held, base.n_frames)
 
+    def open(self, prompt: WindowState) -> SlotState:
+        """A new stream's state continuing a voice's prompt state, in a slot of its own (its first
+        render loads it); SlotsExhausted when every slot is owned."""
+        return SlotState(self.slots.take(), prompt.held, prompt.n_frames, prompt)
+
     def render(self, requests: list[WindowRequest]) -> list[Tensor]:
         """Each request's new mel (1, 80, n) float32 (the prompt's own frames left out), all of them
         in one call at their bucket; each request's state moves on past its frames."""
@@ -140,6 +232,10 @@ class WindowFlow:
         for r, end in zip(requests, ends):
             if not r.finalize and end % self.chunk:
                 raise ValueError(f"a non-final chunk must end on a chunk boundary ({end} frames)")
+        for r in requests:  # a stream's first render: its slot starts from its voice's prompt state
+            if r.state.prompt is not None:
+                self.slots.load(r.state.slot.index, r.state.prompt)
+                r.state.prompt = None
         streams, frames = self.bucket(len(requests), max(n_new))
         empty = streams - len(requests)
         # every stream's rows of the bucket, gathered with one host-made index each: mu from its
@@ -161,35 +257,27 @@ class WindowFlow:
         embeddings = torch.cat([r.embedding.to(dtype) for r in requests])
         spks = F.pad(flow.spk_embed_affine_layer(F.normalize(embeddings, dim=1)), (0, 0, 0, empty))
         at = host_to_device([[r.state.n_frames for r in requests] + [0] * empty,
-                             [r.state.held for r in requests] + [0] * empty, n_new + [0] * empty], device)
-        blank = self._empty_state() if empty else ()  # a padding stream's state: zeros
-        keys, values, conv = (torch.stack([getattr(r.state, name) for r in requests] + [b] * empty, dim=dim)
-                              for name, dim, b in zip(("keys", "values", "conv"), (2, 2, 1), blank or (None,) * 3))
-        mel, keys, values, conv = self.graphs.run((streams, frames), (mu, spks, cond, at, keys, values, conv))
-        # the streams' own rows, copied out of the graph's outputs (one copy each, padding left behind)
-        n = len(requests)
-        mel, keys, values, conv = mel[:n].clone(), keys[:, :, :n].clone(), values[:, :, :n].clone(), conv[:, :n].clone()
+                             [r.state.held for r in requests] + [0] * empty, n_new + [0] * empty,
+                             [r.state.slot.index for r in requests] + [self.slots.scratch] * empty], device)
+        mel = self.graphs.run((streams, frames), (mu, spks, cond, at))[0]
+        mel = mel[: len(requests)].clone()  # the streams' own rows of the graph's output (padding left behind)
         mels = []
         for s, (r, n) in enumerate(zip(requests, n_new)):
             start = r.state.n_frames
             skip = max(0, r.prompt_feat.shape[1] - start)  # the prompt's own frames are not returned
             mels.append(mel[s, skip:n].t()[None])
-            # views of the call's copies: freed once every stream of the call has rendered again
-            r.state.keys, r.state.values, r.state.conv = keys[:, :, s], values[:, :, s], conv[:, s]
             r.state.held, r.state.n_frames = min(self.window, r.state.held + n), start + n
         return mels
 
     def _static(self, bucket: tuple[int, int]) -> tuple[Tensor, ...]:
-        """The bucket's static inputs (a graph's): the states' are views of buffers for the largest
-        bucket, shared by every bucket (one replays at a time)."""
+        """The bucket's static inputs (a graph's): mu, spks, cond and the streams' positions and
+        slots (the scratch slot's, so a capture writes no stream's state). The states are not
+        inputs: the graph reads and writes the pool in place."""
         streams, frames = bucket
-        if self._buffers is None:
-            self._buffers = self._empty_state(self.stream_buckets[-1])
-        keys, values, conv = self._buffers
         w = self._like()
-        return (w.new_zeros(streams, frames, 80), w.new_zeros(streams, 80), w.new_zeros(streams, frames, 80),
-                torch.zeros(3, streams, dtype=torch.long, device=w.device),
-                keys[:, :, :streams], values[:, :, :streams], conv[:, :streams])
+        at = torch.zeros(4, streams, dtype=torch.long, device=w.device)
+        at[3] = self.slots.scratch
+        return w.new_zeros(streams, frames, 80), w.new_zeros(streams, 80), w.new_zeros(streams, frames, 80), at
 
     def capture(self) -> int:
         """Capture every bucket's graph (CUDA): at start-up, never mid-traffic. Returns how many."""
@@ -197,15 +285,14 @@ class WindowFlow:
             self.graphs.capture(bucket)
         return len(self.buckets)
 
-    def _solve(self, mu: Tensor, spks: Tensor, cond: Tensor, at: Tensor, keys: Tensor, values: Tensor,
-               conv: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The Euler schedule of one bucket: mu, cond (S, Q, 80), spks (S, 80), at (3, S): each
-        stream's first new frame, valid window frames and new frames; keys, values (steps, n_attn,
-        S, 2, H, W, d) and conv (steps, S, 2, lp, ΣC): the states, overwritten in place with the
-        next ones. Returns (mel (S, Q, 80) float32, keys, values, conv). The same arithmetic as
-        CausalConditionalCFM.solve, row for row."""
+    def _solve(self, mu: Tensor, spks: Tensor, cond: Tensor, at: Tensor) -> tuple[Tensor]:
+        """The Euler schedule of one bucket: mu, cond (S, Q, 80), spks (S, 80), at (4, S): each
+        stream's first new frame, valid window frames, new frames and slot; the streams' states in
+        the pool are overwritten in place with the next ones. Returns (mel (S, Q, 80) float32,).
+        The same arithmetic as CausalConditionalCFM.solve, row for row."""
         cfm, (streams, frames) = self.flow.decoder, mu.shape[:2]
-        start, held, n_new = at
+        start, held, n_new, slots = at
+        pool = self.slots
         bias, keep, keep_conv = WindowCall.masks(start, held, n_new, frames, self.window, self.chunk,
                                                  self.left_chunks, self.left_pad, mu.dtype)
         noise = cfm.rand_noise[0].t()  # (15000, 80)
@@ -220,11 +307,12 @@ class WindowFlow:
         t_span = 1 - torch.cos(torch.linspace(0, 1, n + 1, device=mu.device, dtype=mu.dtype) * 0.5 * torch.pi)
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, n + 1):
-            call = WindowCall(keys[step - 1], values[step - 1], conv[step - 1], self.conv_at, bias, keep, keep_conv)
+            call = WindowCall(pool.keys[step - 1], pool.values[step - 1], pool.conv[step - 1], slots, self.conv_at,
+                              bias, keep, keep_conv)
             v = self.estimator.run(torch.stack([x, x], dim=1).view(-1, 80), mu_rows, spks_rows, cond_rows, t, call)
             v = v.view(streams, 2, frames, 80)
             x = x + dt * ((1.0 + cfm.cfg_rate) * v[:, 0] - cfm.cfg_rate * v[:, 1])
             t = t + dt
             if step < n:
                 dt = t_span[step + 1] - t
-        return x.float(), keys, values, conv
+        return (x.float(),)

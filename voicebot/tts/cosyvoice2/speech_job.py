@@ -76,4 +76,5 @@ class SpeechJob:
                 yield audio
 
     def close(self) -> None:
+        self.stream.close()  # first: its flow slot is free before its LM slot can open another stream
         self.scheduler.release(self.row)

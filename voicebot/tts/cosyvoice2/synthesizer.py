@@ -107,7 +107,8 @@ class CosyVoice2Synthesizer(Synthesizer):
         self.token2wav = Token2Wav(modules.flow, modules.hift, mode=self.config.stream_mode,
                                    max_prompt_states=self.config.flow_prompt_states,
                                    flow_left_chunks=self.config.flow_left_chunks,
-                                   max_render_streams=self.config.render_batch, bucketed=bucketed)
+                                   max_render_streams=self.config.render_batch, bucketed=bucketed,
+                                   max_streams=self.config.batch_slots)  # one stream per LM slot
         if bucketed:
             began = time.perf_counter()
             n_graphs = self.token2wav.capture_graphs()
@@ -120,6 +121,7 @@ class CosyVoice2Synthesizer(Synthesizer):
                       graphs=self.device.type == "cuda" and self.config.cuda_graphs)
         self.scheduler = Scheduler(f"cosyvoice2-{self.device}", pool, self._render,
                                    max_render_batch=self.config.render_batch,
+                                   render_budget=self.token2wav.render_budget(),
                                    sample_rate=SAMPLE_RATE, tokens_per_s=self.hparams["token_frame_rate"])
         self.voice_prompts = VoicePrompts(library, self.lm, self.token2wav, self.scheduler, self.voice_worker,
                                           self.config, self.device, self.dtype)

@@ -55,9 +55,13 @@ lookahead, 206 frames, 4.1 s of audio).
 bucket is one CUDA graph, all captured by `capture_graphs` at start-up; elsewhere the same padded
 shapes run eagerly (tests/cosyvoice2/test_buckets.py: equal to the eager flow at exact shapes).
 Uncached chunks (the official "recompute", "exact"'s full-attention final chunk) stay eager.
+A bucketed stream's flow state is a slot of the window flow's pool (flow_window.py `SlotPool`),
+the stream's from `stream()` (SlotsExhausted past `max_streams` open streams) until its last chunk
+renders, `close()`, or the stream object is dropped.
 Rules: at most one request per stream per render (its next chunk depends on the previous one); a
-request is valid until its stream renders (`render` refuses a stale one); a cancelled stream is
-simply not asked again, and its state goes with it.
+request is valid until its stream renders (`render` refuses a stale one); streams are opened and
+rendered on one thread. A cancelled stream is not asked again and is closed (any thread: its slot
+is free at once); a chunk of it already handed to a render renders nothing (`closed_chunks`).
 """
 
 from __future__ import annotations
@@ -74,8 +78,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from voicebot.serving.model_interfaces import Rendering
+from voicebot.serving.render_queue import AudioBudget
+from voicebot.tts.base import SAMPLE_RATE
 from voicebot.tts.cosyvoice2.flow import Flow, FlowCache, FlowRequest
-from voicebot.tts.cosyvoice2.flow_window import WindowFlow, WindowRequest, WindowState
+from voicebot.tts.cosyvoice2.flow_window import SlotState, WindowFlow, WindowRequest, WindowState
 from voicebot.tts.cosyvoice2.chunk_vocoder import ChunkVocoder
 from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFT, HiFTStream, SourceNoise
 from voicebot.tts.cosyvoice2.hift_buckets import HiFTBuckets
@@ -125,7 +131,7 @@ class Token2Wav:
 
     def __init__(self, flow: Flow, hift: HiFT, schedule: StreamSchedule = StreamSchedule(),
                  mode: Mode = "exact", max_prompt_states: int = 4, flow_left_chunks: int = -1,
-                 max_render_streams: int = 8, bucketed: bool = False) -> None:
+                 max_render_streams: int = 8, bucketed: bool = False, max_streams: int = 16) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         if flow_left_chunks < -1:
@@ -139,12 +145,14 @@ class Token2Wav:
         # into calls of at most that many (render), so every call fits the largest bucket.
         self.max_render_streams = max_render_streams
         self.max_chunk_frames = self._max_chunk_frames()
+        self.closed_chunks = 0  # chunks of streams closed before their render: not rendered, no one to hear them
         self.window_flow: WindowFlow | None = None
         self.hift_buckets: HiFTBuckets | None = None
         if bucketed:  # flow and HiFT at bucketed static shapes (flow_window.py), captured on CUDA
             pool = torch.cuda.graph_pool_handle() if hift.conv_pre.bias.device.type == "cuda" else None
             streams = tuple(sorted({*(2**i for i in range(max_render_streams.bit_length())), max_render_streams}))
-            self.window_flow = WindowFlow(flow, flow_left_chunks, streams, self.max_chunk_frames, pool)
+            # max_streams: the streams open at once (serving: one per LM slot), each a slot of the pool
+            self.window_flow = WindowFlow(flow, flow_left_chunks, streams, self.max_chunk_frames, max_streams, pool)
             context, f0_context = hift.context_frames()
             longest = self.max_chunk_frames + max(schedule.mel_cache_frames, 2 * context + f0_context)
             self.hift_buckets = HiFTBuckets(hift, streams, longest, pool)
@@ -155,6 +163,22 @@ class Token2Wav:
         hop = self.schedule.hop_tokens or self.flow.encoder.chunk_size
         tokens = max(2 * hop - 1, self.schedule.max_hop_tokens) + self.flow.pre_lookahead_len
         return tokens * self.flow.token_mel_ratio
+
+    def render_budget(self) -> AudioBudget:
+        """A scheduler's render call's bound in audio (render_queue.py): `max_render_streams` of the
+        longest first chunks (a first hop padded to a chunk boundary and the lookahead: 104 frames,
+        2.08 s), so a call with a reply's first chunk in it costs at most what a call of first chunks
+        does; a call of the longest chunks (4.12 s) takes half as many streams (and one at least:
+        with max_render_streams 1 the budget is the longest chunk). Bucketed, a call's audio is its
+        chunks padded to the longest; eager, their sum."""
+        hop = self.schedule.hop_tokens or self.flow.encoder.chunk_size
+        first_frames = (2 * hop - 1 + self.flow.pre_lookahead_len) * self.flow.token_mel_ratio
+        longest = self._frames_s(self.max_chunk_frames)
+        return AudioBudget(ChunkRequest.audio_s, max(self.max_render_streams * self._frames_s(first_frames), longest),
+                           longest, padded=self.window_flow is not None)
+
+    def _frames_s(self, frames: int) -> float:
+        return frames * self.hift.samples_per_frame / SAMPLE_RATE
 
     def capture_graphs(self) -> int:
         """Capture every bucket's CUDA graph, flow and HiFT (start-up, before any render): how many."""
@@ -185,6 +209,12 @@ class Token2Wav:
         while len(self._prompt_states) > self.max_prompt_states:
             self._prompt_states.popitem(last=False)
 
+    def stream_state(self, prompt: FlowPrompt) -> FlowCache | SlotState:
+        """A new stream's flow state: a fork of its voice's prompt state, or, bucketed, a slot of the
+        pool that its first render loads with it (SlotsExhausted when every slot is owned)."""
+        state = self.prompt_state(prompt)
+        return self.window_flow.open(state) if isinstance(state, WindowState) else state.fork()
+
     def prompt_state_bytes(self) -> dict[str, int]:
         """Bytes held per cached voice prompt state (keyed by prompt content hash)."""
         return {key: state.nbytes() for key, state in self._prompt_states.items()}
@@ -195,6 +225,11 @@ class Token2Wav:
         one estimator call over all of them) and one batched HiFT decode. Returns each request's
         audio (1, n) float32, which equals what the stream alone would have rendered (to fp32
         reduction order); the streams' state has moved on past the chunk."""
+        closed = [r.stream.closed for r in requests]
+        if any(closed):  # their sessions have gone: the others render
+            self.closed_chunks += sum(closed)
+            audio = iter(self.render([r for r, gone in zip(requests, closed) if not gone]))
+            return [torch.zeros(1, 0) if gone else next(audio) for gone in closed]
         streams = [r.stream for r in requests]
         if len({id(s) for s in streams}) != len(streams):
             raise ValueError("one chunk per stream in a render: a stream's next chunk needs its previous one")
@@ -279,6 +314,11 @@ class ChunkRequest:
     offset: int
     finalize: bool
 
+    def audio_s(self) -> float:
+        """The seconds of audio this chunk computes: its tokens past the offset, lookahead included."""
+        t2w = self.stream.t2w
+        return t2w._frames_s((self.n_tokens - self.offset) * t2w.flow.token_mel_ratio)
+
 
 class Token2WavStream:
     """One request's streaming state. Driven either by itself — `push` tokens as the LM emits them
@@ -301,14 +341,16 @@ class Token2WavStream:
         self.offset = 0  # tokens already voiced
         self.ended = False  # no more tokens will come
         self.finished = False  # the last chunk has been rendered
+        self.closed = False  # cancelled: never rendered again
         self.vocoder: HiFTStream | ChunkVocoder = (
             HiFTStream(t2w.hift, zero_noise, generator) if mode == "fast"
             else ChunkVocoder(t2w.hift, t2w.schedule.mel_cache_frames, zero_noise, generator))
         # this request's flow frames so far, after the voice's shared prompt state; the buffers
-        # grow by each chunk's frames (estimator.py), so they hold exactly the frames computed
-        self.flow_cache: FlowCache | WindowState | None = None
+        # grow by each chunk's frames (estimator.py), so they hold exactly the frames computed;
+        # bucketed: its slot of the pool, the window's frames
+        self.flow_cache: FlowCache | SlotState | None = None
         if mode != "recompute":
-            self.flow_cache = t2w.prompt_state(prompt).fork()
+            self.flow_cache = t2w.stream_state(prompt)
 
     def _next_hop(self) -> int:
         return self.hop + (self.first_pad if self.offset == 0 else 0)
@@ -356,6 +398,14 @@ class Token2WavStream:
             return torch.zeros(1, 0)
         return self.t2w.render([request])[0]
 
+    def close(self) -> None:
+        """The stream is cancelled and will not be asked again (any thread): its flow slot, if it
+        has one, is free at once; a chunk of it already handed to a render renders nothing."""
+        self.closed = True
+        state = self.flow_cache  # read once: the render's thread may drop it meanwhile (the last chunk)
+        if isinstance(state, SlotState):
+            state.slot.release()
+
     def _check(self, request: ChunkRequest) -> None:
         if request.stream is not self or request.offset != self.offset or self.finished:
             raise ValueError("stale chunk request: the stream has rendered a chunk since")
@@ -365,7 +415,7 @@ class Token2WavStream:
         # pinned and non-blocking on CUDA: a pageable copy would make the host wait for the device
         token = host_to_device(self.tokens[: request.n_tokens], p.token.device, torch.int32)[None]
         window = self.t2w.flow_left_chunks
-        if self._cached(request) and isinstance(self.flow_cache, WindowState):  # at a bucket's shapes
+        if self._cached(request) and isinstance(self.flow_cache, SlotState):  # at a bucket's shapes
             return WindowRequest(torch.cat([p.token, token], dim=1), p.feat, p.embedding, request.finalize,
                                  self.flow_cache)
         if self._cached(request):  # chunk-causal, new frames only
@@ -382,6 +432,8 @@ class Token2WavStream:
             mel = mel[:, :, self.offset * self.t2w.flow.token_mel_ratio :]  # (1, 80, new frames)
         if request.finalize:
             self.finished = True
+            if isinstance(self.flow_cache, SlotState):  # its slot goes to the next stream opened
+                self.flow_cache.slot.release()
             self.flow_cache = None  # the request's largest state: free it with the last chunk
         else:
             self.offset += self._next_hop()
