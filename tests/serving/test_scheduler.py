@@ -184,11 +184,13 @@ def test_metrics_are_read_from_the_scheduler(lm):
     scheduler.calibrate(steps=1)
     scheduler.batch_sizes[3] += 2
     scheduler.refused += 1
+    scheduler.renders.budget_deferrals += 3
     registry = CollectorRegistry()
     register_scheduler_metrics(registry, scheduler)
     text = generate_latest(registry).decode()
     assert 'voicebot_scheduler_decode_steps_total{batch_size="3",scheduler="dev0"} 2.0' in text
     assert 'voicebot_scheduler_refused_total{scheduler="dev0"} 1.0' in text
+    assert 'voicebot_scheduler_render_deferrals_total{scheduler="dev0"} 3.0' in text
     assert 'voicebot_scheduler_free_slots{scheduler="dev0"} 4.0' in text
     assert f'voicebot_scheduler_capacity_sessions{{scheduler="dev0"}} {float(scheduler.capacity())}' in text
 

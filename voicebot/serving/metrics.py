@@ -9,6 +9,8 @@ adds, labelled by scheduler name:
 - voicebot_scheduler_decode_steps_total{batch_size}: LM decode steps run, by rows in the batch (the
   batch-size histogram);
 - voicebot_scheduler_deadline_misses_total: chunks rendered after a listener that had audio ran out;
+- voicebot_scheduler_render_deferrals_total: chunks a render call left to the next one by its audio
+  budget (voicebot/serving/render_queue.py; none is dropped);
 - voicebot_scheduler_refused_total: sessions refused by admission control;
 - voicebot_scheduler_thread_faults_total: faults the scheduler's thread survived (a BaseException that
   is not an Exception raised in a step or call, or anything that broke its loop), each failing the
@@ -70,6 +72,8 @@ class SchedulerCollector(Collector):
         yield cost
         for metric, help_text, value in [
             ("voicebot_scheduler_deadline_misses", "Chunks rendered after a listener with audio ran out", s.renders.deadline_misses),
+            ("voicebot_scheduler_render_deferrals", "Chunks a render call left to the next by its audio budget (none dropped)",
+             s.renders.budget_deferrals),
             ("voicebot_scheduler_refused", "Sessions refused by admission control", s.refused),
             ("voicebot_scheduler_thread_faults", ("Faults survived by the scheduler thread (BaseExceptions raised "
                                                   "in it, breaks of its loop), each failing the requests it hit"),
