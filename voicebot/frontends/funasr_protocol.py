@@ -56,6 +56,12 @@ one zip it with the characters. `hotwords` and `itn` are accepted and ignored (t
 classes we serve have no hotword biasing and no ITN).
 
 Endpoints come from a `Segmenter` (the server's VAD), the same one the /v1/voice sessions use.
+
+Live audio is counted as a /v1/voice session's is: each message's input lag (from its arrival,
+which the socket side stamps, to the end of its trip through the segmenter and the recognizer's
+feed) goes to the server's `InputLag` under the pool of the stream's recognizer (so admission and
+/readyz see a /funasr stream falling behind), and its seconds to voicebot_input_audio_seconds_total.
+The recognizer stream is opened at the stream's first audio, so that pool is known from the start.
 """
 
 from __future__ import annotations

@@ -62,12 +62,15 @@ class Received:
 
 class Backlog:
     """A connection's messages received and not yet handled, in order (bounds: BACKLOG_BYTES,
-    BACKLOG_MESSAGES)."""
+    BACKLOG_MESSAGES). One receiving task puts, one handling task takes, on the event loop."""
 
     def __init__(self) -> None:
         self._waiting: deque[Received] = deque()
-        self._bytes = 0
-        self._changed = asyncio.Condition()
+        self._bytes = 0  # a text message counts its characters
+        self._closed = False
+        self._room = asyncio.Event()  # set when a put may go on
+        self._room.set()
+        self._arrived = asyncio.Event()  # set when a take may go on
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -75,28 +78,40 @@ class Backlog:
     def _has_room(self) -> bool:
         return not self._waiting or (self._bytes < BACKLOG_BYTES and len(self._waiting) < BACKLOG_MESSAGES)
 
-    async def put(self, message: Wire) -> None:
+    async def put(self, message: Wire) -> Received | None:
+        """Stamped with its arrival, then queued once there is room; None if kept out: the backlog
+        was closed meanwhile (the message is returned to be counted)."""
         received = Received(message, time.monotonic())  # its arrival, before any wait for room
-        async with self._changed:
-            await self._changed.wait_for(self._has_room)
-            self._waiting.append(received)
-            self._bytes += len(message)
-            self._changed.notify_all()
+        while not (self._has_room() or self._closed):
+            self._room.clear()
+            await self._room.wait()
+        if self._closed:
+            return received
+        self._waiting.append(received)
+        self._bytes += len(message)
+        self._arrived.set()
+        return None
 
     async def take(self) -> list[Received]:
-        """The next text message alone, or every binary message waiting before the next text one."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: bool(self._waiting))
-            taken = [self._waiting.popleft()]
-            while isinstance(taken[0].message, bytes) and self._waiting and isinstance(self._waiting[0].message, bytes):
-                taken.append(self._waiting.popleft())
-            self._bytes -= sum(len(r.message) for r in taken)
-            self._changed.notify_all()
-            return taken
+        """The next text message alone, or every binary message waiting before the next text one;
+        nothing once closed."""
+        while not (self._waiting or self._closed):
+            self._arrived.clear()
+            await self._arrived.wait()
+        if not self._waiting:
+            return []
+        taken = [self._waiting.popleft()]
+        while isinstance(taken[0].message, bytes) and self._waiting and isinstance(self._waiting[0].message, bytes):
+            taken.append(self._waiting.popleft())
+        self._bytes -= sum(len(r.message) for r in taken)
+        self._room.set()
+        return taken
 
-    def clear(self) -> list[Received]:
-        """What was left unhandled (the connection ended), taken out."""
-        left, self._waiting, self._bytes = list(self._waiting), deque(), 0
+    def close(self) -> list[Received]:
+        """No more puts or takes: what was left unhandled, taken out."""
+        left, self._waiting, self._bytes, self._closed = list(self._waiting), deque(), 0, True
+        self._room.set()
+        self._arrived.set()
         return left
 
 
@@ -148,10 +163,12 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
     idle = IdleWatch(settings.server.idle_timeout_s, busy=lambda: handling or bool(backlog))
     flooding: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     broken: asyncio.Future[EngineFailed] = asyncio.get_running_loop().create_future()
+    gone = False  # a send found the client gone
 
     async def on_message(message: Wire) -> None:
         idle.heard()
-        await backlog.put(message)
+        if kept_out := await backlog.put(message):  # the handling task is gone
+            drop([kept_out], ended() or "client_gone")
 
     def audio_bytes(message: Wire) -> int:
         # A file's bytes are not PCM: MAX_FILE_BYTES bounds them, not the audio rate.
@@ -162,35 +179,42 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
         metrics.input_dropped.labels(reason).inc(sum(len(r.message) for r in left if isinstance(r.message, bytes))
                                                  / (2 * session.config.audio_fs))
 
+    def ended() -> str | None:
+        """Why the stream has ended, if it has: what is received from then on is dropped, counted by it."""
+        return "engine_error" if broken.done() else "flooding" if flooding.done() else "client_gone" if gone else None
+
     async def handle_all() -> None:
-        """The backlog, in order, until the stream floods, an engine fails on it or the client is gone."""
-        nonlocal handling
-        while True:
-            taken = await backlog.take()
+        """The backlog, in order, until it is closed; once the stream has ended, only counted (the
+        receive loop may be waiting for room: it must get it, to see the end)."""
+        nonlocal handling, gone
+        while taken := await backlog.take():
+            if reason := ended():
+                drop(taken, reason)
+                continue
             handling = True
             try:
                 # The flood guard sees each message at its arrival, as if it had been checked then.
                 for k, received in enumerate(taken):
-                    if reason := flood.check(audio_bytes(received.message), session.config.audio_fs, received.arrived):
+                    if why := flood.check(audio_bytes(received.message), session.config.audio_fs, received.arrived):
                         await handle(taken[:k])
                         drop(taken[k:], "flooding")
-                        flooding.set_result(f"flooding: {reason}")  # the receive loop ends here
-                        return
-                if not await handle(taken):
-                    return
+                        flooding.set_result(f"flooding: {why}")  # the receive loop ends here
+                        break
+                else:
+                    await handle(taken)
             except WebSocketDisconnect:
-                return  # the client is gone: the receive loop sees it too
+                gone = True  # the receive loop sees it too
             except RuntimeError:
-                if is_closed(ws):
-                    return
-                raise
+                if not is_closed(ws):
+                    raise
+                gone = True
             finally:
                 handling = False
 
-    async def handle(taken: list[Received]) -> bool:
-        """One text message, or binary messages joined; False when an engine failed on the stream."""
+    async def handle(taken: list[Received]) -> None:
+        """One text message, or binary messages joined, and the replies sent."""
         if not taken:
-            return True
+            return
         try:
             if isinstance(taken[0].message, str):
                 replies = await session.on_text(taken[0].message)
@@ -202,31 +226,27 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
             log.error("/funasr: an engine failed on stream %r: %s", session.config.wav_name, exc, exc_info=exc.__cause__)
             metrics.engine_failures.labels(exc.engine, exc.stage).inc()
             broken.set_result(exc)  # the receive loop ends here
-            return False
+            return
         for reply in replies:
             await ws.send_text(json.dumps(reply, ensure_ascii=False))
-        return True
 
     handler = asyncio.create_task(handle_all())
+    # Should it die (a bug: raised below), the receive loop must not wait for room for ever.
+    handler.add_done_callback(lambda _: drop(backlog.close(), ended() or "client_gone"))
     quiet = asyncio.create_task(idle.expire())
     try:
         await receive_loop(ws, on_message, until=(flooding, quiet, broken, handler))
-        handler.cancel()  # the client is gone or went quiet (nothing waits then), or it has returned
-        await asyncio.wait([handler])
-        if not handler.cancelled() and (error := handler.exception()) is not None:
-            raise error  # a bug, not one of the ends below
+        left = backlog.close()
+        await handler  # its trip in progress, if any, ends (a bug in it is raised here)
+        drop(left, ended() or "client_gone")
         if broken.done():
-            drop(backlog.clear(), "engine_error")
             failed = broken.result()
             await _end(ws, session, metrics, ErrorCode.ENGINE_ERROR, f"an engine failed: {failed}", CloseCode.INTERNAL_ERROR,
                        engine=failed.engine, stage=failed.stage)
         elif flooding.done():
-            drop(backlog.clear(), "flooding")
             await _end(ws, session, metrics, ErrorCode.FLOODING, flooding.result(), CloseCode.FLOODING)
         elif quiet.done():
             await _end(ws, session, metrics, ErrorCode.IDLE_TIMEOUT, quiet.result(), CloseCode.POLICY)
-        else:
-            drop(backlog.clear(), "client_gone")
     finally:
         quiet.cancel()
         handler.cancel()
