@@ -15,6 +15,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import websockets
 
 from tests.conftest import TEST_PHRASES, VoiceClient, make_settings, running_server, speech_pcm
@@ -141,3 +142,48 @@ def test_a_funasr_stream_behind_a_stalled_vad_is_counted_late_and_catches_up_in_
     assert after, "the probe spoke for more than 1 s after the stall"
     assert np.concatenate(after).max() < BOUND_S  # and after it, back on the wall clock
     assert results[-1]["is_final"] and [r for r in results if r["mode"] == "2pass-offline" and r["text"]]
+
+
+def test_what_a_client_sent_before_going_away_is_heard_or_counted_as_dropped(monkeypatch):
+    """The VAD held on a client's first message while it sends the rest of 1.2 s of audio and goes
+    away: the message in its trip is heard, every one waiting behind it is counted as dropped
+    (client_gone), none twice."""
+    stall, release = threading.Event(), threading.Event()
+    with running_server(make_settings()) as server:
+        batcher = server.runtime.vad
+        call = batcher._call
+
+        def held(requests):
+            if stall.is_set() and not release.is_set():
+                release.wait()
+            return call(requests)
+
+        batcher._call = held
+        url = server.ws_url.replace("/v1/voice", "/funasr")
+        pcm = speech_pcm(TEST_PHRASES[0], lead_s=0.2, tail_s=0.5)[: 20 * CHUNK_BYTES]
+
+        def counts() -> tuple[float, float]:
+            return (server.metric("voicebot_input_audio_seconds_total"),
+                    server.metric("voicebot_input_dropped_seconds_total", 'reason="client_gone"'))
+
+        async def send_and_go() -> None:
+            async with websockets.connect(url) as ws:
+                await ws.send(json.dumps({"mode": "2pass", "wav_name": "gone", "wav_format": "pcm", "audio_fs": RATE,
+                                          "is_speaking": True}))
+                stall.set()
+                threading.Timer(STALL_S, release.set).start()
+                await ws.send(pcm[:CHUNK_BYTES])  # its trip is held in the VAD
+                await asyncio.sleep(0.3)
+                for i in range(CHUNK_BYTES, len(pcm), CHUNK_BYTES):
+                    await ws.send(pcm[i : i + CHUNK_BYTES])
+
+        heard0, dropped0 = counts()
+        asyncio.run(send_and_go())
+        deadline = time.monotonic() + 10
+        while counts()[1] == dropped0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        heard1, dropped1 = counts()
+    sent_s = len(pcm) / (2 * RATE)
+    assert heard1 - heard0 == pytest.approx(CHUNK_S, abs=1e-6)  # the held trip's message, heard once released
+    assert dropped1 - dropped0 == pytest.approx(sent_s - CHUNK_S, abs=1e-6)  # everything that waited behind it
