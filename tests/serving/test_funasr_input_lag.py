@@ -9,6 +9,7 @@ messages that waited behind a stalled VAD are counted from their arrival, and go
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import threading
@@ -187,3 +188,57 @@ def test_what_a_client_sent_before_going_away_is_heard_or_counted_as_dropped(mon
     sent_s = len(pcm) / (2 * RATE)
     assert heard1 - heard0 == pytest.approx(CHUNK_S, abs=1e-6)  # the held trip's message, heard once released
     assert dropped1 - dropped0 == pytest.approx(sent_s - CHUNK_S, abs=1e-6)  # everything that waited behind it
+
+
+def test_obs_audio_and_realtime_sessions_go_through_the_input_clock_and_are_counted(monkeypatch):
+    """The routes that share the pools besides /funasr: /obs/audio and /v1/realtime sessions are
+    /v1/voice Sessions (voicebot/frontends/run.py). Their chunks go through the input clock's
+    thread (FrontEnd.prepare there), each chunk's lag is counted by InputLag, and they count in
+    the number of sessions admission reads, as a /funasr connection does."""
+    from tests.browser.support import obs_audio_message
+    from voicebot.session.listening import FrontEnd
+
+    lags: dict[str, int] = {}
+    observe = InputLag.observe
+
+    def observed(self, pool, session, chunk_lags):
+        chunk_lags = list(chunk_lags)
+        lags[session] = lags.get(session, 0) + len(chunk_lags)
+        return observe(self, pool, session, chunk_lags)
+
+    threads: set[str] = set()
+    prepare = FrontEnd.prepare
+
+    def prepared(self, *chunks):
+        threads.add(threading.current_thread().name)
+        return prepare(self, *chunks)
+
+    monkeypatch.setattr(InputLag, "observe", observed)
+    monkeypatch.setattr(FrontEnd, "prepare", prepared)
+    with running_server(make_settings()) as server:
+        base = server.ws_url.removesuffix("/v1/voice")
+
+        async def run() -> tuple[int, str]:
+            lags.clear()  # running_server's own warm-up session's are not these
+            threads.clear()
+            async with (websockets.connect(f"{base}/obs/audio?channel=obs-test") as obs,
+                        websockets.connect(f"{base}/v1/realtime?model=voicebot") as realtime,
+                        websockets.connect(f"{base}/funasr") as funasr):
+                created = json.loads(await asyncio.wait_for(realtime.recv(), 10))
+                assert created["type"] == "session.created"
+                await funasr.send(json.dumps({"mode": "2pass", "wav_format": "pcm", "audio_fs": RATE, "is_speaking": True}))
+                for _ in range(20):  # 1 s of each, live
+                    await obs.send(obs_audio_message(np.zeros((2400, 2), np.float32), rate=48000))
+                    await realtime.send(json.dumps({"type": "input_audio_buffer.append",
+                                                    "audio": base64.b64encode(bytes(2 * 1200)).decode()}))
+                    await funasr.send(bytes(CHUNK_BYTES))
+                    await asyncio.sleep(0.05)
+                occupied = server.on_loop(server.app.state.occupied)
+            return occupied, created["session"]["id"].removeprefix("sess_")
+
+        occupied, realtime_id = asyncio.run(run())
+    assert occupied == 3  # the three connections, as admission counts them
+    assert threads == {"input-clock"}  # the sessions' front ends ran there only
+    sessions = {s for s, n in lags.items() if n and not s.startswith("funasr-")}
+    assert len(sessions) == 2 and realtime_id in sessions  # /obs/audio's and /v1/realtime's chunks counted
+    assert any(s.startswith("funasr-") and n for s, n in lags.items())
