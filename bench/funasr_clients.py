@@ -77,8 +77,6 @@ class ClientRun:
     first_partial_s: float | None = None  # after the first chunk
     finals_after_speech_s: list[float] = field(default_factory=list)
     final_after_end_s: float | None = None
-    texts: list[str] = field(default_factory=list)
-    audio_s: float = 0.0
 
 
 async def funasr_client(url: str, turns: list[RenderedTurn], delay_s: float, name: str) -> ClientRun:
@@ -135,13 +133,11 @@ async def funasr_client(url: str, turns: list[RenderedTurn], delay_s: float, nam
         reader.cancel()
         if refused.done():
             return ClientRun(False, refused.result())
-        run = ClientRun(True, audio_s=len(audio) / 2 / RATE)
+        run = ClientRun(True)
     partials = [at for at, r in received if r.get("mode") == "2pass-online" and r.get("text")]
     run.first_partial_s = partials[0] - first_sent if partials else None
     finals = [(at, r) for at, r in received if r.get("mode") == "2pass-offline" and r.get("text") and "error" not in r]
-    for k, (at, result) in enumerate(finals[: len(speech_ends)]):
-        run.finals_after_speech_s.append(at - speech_ends[k])
-        run.texts.append(result["text"])
+    run.finals_after_speech_s = [at - speech_end for (at, _), speech_end in zip(finals, speech_ends)]
     ends = [at for at, r in received if r.get("is_final")]
     run.final_after_end_s = ends[0] - end_sent if ends and end_sent is not None else None
     return run
