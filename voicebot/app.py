@@ -179,7 +179,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             funasr_open[0] += 1
             try:
                 segmenter = funasr_segmenter(rt.recognizer, settings.endpoint, rt.vad)
-                await serve_funasr(ws, rt.recognizer, segmenter, settings, rt.metrics)
+                await serve_funasr(ws, rt.recognizer, segmenter, settings, rt.metrics, rt.input_lag)
             finally:
                 funasr_open[0] -= 1
 

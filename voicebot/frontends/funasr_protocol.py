@@ -56,12 +56,21 @@ one zip it with the characters. `hotwords` and `itn` are accepted and ignored (t
 classes we serve have no hotword biasing and no ITN).
 
 Endpoints come from a `Segmenter` (the server's VAD), the same one the /v1/voice sessions use.
+
+Live audio is counted as a /v1/voice session's is: each message's input lag (from its arrival,
+which the socket side stamps, to the end of its trip through the segmenter and the recognizer's
+feed) goes to the server's `InputLag` under the pool of the stream's recognizer (so admission and
+/readyz see a /funasr stream falling behind), and its seconds to voicebot_input_audio_seconds_total.
+The recognizer stream is opened at the stream's first audio, so that pool is known from the start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -73,6 +82,7 @@ from voicebot.audio.files import UndecodableAudio, decode_file
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
 from voicebot.metrics import Metrics
 from voicebot.protocol import ErrorCode, ProtocolError, load_json
+from voicebot.serving.lateness import InputLag
 from voicebot.serving.vad import VAD_RETRY_AFTER_S, VadOverloaded
 
 log = logging.getLogger(__name__)
@@ -148,10 +158,12 @@ def _sample_rate(value: object) -> int:
 class FunasrSession:
     """One /funasr connection: client messages in, result messages out."""
 
-    def __init__(self, recognizer: Recognizer, segmenter: Segmenter, metrics: Metrics) -> None:
+    def __init__(self, recognizer: Recognizer, segmenter: Segmenter, metrics: Metrics, input_lag: InputLag | None = None) -> None:
         self.recognizer = recognizer
         self.segmenter = segmenter
         self.metrics = metrics
+        self.input_lag = input_lag  # every live chunk's, as a /v1/voice session's (admission reads it)
+        self.id = f"funasr-{uuid.uuid4().hex[:12]}"  # as InputLag tells sessions apart
         self.config = ClientConfig()
         self._resampler = StreamResampler(SAMPLE_RATE, SAMPLE_RATE)
         self._stream: RecognizerStream | None = None
@@ -195,7 +207,11 @@ class FunasrSession:
         """The stream is receiving a whole file: its bytes are held (bounded by MAX_FILE_BYTES), not PCM."""
         return self.config.is_file and not self._refused
 
-    async def on_audio(self, data: bytes) -> list[dict]:
+    async def on_audio(self, data: bytes, arrived: Sequence[float] = ()) -> list[dict]:
+        """One or more consecutive binary messages' bytes; `arrived`: when each of those messages
+        came off the socket. Each live (PCM) message's input lag, from then until its audio is
+        through the segmenter and the recognizer's feed, is counted in `input_lag` under the pool
+        of the stream's recognizer, as a /v1/voice session's chunks are (voicebot/serving/lateness.py)."""
         if self._refused:
             self._drop(len(data))
             return []
@@ -205,10 +221,29 @@ class FunasrSession:
                 return await self.refuse(f"the file is over {MAX_FILE_BYTES // 2**20} MiB")
             self._file += data
             return []
-        data = self._odd_byte + data
+        pcm = self._odd_byte + data
         # A frame may split a sample; keep the odd byte for the next frame.
-        self._odd_byte = data[len(data) & ~1 :]
-        return await self._hear(self._resampler.process(pcm16_to_float(data[: len(data) & ~1])))
+        self._odd_byte = pcm[len(pcm) & ~1 :]
+        audio = self._resampler.process(pcm16_to_float(pcm[: len(pcm) & ~1]))
+        try:
+            self._open_stream()  # at the stream's first audio: its pool is what the input lag is counted by
+        except Exception as exc:
+            self._count_lost("engine_error", len(audio))
+            raise EngineFailed("asr", "feed", exc) from exc
+        return await self._hear(audio, arrived)
+
+    def _open_stream(self) -> RecognizerStream:
+        if self._stream is None:
+            self._stream = self.recognizer.open()
+        return self._stream
+
+    def _count_live(self, samples: int, arrived: Sequence[float]) -> None:
+        """Live audio through the segmenter and the recognizer's feed: counted as input, and the
+        input lag of each message it came in observed."""
+        self.metrics.input_audio.inc(samples / SAMPLE_RATE)
+        if self.input_lag is not None:
+            now = time.monotonic()
+            self.input_lag.observe(getattr(self._stream, "pool", "asr"), self.id, [now - at for at in arrived])
 
     async def close(self) -> None:
         if self._stream is not None:
@@ -269,8 +304,10 @@ class FunasrSession:
         self._dropped_unreported = 0
         return self.error_result(reason, is_end)
 
-    async def _hear(self, audio: np.ndarray) -> list[dict]:
-        """The results of a piece of 16 kHz audio: through the segmenter, then the recognizer."""
+    async def _hear(self, audio: np.ndarray, arrived: Sequence[float] = ()) -> list[dict]:
+        """The results of a piece of 16 kHz audio: through the segmenter, then the recognizer.
+        `arrived`: when the live messages it came in came off the socket (none for a file's
+        audio or a flush)."""
         try:
             events = await self._segmenter_call(self.segmenter.process, audio)
         except VadOverloaded as exc:
@@ -278,7 +315,10 @@ class FunasrSession:
         except EngineFailed:
             self._count_lost("engine_error", len(audio))  # never judged; what came before is still finished
             raise
-        return await self._events(events)
+        messages = await self._events(events)
+        if arrived:
+            self._count_live(len(audio), arrived)
+        return messages
 
     async def _segmenter_call(self, call, *args) -> list[VadEvent]:
         try:
@@ -326,9 +366,7 @@ class FunasrSession:
                     self._count_lost("overload", len(event.audio))
                     continue
                 try:
-                    if self._stream is None:
-                        self._stream = self.recognizer.open()
-                    partial = await self._stream.accept(event.audio)
+                    partial = await self._open_stream().accept(event.audio)
                 except Exception as exc:
                     self._count_lost("engine_error", len(event.audio))
                     raise EngineFailed("asr", "feed", exc) from exc

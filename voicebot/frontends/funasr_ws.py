@@ -6,6 +6,14 @@ the FunASR runtime), else by the server's own Silero endpointer. The same limits
 the flood guard (with `limits.funasr_audio_burst_s` for PCM sent faster than real time; a whole
 file's bytes are bounded by MAX_FILE_BYTES instead) and the idle timeout. Refusals at admission
 (busy, unauthorized, ...) are sent in FunASR's result shape (`RefusingInFunasrShape`).
+
+Receiving and handling are apart, as a /v1/voice session's are (its audio_in queue): the receive
+loop stamps each message's arrival and puts it in the connection's `Backlog`; one task handles
+them in order, the binary messages that waited together in one trip through the segmenter and the
+recognizer (a stream that fell behind catches up at once instead of a trip per message, each
+waiting for the last). A message's input lag is counted from its arrival (FunasrSession.on_audio),
+so time spent waiting behind the messages before it is seen by admission control, not hidden in
+the socket's buffers.
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
@@ -27,13 +38,81 @@ from voicebot.guards.flood import FloodGuard
 from voicebot.guards.idle import IdleWatch
 from voicebot.metrics import Metrics
 from voicebot.protocol import MAX_CHUNK_SECONDS, CloseCode, ErrorCode
+from voicebot.serving.lateness import InputLag
 from voicebot.serving.vad import VadBatcher
-from voicebot.transport import Wire, receive_loop
+from voicebot.transport import Wire, is_closed, receive_loop
 
 log = logging.getLogger(__name__)
 
 # The most windows one request to the VAD batcher holds: a session's largest chunk (1 s).
 MAX_CHUNK_WINDOWS = int(SAMPLE_RATE * MAX_CHUNK_SECONDS) // WINDOW
+# A connection's messages received and not yet handled, at most: this many bytes (1 MiB: 33 s of
+# 16 kHz PCM; one message more whatever its size, so that one bigger than the bound still passes,
+# and a message is at most protocol.MAX_MESSAGE_BYTES) and this many messages. Past either, the
+# receive loop waits for room and the client's socket holds what it sends.
+BACKLOG_BYTES = 2**20
+BACKLOG_MESSAGES = 256
+
+
+@dataclass(frozen=True)
+class Received:
+    message: Wire
+    arrived: float  # monotonic time it came off the socket
+
+
+class Backlog:
+    """A connection's messages received and not yet handled, in order (bounds: BACKLOG_BYTES,
+    BACKLOG_MESSAGES). One receiving task puts, one handling task takes, on the event loop."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[Received] = deque()
+        self._bytes = 0  # a text message counts its characters
+        self._closed = False
+        self._room = asyncio.Event()  # set when a put may go on
+        self._room.set()
+        self._arrived = asyncio.Event()  # set when a take may go on
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def _has_room(self) -> bool:
+        return not self._waiting or (self._bytes < BACKLOG_BYTES and len(self._waiting) < BACKLOG_MESSAGES)
+
+    async def put(self, message: Wire) -> Received | None:
+        """Stamped with its arrival, then queued once there is room; None if kept out: the backlog
+        was closed meanwhile (the message is returned to be counted)."""
+        received = Received(message, time.monotonic())  # its arrival, before any wait for room
+        while not (self._has_room() or self._closed):
+            self._room.clear()
+            await self._room.wait()
+        if self._closed:
+            return received
+        self._waiting.append(received)
+        self._bytes += len(message)
+        self._arrived.set()
+        return None
+
+    async def take(self) -> list[Received]:
+        """The next text message alone, or every binary message waiting before the next text one;
+        nothing once closed."""
+        while not (self._waiting or self._closed):
+            self._arrived.clear()
+            await self._arrived.wait()
+        if not self._waiting:
+            return []
+        taken = [self._waiting.popleft()]
+        while isinstance(taken[0].message, bytes) and self._waiting and isinstance(self._waiting[0].message, bytes):
+            taken.append(self._waiting.popleft())
+        self._bytes -= sum(len(r.message) for r in taken)
+        self._room.set()
+        return taken
+
+    def close(self) -> list[Received]:
+        """No more puts or takes: what was left unhandled, taken out."""
+        left, self._waiting, self._bytes, self._closed = list(self._waiting), deque(), 0, True
+        self._room.set()
+        self._arrived.set()
+        return left
 
 
 class EndpointerSegmenter:
@@ -68,43 +147,79 @@ def funasr_segmenter(recognizer: Recognizer, endpoint: EndpointConfig, vad: VadB
     return EndpointerSegmenter(Endpointer(endpoint), vad)
 
 
-async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segmenter, settings: Settings, metrics: Metrics) -> None:
+async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segmenter, settings: Settings, metrics: Metrics,
+                       input_lag: InputLag | None = None) -> None:
     """Serve one accepted connection until the client goes away, floods, goes quiet for
     `server.idle_timeout_s` or an engine fails on its stream; those end it as a refused stream ends
     (the results so far, then the reason as an error result), and close it (docs/funasr.md). A VAD
-    with no room is not a failure: the session answers it and the stream goes on."""
-    session = FunasrSession(recognizer, segmenter, metrics)
+    with no room is not a failure: the session answers it and the stream goes on. What was received
+    and not handled when it ends is counted as dropped input, by why it ended."""
+    session = FunasrSession(recognizer, segmenter, metrics, input_lag)
     limits = settings.limits
     flood = FloodGuard(limits.max_messages_per_s, limits.max_audio_realtime_factor, limits.window_s,
                        audio_burst_s=limits.funasr_audio_burst_s)
-    handling = False  # a message is being recognised (a whole file can take a while): not idle
-    idle = IdleWatch(settings.server.idle_timeout_s, busy=lambda: handling)
+    backlog = Backlog()
+    handling = False  # messages are being recognised (a whole file can take a while): not idle
+    idle = IdleWatch(settings.server.idle_timeout_s, busy=lambda: handling or bool(backlog))
     flooding: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     broken: asyncio.Future[EngineFailed] = asyncio.get_running_loop().create_future()
-    quiet = asyncio.create_task(idle.expire())
+    gone = False  # a send found the client gone
 
     async def on_message(message: Wire) -> None:
-        nonlocal handling
         idle.heard()
-        # A file's bytes are not PCM: MAX_FILE_BYTES bounds them, not the audio rate.
-        audio_bytes = len(message) if isinstance(message, bytes) and not session.takes_file else 0
-        if reason := flood.check(audio_bytes, session.config.audio_fs):
-            # Counted as PCM at audio_fs, a compressed file's bytes too. The receive loop ends here.
-            metrics.input_dropped.labels("flooding").inc(audio_bytes / (2 * session.config.audio_fs))
-            flooding.set_result(f"flooding: {reason}")
-            return
-        handling = True
-        try:
-            await handle(message)
-        finally:
-            handling = False
+        if kept_out := await backlog.put(message):  # the handling task is gone
+            drop([kept_out], ended() or "client_gone")
 
-    async def handle(message: Wire) -> None:
+    def audio_bytes(message: Wire) -> int:
+        # A file's bytes are not PCM: MAX_FILE_BYTES bounds them, not the audio rate.
+        return len(message) if isinstance(message, bytes) and not session.takes_file else 0
+
+    def drop(left: list[Received], reason: str) -> None:
+        """Counted as PCM at audio_fs, a compressed file's bytes too."""
+        metrics.input_dropped.labels(reason).inc(sum(len(r.message) for r in left if isinstance(r.message, bytes))
+                                                 / (2 * session.config.audio_fs))
+
+    def ended() -> str | None:
+        """Why the stream has ended, if it has: what is received from then on is dropped, counted by it."""
+        return "engine_error" if broken.done() else "flooding" if flooding.done() else "client_gone" if gone else None
+
+    async def handle_all() -> None:
+        """The backlog, in order, until it is closed; once the stream has ended, only counted (the
+        receive loop may be waiting for room: it must get it, to see the end)."""
+        nonlocal handling, gone
+        while taken := await backlog.take():
+            if reason := ended():
+                drop(taken, reason)
+                continue
+            handling = True
+            try:
+                # The flood guard sees each message at its arrival, as if it had been checked then.
+                for k, received in enumerate(taken):
+                    if why := flood.check(audio_bytes(received.message), session.config.audio_fs, received.arrived):
+                        await handle(taken[:k])
+                        drop(taken[k:], "flooding")
+                        flooding.set_result(f"flooding: {why}")  # the receive loop ends here
+                        break
+                else:
+                    await handle(taken)
+            except WebSocketDisconnect:
+                gone = True  # the receive loop sees it too
+            except RuntimeError:
+                if not is_closed(ws):
+                    raise
+                gone = True
+            finally:
+                handling = False
+
+    async def handle(taken: list[Received]) -> None:
+        """One text message, or binary messages joined, and the replies sent."""
+        if not taken:
+            return
         try:
-            if isinstance(message, str):
-                replies = await session.on_text(message)
+            if isinstance(taken[0].message, str):
+                replies = await session.on_text(taken[0].message)
             else:
-                replies = await session.on_audio(message)
+                replies = await session.on_audio(b"".join(r.message for r in taken), [r.arrived for r in taken])
         except FunasrMessageError as exc:
             replies = [{"wav_name": session.config.wav_name, "error": str(exc), "is_final": False}]
         except EngineFailed as exc:  # the VAD or the recognizer broke on this stream: it ends, the server goes on
@@ -115,8 +230,15 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
         for reply in replies:
             await ws.send_text(json.dumps(reply, ensure_ascii=False))
 
+    handler = asyncio.create_task(handle_all())
+    # Should it die (a bug: raised below), the receive loop must not wait for room for ever.
+    handler.add_done_callback(lambda _: drop(backlog.close(), ended() or "client_gone"))
+    quiet = asyncio.create_task(idle.expire())
     try:
-        await receive_loop(ws, on_message, until=(flooding, quiet, broken))
+        await receive_loop(ws, on_message, until=(flooding, quiet, broken, handler))
+        left = backlog.close()
+        await handler  # its trip in progress, if any, ends (a bug in it is raised here)
+        drop(left, ended() or "client_gone")
         if broken.done():
             failed = broken.result()
             await _end(ws, session, metrics, ErrorCode.ENGINE_ERROR, f"an engine failed: {failed}", CloseCode.INTERNAL_ERROR,
@@ -127,6 +249,7 @@ async def serve_funasr(ws: WebSocket, recognizer: Recognizer, segmenter: Segment
             await _end(ws, session, metrics, ErrorCode.IDLE_TIMEOUT, quiet.result(), CloseCode.POLICY)
     finally:
         quiet.cancel()
+        handler.cancel()
         await session.close()
 
 

@@ -19,9 +19,8 @@ class _Bucket:
         self.level = capacity
         self._last = time.monotonic()
 
-    def take(self, amount: float) -> bool:
-        """Take `amount` if the bucket holds it; False (and nothing taken) if not."""
-        now = time.monotonic()
+    def take(self, amount: float, now: float) -> bool:
+        """Take `amount` if the bucket holds it at `now`; False (and nothing taken) if not."""
         self.level = min(self.capacity, self.level + (now - self._last) * self.rate)
         self._last = now
         if amount > self.level:
@@ -39,10 +38,13 @@ class FloodGuard:
         self._messages = _Bucket(max_messages_per_s, max_messages_per_s * window_s)
         self._audio_s = _Bucket(max_audio_factor, max_audio_factor * window_s + audio_burst_s)
 
-    def check(self, audio_bytes: int, sample_rate: int) -> str | None:
-        """Count one message carrying `audio_bytes` of s16le audio; return why the client floods, or None."""
-        if not self._messages.take(1):
+    def check(self, audio_bytes: int, sample_rate: int, arrived: float | None = None) -> str | None:
+        """Count one message carrying `audio_bytes` of s16le audio, which came off the socket at
+        `arrived` (monotonic; default now: a caller that checks messages after they waited passes
+        when each came, in order); return why the client floods, or None."""
+        now = time.monotonic() if arrived is None else arrived
+        if not self._messages.take(1, now):
             return f"more than {self.max_messages_per_s:.0f} messages per second"
-        if audio_bytes and not self._audio_s.take(audio_bytes / (2 * sample_rate)):
+        if audio_bytes and not self._audio_s.take(audio_bytes / (2 * sample_rate), now):
             return f"audio faster than {self.max_audio_factor:g}x real time"
         return None
