@@ -60,7 +60,9 @@ MAX_AUTO_PROCESSES = 4
 # beyond the pool stalls the streams already speaking on each child by every build it needs (0.2-0.6
 # s of CPU each, pocketsphinx holding the child's GIL: 16 connects in 0.8 s on 4 decoders stalled a
 # speaking stream's feeds 3-4 s on this 2-core box, none past 20 ms on 16), so the pool should cover
-# the burst admission lets in. With a grammar (0.015 CPU s per s of speech) two children hold 16
+# the burst admission lets in; beyond it, a stream is let in only while a child has nobody speaking
+# (`full`: 24 live speakers on a pool of 16 let in all 24 to an input lag p95 of 1.85 s; refused, 8
+# of them, to 0.15 s), and the pool the children grow to is kept. With a grammar (0.015 CPU s per s of speech) two children hold 16
 # speakers and more: 17 decoders, 459 MB. With the general LM (0.46 CPU s per s) two children keep up
 # with about 4 people speaking at once, so admission lets in far fewer: 5 decoders, 450 MB. Split
 # among the children rounding down (2 children: 16 with a grammar, 4 with the LM), built at start-up
