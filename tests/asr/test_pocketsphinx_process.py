@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -427,23 +428,25 @@ def test_a_session_that_would_need_a_build_beside_speech_on_every_child_is_told_
     is refused `busy` (cause `decoders`, a retry hint), counted, and /readyz says full; once they
     have finished speaking, a session is let in (its decoder built where nobody speaks)."""
     settings = make_settings(asr={"pocketsphinx": {"phrases": TEST_PHRASES, "decoders": 2, "processes": 2}})
-    speech = speech_pcm(TEST_PHRASES[0], tail_s=0) + speech_pcm(TEST_PHRASES[1], lead_s=0)  # one utterance, ~4 s
+    speech = speech_pcm(TEST_PHRASES[1], tail_s=0) + speech_pcm(TEST_PHRASES[2], lead_s=0)  # 4 s of speech
     with running_server(settings) as server:
         processes = server.runtime.recognizer.processes
 
-        async def run() -> tuple[dict, dict]:
+        async def until(speaking: Callable[[list[int]], bool], what: str) -> None:
+            deadline = time.monotonic() + 10
+            while not speaking(server.on_loop(lambda: [p.speaking for p in processes])):
+                assert time.monotonic() < deadline, what
+                await asyncio.sleep(0.02)
+
+        async def run() -> tuple[dict, dict, list]:
             async with VoiceClient.connect(server.ws_url) as first, VoiceClient.connect(server.ws_url) as second:
                 talks = [asyncio.create_task(client.stream(speech, chunk_ms=20)) for client in (first, second)]
-                deadline = time.monotonic() + 10
-                while not all(server.on_loop(lambda: [p.speaking for p in processes])):
-                    assert time.monotonic() < deadline, "the sessions' utterances did not reach the recognizer"
-                    await asyncio.sleep(0.02)
+                await until(all, "the sessions' utterances did not reach the recognizer")
                 readyz = server.get("/readyz").json()
                 async with VoiceClient.connect(server.ws_url, send_start=False) as third:
                     busy = await third.wait_for("error")
                 await asyncio.gather(*talks)
-                await first.wait_for("asr.final")
-                await second.wait_for("asr.final")
+                await until(lambda speaking: not any(speaking), "the sessions' utterances did not end")
                 async with VoiceClient.connect(server.ws_url) as later:  # session.ready: let in
                     return readyz, busy, later.of_type("session.ready")
 
