@@ -85,7 +85,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def readyz(request: Request) -> JSONResponse:
         engines = [e.info() for e in (rt.recognizer, rt.synthesizer, *rt.responders.values()) if e is not None] if rt.ready else []
         # At its session limit, or one more session would be refused by admit(): it would overload a
-        # thread pool (serving/capacity.py) or slow the synthesizer's speaking sessions below real time.
+        # thread pool (serving/capacity.py), slow the synthesizer's speaking sessions below real time,
+        # or need a recognizer's decoder built where streams are speaking (pocketsphinx).
         full = (occupied() >= settings.server.max_sessions or bool(rt.admission and rt.admission.refuse(occupied()))
                 or (rt.ready and (rt.synthesizer.full() is not None or rt.recognizer.full() is not None)))
         body = {

@@ -452,6 +452,8 @@ def test_a_session_that_would_need_a_build_beside_speech_on_every_child_is_told_
 
         readyz, busy, ready = asyncio.run(run())
         assert readyz["full"] and not readyz["ready"]
+        asr = next(engine for engine in readyz["engines"] if engine["kind"] == "asr")
+        assert asr["details"]["decoders"] == 2 and asr["details"]["decoders_idle"] == 0
         assert busy["code"] == "busy" and busy["cause"] == "decoders" and busy["retry_after_s"] == FULL_RETRY_AFTER_S
         assert server.metric("voicebot_sessions_refused_total", 'reason="decoders"') == 1
         assert ready
