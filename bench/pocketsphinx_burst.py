@@ -1,6 +1,7 @@
 """pocketsphinx on the server's threads against decoding processes, side by side in one run.
 
     python bench/pocketsphinx_burst.py [--model lm|grammar] [--streams 16] [--rounds 1] [--throughput-s 5]
+    python bench/pocketsphinx_burst.py --model grammar --streams 16 --joining 8 [--rounds 2]
 
 Three recognizers built as the server builds them (voicebot/asr/pocketsphinx.py), alive together:
 `processes: 0` (two worker threads in this process, the GIL shared with the event loop), 1 process
@@ -19,6 +20,15 @@ the box's other load falls on all alike:
   decoding (the worker hop on the threads; that plus the pipe, both ways, on a process).
 
 Ratios are against the threads. The box may be shared: compare within one run, not across runs.
+
+`--joining N` measures instead what a burst of connects does to the streams already speaking, on 2
+processes with the default pool (or `--decoders`): `--streams` streams speak (two utterances back to back, 40 ms
+chunks at real time); 1 s in, N more open 50 ms apart (as bench/live_speakers.py's clients connect)
+and speak one utterance, each unless the recognizer says it is full (`full`, which admission asks:
+a joiner would need a decoder built in a child its streams speak on). Printed: the joiners refused
+per round, the speaking streams' feeds (the time each chunk's accept took, the answer included)
+before the joins and from the first join on, p50 / p99 / worst and how many took over 250 ms
+(limits.max_input_lag_s), and how many decoders the children built after start-up.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from voicebot.memory import freeze_startup_heap  # noqa: E402
 CHUNK = 640  # 40 ms at 16 kHz, as the server feeds it
 BEAT_S = 0.005
 STALL_S = 0.1
+LATE_S = 0.25  # limits.max_input_lag_s: a chunk later than this is a deadline miss
 SENTENCES = [
     "hello there how are you doing today",
     "what is the weather like in the city this evening",
@@ -70,13 +81,18 @@ class LoopLag:
         self._task.cancel()
 
 
-async def speak(engine: PocketsphinxRecognizer, audio: np.ndarray, finishes: list[float]) -> str:
-    """One stream: the audio at real time, then the finish (its wall time recorded)."""
+async def speak(engine: PocketsphinxRecognizer, audio: np.ndarray, finishes: list[float],
+                feeds: list[tuple[float, float]] | None = None) -> str:
+    """One stream: the audio at real time, then the finish (its wall time recorded); each feed's
+    (start, time taken) into `feeds` if given."""
     stream = engine.open()
     try:
         start = time.perf_counter()
         for index, at in enumerate(range(0, len(audio), CHUNK)):
+            fed = time.perf_counter()
             await stream.accept(audio[at : at + CHUNK])
+            if feeds is not None:
+                feeds.append((fed, time.perf_counter() - fed))
             delay = start + (index + 1) * CHUNK / 16000 - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -93,6 +109,53 @@ async def burst(engine: PocketsphinxRecognizer, utterances: list[np.ndarray], st
     with LoopLag() as lag:
         await asyncio.gather(*(speak(engine, utterances[i % len(utterances)], finishes) for i in range(streams)))
     return lag.lags, finishes
+
+
+async def joining(engine: PocketsphinxRecognizer, utterances: list[np.ndarray], speaking: int,
+                  joiners: int) -> tuple[list[float], list[float], int]:
+    """The speaking streams' feed times before the first join and from it on (see the module doc),
+    and how many joiners the recognizer refused (`full`: a build would hold a child streams speak on)."""
+    feeds: list[tuple[float, float]] = []
+    long_utterances = [np.concatenate([u, utterances[(i + 1) % len(utterances)]]) for i, u in enumerate(utterances)]
+    speakers = [asyncio.create_task(speak(engine, long_utterances[i % len(utterances)], [], feeds))
+                for i in range(speaking)]
+    await asyncio.sleep(1.0)
+    first_join = time.perf_counter()
+    joins, refused = [], 0
+    for i in range(joiners):
+        if engine.full() is None:  # as the server's admission asks it
+            joins.append(asyncio.create_task(speak(engine, utterances[i % len(utterances)], [])))
+        else:
+            refused += 1
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*speakers, *joins)
+    return [took for at, took in feeds if at < first_join], [took for at, took in feeds if at >= first_join], refused
+
+
+async def run_joining(args: argparse.Namespace, phrases: list[str], utterances: list[np.ndarray]) -> None:
+    engine = PocketsphinxRecognizer(PocketsphinxConfig(phrases=phrases, processes=2, decoders=args.decoders))
+    await asyncio.to_thread(engine.load)
+    freeze_startup_heap()
+    pool = sum(process.keep for process in engine.processes)
+    try:
+        await speak(engine, utterances[0], [])  # the cepstral means warm
+        built = sum(process.built for process in engine.processes)
+        before, after, refused = [], [], []
+        for _ in range(args.rounds):
+            round_before, round_after, round_refused = await joining(engine, utterances, args.streams, args.joining)
+            before += round_before
+            after += round_after
+            refused.append(round_refused)
+        built = sum(process.built for process in engine.processes) - built
+        print(f"\nmodel {args.model}, 2 processes, a pool of {pool}: {args.streams} streams speaking, "
+              f"{args.joining} joining, {args.rounds} rounds; joiners refused per round {refused}; "
+              f"{built} decoders built after start-up")
+        for name, times in (("before the joins", before), ("from the first join", after)):
+            late = sum(took > LATE_S for took in times)
+            print(f"  {name:20} {len(times):5d} feeds  p50 {ms(times, 50):6.1f}  p99 {ms(times, 99):7.1f}  "
+                  f"worst {max(times) * 1000:7.1f} ms  over {LATE_S * 1000:.0f} ms {late:4d}")
+    finally:
+        engine.close()
 
 
 def busy_s(engine: PocketsphinxRecognizer) -> float:
@@ -141,6 +204,9 @@ async def run(args: argparse.Namespace) -> None:
     phrases = [] if args.model == "lm" else SENTENCES + TEST_PHRASES
     silence = np.zeros(4800, np.float32)
     utterances = [np.concatenate([silence, espeak_speech(s), silence, silence]) for s in SENTENCES]
+    if args.joining:
+        await run_joining(args, phrases, utterances)
+        return
     long_audio = np.concatenate(utterances * 3)[: 16000 * args.throughput_s]
     engines = {}
     for name, processes in MODES.items():
@@ -197,6 +263,9 @@ def main() -> None:
     parser.add_argument("--model", choices=["grammar", "lm"], default="lm", help="lm: the default config's")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--joining", type=int, default=0,
+                        help="streams opening while --streams speak (the module doc): only that is measured")
+    parser.add_argument("--decoders", type=int, help="with --joining: the pool, not the default")
     parser.add_argument("--throughput-s", type=int, default=5, help="seconds of speech per throughput stream")
     asyncio.run(run(parser.parse_args()))
 

@@ -85,9 +85,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def readyz(request: Request) -> JSONResponse:
         engines = [e.info() for e in (rt.recognizer, rt.synthesizer, *rt.responders.values()) if e is not None] if rt.ready else []
         # At its session limit, or one more session would be refused by admit(): it would overload a
-        # thread pool (serving/capacity.py) or slow the synthesizer's speaking sessions below real time.
+        # thread pool (serving/capacity.py), slow the synthesizer's speaking sessions below real time,
+        # or need a recognizer's decoder built where streams are speaking (pocketsphinx).
         full = (occupied() >= settings.server.max_sessions or bool(rt.admission and rt.admission.refuse(occupied()))
-                or (rt.ready and rt.synthesizer.full() is not None))
+                or (rt.ready and (rt.synthesizer.full() is not None or rt.recognizer.full() is not None)))
         body = {
             # Load balancers and Kubernetes send new connections only where this is true.
             "ready": rt.ready and not rt.draining and not full,
@@ -151,6 +152,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if not listener and (full := rt.admission.refuse(occupied())):
             await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at capacity: {full.message}", CloseCode.TRY_AGAIN_LATER, "busy",
                           refusal=full.reason, retry_after_s=full.retry_after_s, overloaded=full.pool, cause=full.reason)
+            return False
+        if not listener and (retry_after := rt.recognizer.full()) is not None:
+            await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at capacity: a new stream would need a {rt.recognizer.name} "
+                          "decoder built, holding a decoding process that streams are speaking on", CloseCode.TRY_AGAIN_LATER,
+                          "busy", refusal="decoders", retry_after_s=retry_after, overloaded=rt.recognizer.name, cause="decoders")
             return False
         if not listener and (retry_after := rt.synthesizer.admit()) is not None:
             await _refuse(ws, rt, ErrorCode.BUSY, f"the server is at capacity: one more session would slow {rt.synthesizer.name}'s "
@@ -221,7 +227,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 async def _refuse(ws: WebSocket, rt: Runtime, code: str, message: str, close_code: int, reason: str, refusal: str | None = None,
                   **extra) -> None:
     """Refuse a connection, counted in voicebot_sessions_refused_total by `refusal` (what was full:
-    max_sessions, per_client, input_lag, input_lag_forecast, pool_load, cold_start, synthesizer), else by the error code."""
+    max_sessions, per_client, input_lag, input_lag_forecast, pool_load, cold_start, decoders, synthesizer), else by
+    the error code."""
     rt.metrics.sessions_refused.labels(refusal or code).inc()
     log.info("refused a connection (%s): %s", refusal or code, message)
     rt.metrics.errors.labels(code).inc()

@@ -182,14 +182,14 @@ def test_a_burst_of_opens_beyond_the_pool_builds_between_requests_not_in_them(mo
         # events[0] is the start-up's build (keep=1), done before "ready"; the child's loop goes on
         # at once, so what follows is read from there, not cleared (a clear could land after it).
         answers = [answer() for _ in range(4)]
-        assert [(result, error) for result, error, _ in answers] == [(None, None)] * 4
+        assert [(result, error) for result, error, _, _ in answers] == [(None, None)] * 4
         assert events[:2] == ["build", "feed"]  # stream 1's feed waited for no build
         pcm = utterance_pcm16(TEST_PHRASES[0])
         for start in range(0, len(pcm), 1280):
             ours.send(("batch", None, [("feed", 2, pcm[start : start + 1280])]))
             answer()
         ours.send(("finish", 2, None))
-        (text, _), error, _ = answer()
+        (text, _), error, _, _ = answer()
         assert error is None and text == TEST_PHRASES[0]
         # Stream 2's decoder, once; stream 3's too unless the child had no gap between requests for
         # it yet (then its close frees it of the wait): one build per waiting stream at most.
@@ -217,3 +217,49 @@ def test_a_stream_waiting_for_its_decoder_holds_at_most_the_bound_then_builds_it
     assert stream.finish() == TEST_PHRASES[1]
     stream.close()
     assert pool.idle == 1
+
+
+def test_decoders_built_for_streams_beyond_the_pool_are_kept_for_the_next_burst(monkeypatch):
+    """The decoding process's loop over a real pipe: streams beyond its pool get decoders built
+    between requests, each answer telling the server how many since the last; given back, they are
+    kept (the pool grows to the most streams bound at once), so the next burst as large builds none
+    (each build holds the child, and every stream speaking there, for 0.2-0.6 s)."""
+    import threading
+    import time
+    from multiprocessing import Pipe
+
+    monkeypatch.setattr(pocketsphinx_decoders.signal, "signal", lambda *args: None)  # a thread's, not a process's
+    ours, theirs = Pipe()
+    child = threading.Thread(target=pocketsphinx_decoders.serve, args=(theirs, TEST_PHRASES, False, 1))
+    child.start()
+    built = 0  # as the answers told
+
+    def ask(request: tuple):
+        nonlocal built
+        ours.send(request)
+        assert ours.poll(60), "the child's loop stopped answering"
+        result, error, _, told = ours.recv()
+        assert error is None
+        built += told
+        return result
+
+    pcm = utterance_pcm16(TEST_PHRASES[2])
+    try:
+        assert ours.poll(60) and ours.recv() == ("ready", None)
+        for _ in range(2):
+            for stream in (1, 2, 3):
+                ask(("open", stream, None))
+            deadline = time.monotonic() + 30
+            while built < 2:  # streams 2 and 3 wait for theirs, built between requests
+                ask(("batch", None, []))
+                assert time.monotonic() < deadline, "the waiting streams' decoders were not built"
+            ask(("batch", None, [("feed", 3, pcm)]))
+            text, _ = ask(("finish", 3, None))
+            assert text == TEST_PHRASES[2]
+            for stream in (1, 2, 3):
+                ask(("close", stream, None))
+        assert built == 2  # the second burst found the first's decoders idle
+    finally:
+        ours.close()
+        child.join(30)
+    assert not child.is_alive()

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import pytest
 from tests.audio import espeak_speech
 from tests.conftest import TEST_PHRASES, VoiceClient, make_settings, running_server, speech_pcm
 from voicebot.asr import pocketsphinx_process
-from voicebot.asr.pocketsphinx import PocketsphinxRecognizer
+from voicebot.asr.pocketsphinx import FULL_RETRY_AFTER_S, PocketsphinxRecognizer
 from voicebot.asr.pocketsphinx_process import (ANSWER_FLOOR_S, ANSWER_S_PER_AUDIO_S, MAX_BATCH_BYTES, MAX_FEED_BYTES,
                                                DecoderProcess, DecoderProcessLost)
 from voicebot.config.engines import PocketsphinxConfig
@@ -384,3 +385,75 @@ def test_a_streams_open_goes_with_the_next_batch_not_ahead_of_the_feeds():
     finally:
         release.set()
         process.worker.shutdown()
+
+
+def test_a_stream_needing_a_build_goes_where_none_speaks_or_waits_and_the_builds_are_kept(recognizer):
+    """`full` (admission's `decoders` refusal): a stream that finds no idle decoder is let in only
+    on a child where no stream is speaking (its decoder, built there between requests, delays no
+    speech); while a stream speaks on every child, it is told when to retry. The child keeps what it
+    built, and the server's count of its idle decoders says so."""
+    chunk = utterance(TEST_PHRASES[0])[4800 : 4800 + 640]
+    audio = utterance(TEST_PHRASES[1])
+
+    async def scenario() -> None:
+        a, b = recognizer.open(), recognizer.open()  # each child's one decoder
+        assert [a.process.name, b.process.name] == ["pocketsphinx-0", "pocketsphinx-1"]
+        assert [p.idle for p in recognizer.processes] == [0, 0]
+        assert recognizer.full() is None  # nobody speaks: a build delays no speech
+        await a.accept(chunk)
+        assert recognizer.full() is None and recognizer.least_loaded().name == "pocketsphinx-1"  # a quiet child
+        await b.accept(chunk)
+        assert recognizer.full() == FULL_RETRY_AFTER_S  # a build would hold a child someone speaks on
+        await a.finish()
+        assert recognizer.full() is None and recognizer.least_loaded().name == "pocketsphinx-0"
+        c = recognizer.open()
+        assert c.process.name == "pocketsphinx-0"
+        assert await transcribe(c, audio) == TEST_PHRASES[1]  # on the decoder built for it
+        await b.finish()
+        await asyncio.gather(*(s.close() for s in (a, b, c)))
+        assert [(p.decoders, p.idle, p.built) for p in recognizer.processes] == [(2, 2, 1), (1, 1, 0)]
+        # Three streams find three idle decoders, two of them on pocketsphinx-0: nothing is built.
+        later = [recognizer.open() for _ in range(3)]
+        assert [s.process.name for s in later] == ["pocketsphinx-0", "pocketsphinx-1", "pocketsphinx-0"]
+        assert await asyncio.gather(*(transcribe(s, audio) for s in later)) == [TEST_PHRASES[1]] * 3
+        await asyncio.gather(*(s.close() for s in later))
+        assert [p.built for p in recognizer.processes] == [1, 0]
+
+    asyncio.run(scenario())
+    assert recognizer.info().details["decoders_built"] == 1
+
+
+def test_a_session_that_would_need_a_build_beside_speech_on_every_child_is_told_busy():
+    """The server (/v1/voice): a child each, one decoder each, a session speaking on each: a third
+    is refused `busy` (cause `decoders`, a retry hint), counted, and /readyz says full; once they
+    have finished speaking, a session is let in (its decoder built where nobody speaks)."""
+    settings = make_settings(asr={"pocketsphinx": {"phrases": TEST_PHRASES, "decoders": 2, "processes": 2}})
+    speech = speech_pcm(TEST_PHRASES[1], tail_s=0) + speech_pcm(TEST_PHRASES[2], lead_s=0)  # 4 s of speech
+    with running_server(settings) as server:
+        processes = server.runtime.recognizer.processes
+
+        async def until(speaking: Callable[[list[int]], bool], what: str) -> None:
+            deadline = time.monotonic() + 10
+            while not speaking(server.on_loop(lambda: [p.speaking for p in processes])):
+                assert time.monotonic() < deadline, what
+                await asyncio.sleep(0.02)
+
+        async def run() -> tuple[dict, dict, list]:
+            async with VoiceClient.connect(server.ws_url) as first, VoiceClient.connect(server.ws_url) as second:
+                talks = [asyncio.create_task(client.stream(speech, chunk_ms=20)) for client in (first, second)]
+                await until(all, "the sessions' utterances did not reach the recognizer")
+                readyz = server.get("/readyz").json()
+                async with VoiceClient.connect(server.ws_url, send_start=False) as third:
+                    busy = await third.wait_for("error")
+                await asyncio.gather(*talks)
+                await until(lambda speaking: not any(speaking), "the sessions' utterances did not end")
+                async with VoiceClient.connect(server.ws_url) as later:  # session.ready: let in
+                    return readyz, busy, later.of_type("session.ready")
+
+        readyz, busy, ready = asyncio.run(run())
+        assert readyz["full"] and not readyz["ready"]
+        asr = next(engine for engine in readyz["engines"] if engine["kind"] == "asr")
+        assert asr["details"]["decoders"] == 2 and asr["details"]["decoders_idle"] == 0
+        assert busy["code"] == "busy" and busy["cause"] == "decoders" and busy["retry_after_s"] == FULL_RETRY_AFTER_S
+        assert server.metric("voicebot_sessions_refused_total", 'reason="decoders"') == 1
+        assert ready

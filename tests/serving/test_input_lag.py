@@ -135,7 +135,8 @@ def test_a_session_s_input_keeps_to_the_wall_clock_while_six_others_load_the_poo
         return heard(self, chunks)
 
     monkeypatch.setattr(Listening, "_heard", recorded)
-    with running_server(make_settings()) as server:
+    # Seven sessions, a decoder each: one beyond the pool is refused while others speak (`decoders`).
+    with running_server(make_settings(asr={"pocketsphinx": {"phrases": TEST_PHRASES, "decoders": 8}})) as server:
         speech = speech_pcm(TEST_PHRASES[0])
         probe_audio = bytes(2 * probe_rate * 4)
 

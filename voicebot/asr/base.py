@@ -78,6 +78,11 @@ class Recognizer(ABC):
     @abstractmethod
     def info(self) -> EngineInfo: ...
 
+    def full(self) -> float | None:
+        """None when a new stream fits without slowing the others, else the seconds after which to
+        retry (admission answers `busy`, reason `decoders`: pocketsphinx's decoders)."""
+        return None
+
     def workers(self) -> list[Worker]:
         """The thread pools this engine runs on, for admission control (voicebot/serving/capacity.py).
         An engine that answers admission itself (a batching device scheduler) lists none."""

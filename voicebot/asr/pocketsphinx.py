@@ -8,8 +8,13 @@ for tests and demos. Without, it uses its general English language model: honest
 
 Where the decoders live (`asr.pocketsphinx.processes`):
 - in decoding processes (the default; voicebot/asr/pocketsphinx_process.py): the binding holds the
-  GIL for a whole call, but a child's own. A stream is bound to the process with the fewest streams
-  when it opens, for its life; the `decoders` pool is split among the processes. A stream whose
+  GIL for a whole call, but a child's own. A stream is bound when it opens, for its life, to a
+  process with an idle decoder, else one where no stream is speaking, else the one with the fewest
+  streams (each the fewest streams among them); the `decoders` pool is split among the processes,
+  and each keeps what it builds for its peak. A stream that would need a decoder built while a
+  stream speaks on every process is not let in (`full`: admission answers `busy`, reason
+  `decoders`): the build would hold that process for 0.2-0.6 s, every stream bound there waiting
+  behind it (bench/pocketsphinx_burst.py --joining). A stream whose
   process was lost (died, or hung past a request's deadline and killed) fails its utterance in
   progress (the session's `engine_error`), and its reset (the session runs one after a failure)
   binds it to a live process.
@@ -55,13 +60,18 @@ MAX_AUTO_PROCESSES = 4
 # beyond the pool stalls the streams already speaking on each child by every build it needs (0.2-0.6
 # s of CPU each, pocketsphinx holding the child's GIL: 16 connects in 0.8 s on 4 decoders stalled a
 # speaking stream's feeds 3-4 s on this 2-core box, none past 20 ms on 16), so the pool should cover
-# the burst admission lets in. With a grammar (0.015 CPU s per s of speech) two children hold 16
+# the burst admission lets in; beyond it, a stream is let in only while a child has nobody speaking
+# (`full`: 24 live speakers on a pool of 16 let in all 24 to an input lag p95 of 1.85 s; refused, 8
+# of them, to 0.15 s), and the pool the children grow to is kept. With a grammar (0.015 CPU s per s of speech) two children hold 16
 # speakers and more: 17 decoders, 459 MB. With the general LM (0.46 CPU s per s) two children keep up
 # with about 4 people speaking at once, so admission lets in far fewer: 5 decoders, 450 MB. Split
 # among the children rounding down (2 children: 16 with a grammar, 4 with the LM), built at start-up
 # side by side (0.2-0.6 s each).
 POOL_MB = 480
 DECODER_MB = {"grammar": 27, "lm": 90}  # resident, each
+# `full`'s retry hint when every process has a stream speaking and none an idle decoder: about one
+# utterance, after which a process's streams may all be quiet (a build there stalls no speech).
+FULL_RETRY_AFTER_S = 3.0
 
 
 def default_decoders(phrases: list[str]) -> int:
@@ -110,12 +120,28 @@ class PocketsphinxRecognizer(Recognizer):
         return ThreadStream(self)
 
     def least_loaded(self) -> DecoderProcess:
-        return min(self.processes, key=lambda process: process.streams)
+        """Where a new stream goes: a process with an idle decoder, else one where no stream is
+        speaking (its build delays no speech), else any; the fewest streams among them."""
+        return min(self.processes, key=lambda process: (process.idle <= 0, process.speaking > 0, process.streams))
+
+    def full(self) -> float | None:
+        """Seconds to retry after when a new stream would need a decoder built while a stream speaks
+        on every process (see the module doc), else None. On the server's threads (`processes: 0`)
+        never: there a build holds the server's GIL whenever it runs."""
+        if not self.processes:
+            return None
+        process = self.least_loaded()
+        return None if process.idle > 0 or not process.speaking else FULL_RETRY_AFTER_S
 
     def info(self) -> EngineInfo:
         details = {"model": self.model, "phrases": len(self.config.phrases), "processes": len(self.processes)}
         if self.processes:
             details["processes_lost"] = sum(self.processes_lost().values())
+            # Decoders in the children (what they built for their peaks kept), idle ones, and those
+            # built after start-up for streams beyond the pool (each held its child 0.2-0.6 s).
+            details["decoders"] = sum(process.decoders for process in self.processes)
+            details["decoders_idle"] = sum(max(process.idle, 0) for process in self.processes)
+            details["decoders_built"] = sum(process.built for process in self.processes)
         return EngineInfo("asr", self.name, "cpu", self._loaded, details)
 
     def processes_lost(self) -> dict[str, int]:

@@ -21,9 +21,15 @@ A stream that finds none idle, where the pool lives:
   for the oldest waiting stream. The server has one request in flight per child, so each request
   waits behind at most one build between requests, and one inside it (a waiting stream's finish,
   or its feed past the hold). The builds still take the child's CPU from its streams (pocketsphinx
-  holds the GIL throughout): a burst of streams beyond the pool delays the child's other streams by
-  every build it needs, one build at a time, which only a pool as large as the burst avoids.
-  Memory bound: max(keep, streams bound to the child) decoders, at most `keep` idle.
+  holds the GIL throughout; a build in another thread would hold it too): a burst of streams
+  beyond the pool delays the child's other streams by every build it needs, one after another
+  (bench/pocketsphinx_burst.py --joining). So the server lets a stream in that needs a build only
+  while none of the child's streams is speaking (PocketsphinxRecognizer.full), and the child keeps
+  what it built: `keep` grows to the most streams bound to it at once, and a decoder given back
+  stays idle, so each build is paid once per new peak, not at every burst. Each answer tells the
+  server the decoders built since the last (its count of the child's idle ones).
+  Memory bound: max(keep at start-up, the most streams bound to the child at once) decoders, all
+  kept (the server's `max_sessions` bounds the streams).
 
 pocketsphinx normalises features by a cepstral mean it learns from the audio it has decoded; a
 cold decoder's first utterance is often cut short. A decoder lent to a stream, or renewed by its
@@ -81,6 +87,7 @@ class Decoders:
         self._idle: list = []  # decoders no stream holds, at most `keep`
         self._lock = threading.Lock()  # borrow and give_back run on several worker threads
         self._refilling = False  # a background build is queued or running
+        self.built = 0  # decoders built, the start-up's included
 
     def load(self) -> None:
         """Build the first `keep` decoders (fails here, at start-up, not in the first session)."""
@@ -113,6 +120,7 @@ class Decoders:
             decoder.activate_search("phrases")
         if self.cepstral_mean:
             decoder.set_cmn(self.cepstral_mean)
+        self.built += 1
         return decoder
 
     def borrow(self):
@@ -273,6 +281,7 @@ def _answer(pool: Decoders, streams: dict[int, Transcriber], request: tuple) -> 
         pool.cepstral_mean = argument
     if op == "open":  # nothing built here: a stream with no decoder waits for one (`serve`)
         streams[stream_id] = Transcriber(pool, pool.take_idle())
+        pool.keep = max(pool.keep, len(streams))  # what is built for the peak is kept for the next one
     elif op == "renew":
         streams[stream_id].renew()
         return True
@@ -301,6 +310,7 @@ def serve(conn: Connection, phrases: list[str], second_pass: bool, keep: int) ->
         return
     conn.send(("ready", None))
     streams: dict[int, Transcriber] = {}  # bound here, oldest first; at most the server's sessions
+    reported = pool.built  # builds told to the server: each answer tells those since the last
     while True:
         while not conn.poll() and build_one(streams):
             pass
@@ -310,7 +320,8 @@ def serve(conn: Connection, phrases: list[str], second_pass: bool, keep: int) ->
             return  # the server is gone
         cpu = time.process_time()
         result, error = _answer_one(pool, streams, request)
-        conn.send((result, error, time.process_time() - cpu))
+        conn.send((result, error, time.process_time() - cpu, pool.built - reported))
+        reported = pool.built
 
 
 def build_one(streams: dict[int, Transcriber]) -> bool:

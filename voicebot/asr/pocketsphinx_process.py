@@ -27,8 +27,8 @@ Bounds: one request in flight per process (its worker has one thread), so the pi
 one request, of at most 1 s of audio for a lone request (`MAX_FEED_BYTES`: a longer feed goes as
 several) and `MAX_BATCH_BYTES` of audio for a batch (a bigger one goes as several requests); a
 stream awaits each call, so it has at most one request queued or in flight, and the feed queue at
-most one feed per stream bound here. A child holds at most `keep` idle decoders plus one per stream
-bound to it.
+most one feed per stream bound here. A child holds max(`keep`, the most streams bound to it at once)
+decoders, kept (voicebot/asr/pocketsphinx_decoders.py); `decoders` is the server's count of them.
 
 A child is lost when it dies (killed, crashed: noticed at the next request to it, or by the request
 it was answering) or hangs (alive but silent past its request's deadline, `answer_deadline_s`: a
@@ -105,6 +105,7 @@ class DecoderProcess:
     def __init__(self, index: int, phrases: list[str], second_pass: bool, keep: int) -> None:
         self.name = f"pocketsphinx-{index}"
         self._options = {"phrases": phrases, "second_pass": second_pass, "keep": keep}
+        self.keep = keep  # decoders its child builds at start-up
         # One thread: a request, then its answer, one at a time on the pipe. Its queue holds at most
         # one call per stream bound here (each stream awaits its calls).
         self.worker = Worker(self.name, threads=1)
@@ -117,6 +118,10 @@ class DecoderProcess:
         # `worker`; one entry per stream bound to this child).
         self._utterance_samples: dict[int, int] = {}
         self.busy_s = 0.0  # the children's CPU seconds answering requests, for admission control
+        self.built = 0  # decoders its children built after start-up (for streams beyond the pool)
+        # The live child's decoders as its answers told them (a build it has not told yet is not
+        # counted: `idle` errs low). It frees none: it keeps what it built for its peak.
+        self.decoders = keep
         self._closing = False
         # Feeds and opens waiting for the next batch: (generation, None for an open; request; its
         # future); at most one per stream bound here (its open comes back before its first feed).
@@ -125,6 +130,16 @@ class DecoderProcess:
         self._feeds_lock = threading.Lock()
         self._batch_queued = False
         self.feed_batches: Counter[int] = Counter()  # requests per batch: feeds, and the opens that went with them
+
+    @property
+    def idle(self) -> int:
+        """Decoders no stream bound here holds, as far as the child's answers told (read on the loop)."""
+        return self.decoders - self.streams
+
+    @property
+    def speaking(self) -> int:
+        """Streams bound here with an utterance in progress (fed since it began; read on the loop)."""
+        return len(self._utterance_samples)
 
     @property
     def pid(self) -> int | None:
@@ -141,6 +156,7 @@ class DecoderProcess:
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         theirs.close()  # the child's now: its pipe closes when it dies, and ours reads EOF
         self._conn = ours
+        self.decoders = self.keep
 
     def await_ready(self) -> None:
         """Wait until the child has built its decoders; raises (the child killed) if it cannot."""
@@ -279,7 +295,7 @@ class DecoderProcess:
             self._conn.send(request)
             answered = self._conn.poll(deadline_s)
             if answered:
-                result, error, cpu_s = self._conn.recv()
+                result, error, cpu_s, built = self._conn.recv()
         except (EOFError, OSError):
             code = self._bury("died")
             self._restart()
@@ -291,6 +307,8 @@ class DecoderProcess:
             raise DecoderProcessLost(f"{self.name}'s process did not answer within {deadline_s:.0f} s (hung): "
                                      f"it was killed and a new one is started")
         self.busy_s += cpu_s
+        self.built += built
+        self.decoders += built
         if error is not None:
             raise RuntimeError(f"pocketsphinx: {error}")
         return result
