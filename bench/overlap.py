@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
-from voicebot.tts.cosyvoice2.token2wav import Token2WavStream
+from voicebot.tts.cosyvoice2.token2wav_stream import Token2WavStream
 
 _END = object()
 

@@ -48,7 +48,7 @@ def scheduler_metric_names() -> set[str]:
     from voicebot.serving.metrics import register_scheduler_metrics
 
     scheduler = SimpleNamespace(name="lm", capacity=lambda: 4, pending=0, pool=SimpleNamespace(free=8),
-                                batch_sizes={1: 3}, costs=SimpleNamespace(decode={1: 0.01}), renders=SimpleNamespace(deadline_misses=0),
+                                batch_sizes={1: 3}, costs=SimpleNamespace(decode={1: 0.01}), renders=SimpleNamespace(deadline_misses=0, budget_deferrals=0),
                                 refused=0, thread_faults=0)
     registry = CollectorRegistry()
     register_scheduler_metrics(registry, scheduler)

@@ -71,8 +71,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -80,6 +79,7 @@ from voicebot.asr.base import SAMPLE_RATE, Hypothesis, Recognizer, RecognizerStr
 from voicebot.audio.endpoint import EventKind, VadEvent
 from voicebot.audio.files import UndecodableAudio, decode_file
 from voicebot.audio.resample import StreamResampler, pcm16_to_float
+from voicebot.frontends.funasr_config import ClientConfig, FunasrMessageError
 from voicebot.metrics import Metrics
 from voicebot.protocol import ErrorCode, ProtocolError, load_json
 from voicebot.serving.lateness import InputLag
@@ -87,8 +87,6 @@ from voicebot.serving.vad import VAD_RETRY_AFTER_S, VadOverloaded
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["online", "offline", "2pass"]
-_MODES = ("online", "offline", "2pass")
 ONLINE, OFFLINE = "2pass-online", "2pass-offline"  # the result labels, in every mode
 
 # An uploaded file is held whole until is_speaking=false: 64 MiB is ~35 min of 16 kHz 16-bit wav,
@@ -98,11 +96,6 @@ ONLINE, OFFLINE = "2pass-online", "2pass-offline"  # the result labels, in every
 MAX_FILE_BYTES = 64 * 2**20
 # A decoded file goes to the segmenter in pieces, as a live stream would arrive.
 _FILE_PIECE = SAMPLE_RATE  # samples (1 s)
-
-
-class FunasrMessageError(ValueError):
-    """A FunASR client message we cannot follow (a field we refuse); the session ends the stream with
-    its reason. (voicebot.protocol.ProtocolError is /v1/voice's: `load_json` raises it here too.)"""
 
 
 class EngineFailed(RuntimeError):
@@ -118,41 +111,6 @@ class Segmenter(Protocol):
     async def process(self, audio: np.ndarray) -> list[VadEvent]: ...
 
     async def force_end(self) -> list[VadEvent]: ...
-
-
-@dataclass
-class ClientConfig:
-    mode: Mode = "2pass"
-    wav_name: str = "stream"
-    # "pcm", or anything else for a whole file (the label is kept for messages, never trusted)
-    wav_format: str = "pcm"
-    audio_fs: int = SAMPLE_RATE
-
-    def update(self, message: dict) -> None:
-        """Apply a client message; raises FunasrMessageError (with wav_name applied) on a field we refuse."""
-        # The name first: the error result of a refused message must carry it.
-        self.wav_name = str(message.get("wav_name", self.wav_name))
-        mode = message.get("mode", self.mode)
-        if mode not in _MODES:
-            raise FunasrMessageError(f"mode must be one of {', '.join(_MODES)}, not {mode!r}")
-        audio_fs = _sample_rate(message.get("audio_fs", self.audio_fs))
-        wav_format = str(message.get("wav_format") or self.wav_format).lower()
-        self.mode, self.audio_fs, self.wav_format = mode, audio_fs, wav_format
-
-    @property
-    def is_file(self) -> bool:
-        return self.wav_format != "pcm"
-
-
-def _sample_rate(value: object) -> int:
-    # Some clients send the rate as a string or a float ("16000", 16000.0).
-    try:
-        rate = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        rate = float("nan")
-    if isinstance(value, bool) or not rate.is_integer() or not 8000 <= rate <= 48000:
-        raise FunasrMessageError(f"audio_fs must be a sample rate in 8000-48000 Hz, not {value!r}")
-    return int(rate)
 
 
 class FunasrSession:

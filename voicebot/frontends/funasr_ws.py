@@ -33,7 +33,8 @@ from voicebot.asr.base import Recognizer
 from voicebot.audio.endpoint import SAMPLE_RATE, WINDOW, Endpointer, VadEvent
 from voicebot.config import Settings
 from voicebot.config.stages import EndpointConfig
-from voicebot.frontends.funasr_protocol import OFFLINE, EngineFailed, FunasrMessageError, FunasrSession, Segmenter
+from voicebot.frontends.funasr_config import FunasrMessageError
+from voicebot.frontends.funasr_protocol import OFFLINE, EngineFailed, FunasrSession, Segmenter
 from voicebot.guards.flood import FloodGuard
 from voicebot.guards.idle import IdleWatch
 from voicebot.metrics import Metrics

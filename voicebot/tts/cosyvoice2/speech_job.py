@@ -17,7 +17,7 @@ from voicebot.serving.scheduler import Scheduler
 from voicebot.tts.base import SAMPLE_RATE
 from voicebot.tts.cosyvoice2.bistream_text import BistreamText
 from voicebot.tts.cosyvoice2.lm_pool import LMRow
-from voicebot.tts.cosyvoice2.token2wav import Token2WavStream
+from voicebot.tts.cosyvoice2.token2wav_stream import Token2WavStream
 
 
 class PlaybackClock:

@@ -49,7 +49,8 @@ from voicebot.tts.cosyvoice2.loader import CosyVoice2Modules, load_cosyvoice2, r
 from voicebot.tts.cosyvoice2.quant import quantize_lm
 from voicebot.tts.cosyvoice2.sampling import RasSampler
 from voicebot.tts.cosyvoice2.speech_job import PlaybackClock, SpeechJob
-from voicebot.tts.cosyvoice2.token2wav import ChunkRequest, Token2Wav, Token2WavStream
+from voicebot.tts.cosyvoice2.token2wav import Token2Wav
+from voicebot.tts.cosyvoice2.token2wav_stream import ChunkRequest, Token2WavStream
 from voicebot.tts.cosyvoice2.voice_prompts import VoicePrompts, flow_prompt
 from voicebot.tts.cosyvoice2.voices import Voice, VoiceLibrary
 
