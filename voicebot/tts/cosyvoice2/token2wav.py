@@ -137,11 +137,12 @@ class Token2Wav:
         chunks padded to the longest; eager, their sum."""
         hop = self.schedule.hop_tokens or self.flow.encoder.chunk_size
         first_frames = (2 * hop - 1 + self.flow.pre_lookahead_len) * self.flow.token_mel_ratio
-        longest = self._frames_s(self.max_chunk_frames)
-        return AudioBudget(ChunkRequest.audio_s, max(self.max_render_streams * self._frames_s(first_frames), longest),
+        longest = self.frames_s(self.max_chunk_frames)
+        return AudioBudget(ChunkRequest.audio_s, max(self.max_render_streams * self.frames_s(first_frames), longest),
                            longest, padded=self.window_flow is not None)
 
-    def _frames_s(self, frames: int) -> float:
+    def frames_s(self, frames: int) -> float:
+        """The seconds of audio `frames` mel frames make."""
         return frames * self.hift.samples_per_frame / SAMPLE_RATE
 
     def capture_graphs(self) -> int:

@@ -8,19 +8,16 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Literal
+from typing import Iterable, Literal, Protocol
 
 import torch
 from torch import Tensor
 
 from voicebot.tts.cosyvoice2.chunk_vocoder import ChunkVocoder
-from voicebot.tts.cosyvoice2.flow import FlowCache, FlowRequest
+from voicebot.tts.cosyvoice2.flow import Flow, FlowCache, FlowRequest
 from voicebot.tts.cosyvoice2.flow_window import SlotState, WindowRequest
-from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFTStream
+from voicebot.tts.cosyvoice2.hift import DecodeJob, HiFT, HiFTStream
 from voicebot.tts.cosyvoice2.sampling import host_to_device
-
-if TYPE_CHECKING:
-    from voicebot.tts.cosyvoice2.token2wav import Token2Wav
 
 
 @dataclass(frozen=True)
@@ -54,6 +51,22 @@ Mode = Literal["recompute", "exact", "fast"]
 MODES: tuple[Mode, ...] = ("recompute", "exact", "fast")
 
 
+class Renderer(Protocol):
+    """What a stream asks of the Token2Wav it renders on (token2wav.py): the models, the schedule
+    and window it follows, its first flow state, its renders."""
+
+    flow: Flow
+    hift: HiFT
+    schedule: StreamSchedule
+    flow_left_chunks: int
+
+    def stream_state(self, prompt: FlowPrompt) -> FlowCache | SlotState: ...
+
+    def render(self, requests: list[ChunkRequest]) -> list[Tensor]: ...
+
+    def frames_s(self, frames: int) -> float: ...
+
+
 @dataclass(eq=False)
 class ChunkRequest:
     """A stream's next chunk, from `Token2WavStream.next_chunk`, for `Token2Wav.render`: its first
@@ -68,7 +81,7 @@ class ChunkRequest:
     def audio_s(self) -> float:
         """The seconds of audio this chunk computes: its tokens past the offset, lookahead included."""
         t2w = self.stream.t2w
-        return t2w._frames_s((self.n_tokens - self.offset) * t2w.flow.token_mel_ratio)
+        return t2w.frames_s((self.n_tokens - self.offset) * t2w.flow.token_mel_ratio)
 
 
 class Token2WavStream:
@@ -77,7 +90,7 @@ class Token2WavStream:
     batches streams: `add` tokens, `end` when the LM has stopped, and pass `next_chunk()` (when not
     None) to `Token2Wav.render` with other streams' chunks. Chunks are (1, n) float32."""
 
-    def __init__(self, t2w: Token2Wav, prompt: FlowPrompt, zero_noise: bool, generator: torch.Generator | None,
+    def __init__(self, t2w: Renderer, prompt: FlowPrompt, zero_noise: bool, generator: torch.Generator | None,
                  mode: Mode = "exact") -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
