@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -47,16 +46,16 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py)
 
-from bench.latency import grammar, pct  # noqa: E402
+from bench.latency import pct  # noqa: E402
 from bench.live_speakers import ClientRun as VoiceRun  # noqa: E402
-from bench.live_speakers import capacity_view, cpu_s, histogram_quantile, live_client, metric_samples, start_server  # noqa: E402
+from bench.live_speakers import (  # noqa: E402
+    TURNS, bench_config, capacity_view, cpu_s, histogram_quantile, live_client, metric_samples, rendered_turns, start_server)
 from tests.audio import to_pcm16  # noqa: E402
-from tests.turn_set import RenderedTurn, render_all, turn_set  # noqa: E402
+from tests.turn_set import RenderedTurn  # noqa: E402
 
 RATE = 16000
 # funasr_wss_client.py: a chunk of 60 * chunk_size[1] / chunk_interval ms, sent every as many ms.
@@ -64,10 +63,8 @@ CHUNK_SIZE, CHUNK_INTERVAL = [5, 10, 5], 10
 CHUNK_S = 60 * CHUNK_SIZE[1] / CHUNK_INTERVAL / 1000
 LEAD_S = 0.4  # silence before the first turn
 GAP_S = 1.5  # silence after each turn: the endpointer's 0.5 s and the final's way back
-TURNS = 2
 CONNECT_SPREAD_S = 0.05
 END_WAIT_S = 30.0  # after is_end, at most this long for the final result
-DISTINCT_TURNS = 8
 
 
 @dataclass
@@ -244,16 +241,8 @@ def main() -> None:
     parser.add_argument("--ref", type=Path, help="another checkout, run the same way after this one")
     args = parser.parse_args()
 
-    t0 = time.monotonic()
-    items = [item for item in turn_set(args.voice) if item.language == "en" and not item.paused]
-    random.Random(7).shuffle(items)
-    rendered = render_all(items[:DISTINCT_TURNS], voice=args.voice)
-    print(f"{len(rendered)} complete English turns ({args.voice}) rendered in {time.monotonic() - t0:.0f} s; "
-          f"{TURNS} per client, {CHUNK_S * 1000:.0f} ms chunks in real time", flush=True)
-    config = yaml.safe_load(Path(args.config).read_text())
-    config.setdefault("server", {})["max_sessions"] = max(max(args.clients) + args.beside, config["server"].get("max_sessions", 20))
-    if not args.lm and config.get("asr", {}).get("engine", "pocketsphinx") == "pocketsphinx":
-        config.setdefault("asr", {}).setdefault("pocketsphinx", {})["phrases"] = grammar(rendered)
+    rendered = rendered_turns(args.voice, CHUNK_S)
+    config = bench_config(Path(args.config), max(args.clients) + args.beside, args.lm, rendered)
 
     runs = {"this": measure(ROOT, config, args.clients, args.beside, rendered, "this")}
     if args.ref:

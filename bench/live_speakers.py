@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +57,7 @@ import _repo  # noqa: F401  (this checkout's root on sys.path: bench/__init__.py
 
 from bench.latency import Client, TurnResult, grammar, pct, speak  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
-from tests.turn_set import render_all, turn_set  # noqa: E402
+from tests.turn_set import RenderedTurn, render_all, turn_set  # noqa: E402
 from voicebot.config import load_settings  # noqa: E402
 
 RATE = 16000
@@ -296,6 +295,28 @@ def describe(row: Row) -> dict[str, str]:
     }
 
 
+def rendered_turns(voice: str, chunk_s: float) -> list[RenderedTurn]:
+    """DISTINCT_TURNS complete English turns of the turn set in `voice`, shuffled the same way each
+    run; the clients cycle over them, TURNS each."""
+    t0 = time.monotonic()
+    items = [item for item in turn_set(voice) if item.language == "en" and not item.paused]
+    random.Random(7).shuffle(items)
+    rendered = render_all(items[:DISTINCT_TURNS], voice=voice)
+    print(f"{len(rendered)} complete English turns ({voice}) rendered in {time.monotonic() - t0:.0f} s; "
+          f"{TURNS} per client, {chunk_s * 1000:.0f} ms chunks in real time", flush=True)
+    return rendered
+
+
+def bench_config(path: Path, sessions: int, lm: bool, rendered: list[RenderedTurn]) -> dict:
+    """The config at `path`, room for `sessions`, and pocketsphinx (unless `lm`: its general English
+    model) on a grammar of the turns' words."""
+    config = yaml.safe_load(path.read_text())
+    config.setdefault("server", {})["max_sessions"] = max(sessions, config["server"].get("max_sessions", 20))
+    if not lm and config.get("asr", {}).get("engine", "pocketsphinx") == "pocketsphinx":
+        config.setdefault("asr", {}).setdefault("pocketsphinx", {})["phrases"] = grammar(rendered)
+    return config
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
@@ -305,16 +326,8 @@ def main() -> None:
     parser.add_argument("--ref", type=Path, help="another checkout, run the same way after this one")
     args = parser.parse_args()
 
-    t0 = time.monotonic()
-    items = [item for item in turn_set(args.voice) if item.language == "en" and not item.paused]
-    random.Random(7).shuffle(items)
-    rendered = render_all(items[:DISTINCT_TURNS], voice=args.voice)
-    print(f"{len(rendered)} complete English turns ({args.voice}) rendered in {time.monotonic() - t0:.0f} s; "
-          f"{TURNS} per client, 20 ms chunks in real time", flush=True)
-    config = yaml.safe_load(Path(args.config).read_text())
-    config.setdefault("server", {})["max_sessions"] = max(max(args.clients), config["server"].get("max_sessions", 20))
-    if not args.lm and config.get("asr", {}).get("engine", "pocketsphinx") == "pocketsphinx":
-        config.setdefault("asr", {}).setdefault("pocketsphinx", {})["phrases"] = grammar(rendered)
+    rendered = rendered_turns(args.voice, CHUNK_S)
+    config = bench_config(Path(args.config), max(args.clients), args.lm, rendered)
 
     runs = {"this": measure(ROOT, config, args.clients, rendered, "this")}
     if args.ref:

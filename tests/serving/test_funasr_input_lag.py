@@ -96,6 +96,22 @@ def test_a_funasr_stream_keeps_to_the_wall_clock_while_six_sessions_load_the_poo
     assert results[-1]["is_final"] and "error" not in results[-1]
 
 
+def held_vad(server) -> tuple[threading.Event, threading.Event]:
+    """(stall, release): once `stall` is set, the server's VAD batcher waits in its next step until
+    `release` is."""
+    stall, release = threading.Event(), threading.Event()
+    batcher = server.runtime.vad
+    call = batcher._call
+
+    def held(requests):
+        if stall.is_set() and not release.is_set():
+            release.wait()
+        return call(requests)
+
+    batcher._call = held  # an instance attribute: what the batcher's thread calls for each step
+    return stall, release
+
+
 def test_a_funasr_stream_behind_a_stalled_vad_is_counted_late_and_catches_up_in_one_trip(monkeypatch):
     """The VAD batcher (the /funasr segmenter's Silero) held for STALL_S while the probe speaks:
     the messages that arrived meanwhile are counted late from their arrival (admission sees it),
@@ -110,17 +126,8 @@ def test_a_funasr_stream_behind_a_stalled_vad_is_counted_late_and_catches_up_in_
         return out
 
     monkeypatch.setattr(FunasrSession, "on_audio", recorded)
-    stall, release = threading.Event(), threading.Event()
     with running_server(make_settings()) as server:
-        batcher = server.runtime.vad
-        call = batcher._call
-
-        def held(requests):
-            if stall.is_set() and not release.is_set():
-                release.wait()
-            return call(requests)
-
-        batcher._call = held  # an instance attribute: what the batcher's thread calls for each step
+        stall, release = held_vad(server)
         probe = bytes(int(RATE * 1.0) * 2) + speech_pcm(TEST_PHRASES[2], lead_s=0.2, tail_s=1.5)
 
         def at_chunk(k: int) -> None:
@@ -149,17 +156,8 @@ def test_what_a_client_sent_before_going_away_is_heard_or_counted_as_dropped(mon
     """The VAD held on a client's first message while it sends the rest of 1.2 s of audio and goes
     away: the message in its trip is heard, every one waiting behind it is counted as dropped
     (client_gone), none twice."""
-    stall, release = threading.Event(), threading.Event()
     with running_server(make_settings()) as server:
-        batcher = server.runtime.vad
-        call = batcher._call
-
-        def held(requests):
-            if stall.is_set() and not release.is_set():
-                release.wait()
-            return call(requests)
-
-        batcher._call = held
+        stall, release = held_vad(server)
         url = server.ws_url.replace("/v1/voice", "/funasr")
         pcm = speech_pcm(TEST_PHRASES[0], lead_s=0.2, tail_s=0.5)[: 20 * CHUNK_BYTES]
 
