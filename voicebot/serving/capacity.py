@@ -60,7 +60,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from voicebot.serving.lateness import LATE_SESSIONS, LATE_SHARE, WINDOW_S, InputLag, LagLevels, LateLevels
+from voicebot.serving.lateness import LATE_SESSIONS, LATE_SHARE, WINDOW_S, Connected, InputLag, LagLevels, LateLevels
 
 SAMPLE_S = 0.5
 # How fast a level's load follows a new measurement (per sample): about 20 s to settle.
@@ -261,8 +261,9 @@ class Admission:
         self.pools = [PoolLoad(w, clock) for w in workers]
         self.max_load = max_load
         self.lag = lag or InputLag(float("inf"), clock=clock)
-        self.late_levels = LateLevels(self.lag, clock)
-        self.lag_levels = LagLevels(self.lag, clock)
+        self.connected = Connected(clock)  # the numbers of sessions the two levels learn at
+        self.late_levels = LateLevels(self.lag, self.connected, clock)
+        self.lag_levels = LagLevels(self.lag, self.connected, clock)
         self._gil_threads = gil_threads  # besides the loop's: watched with it (`watch`)
         self.cold_start_sessions = cold_start_sessions
         self._admitted: deque[float] = deque(maxlen=ADMISSIONS_MAX)  # when each recent session was let in
@@ -272,8 +273,9 @@ class Admission:
 
     def sample(self, sessions: int) -> None:
         loads = [pool.sample(sessions) for pool in self.pools]
-        self.late_levels.sample(sessions)
-        self.lag_levels.sample(sessions, max(loads, default=0.0))
+        self.connected.sample(sessions)
+        self.late_levels.sample()
+        self.lag_levels.sample(max(loads, default=0.0))
 
     def admitted(self) -> None:
         """A session was let in: until the window holds its load, it is counted at its pools' cost."""

@@ -128,24 +128,23 @@ class InputLag:
 class Connected:
     """The numbers of sessions connected over the last WINDOW_S, one per sample, and since when some
     have been: the levels below learn only from a whole window with sessions in it (a session's
-    start-up, or a window mostly empty, says nothing of what that many cost)."""
+    start-up, or a window mostly empty, says nothing of what that many cost). One for both levels,
+    sampled by admission before them (capacity.py, Admission.sample). Bound: a window of samples."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._counts: deque[tuple[float, int]] = deque()  # (when, sessions)
         self._since: float | None = None  # when the sessions connected last went from none to some
+        self.whole = False  # some have been connected for a whole window, as of the last sample
 
-    def sample(self, sessions: int) -> bool:
-        """Count them now; whether some have been connected for a whole window."""
+    def sample(self, sessions: int) -> None:
+        """Count them now."""
         now = self._clock()
         self._counts.append((now, sessions))
         while self._counts[0][0] < now - WINDOW_S:
             self._counts.popleft()
-        if not sessions:
-            self._since = None
-            return False
-        self._since = now if self._since is None else self._since
-        return self._since <= now - WINDOW_S
+        self._since = None if not sessions else now if self._since is None else self._since
+        self.whole = self._since is not None and self._since <= now - WINDOW_S
 
     def most(self) -> int:
         return max(n for _, n in self._counts)
@@ -158,14 +157,15 @@ class LateLevels:
     """The numbers of sessions connected over whole windows the input was late in (see the module
     doc), and when each was last late."""
 
-    def __init__(self, lag: InputLag, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, lag: InputLag, connected: Connected, clock: Callable[[], float] = time.monotonic) -> None:
         self.lag = lag
         self._clock = clock
-        self._connected = Connected(clock)
+        self._connected = connected
         self.late: dict[int, tuple[float, str]] = {}  # sessions -> (when last late, the pool most late)
 
-    def sample(self, sessions: int) -> None:
-        if not self._connected.sample(sessions):
+    def sample(self) -> None:
+        """Learn from the last window (`connected` sampled just before)."""
+        if not self._connected.whole:
             return  # not a whole window with sessions in it yet
         # The most connected in the window: its late chunks may be from before some left.
         level = self._connected.most()
@@ -220,19 +220,20 @@ class LagLevels:
     across a change (eight late, then four on time) would pair the tail of the one with the mean
     of both, a lag too high for a load too low."""
 
-    def __init__(self, lag: InputLag, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, lag: InputLag, connected: Connected, clock: Callable[[], float] = time.monotonic) -> None:
         self.lag = lag
         self._clock = clock
-        self._connected = Connected(clock)
+        self._connected = connected
         self.levels: dict[int, LagLevel] = {}
         # The most sessions connected throughout a whole window whose lag was measured (steady or
         # not): admission's cold start paces a burst beyond it.
         self.measured = 0
 
-    def sample(self, sessions: int, busiest_load: float) -> None:
-        """Learn from the last window: the lag's p95 and `busiest_load`, the most any pool was busy
-        over it. Not from a pool full (load 1: a queue that grows has no p95 to learn from)."""
-        if not self._connected.sample(sessions):
+    def sample(self, busiest_load: float) -> None:
+        """Learn from the last window (`connected` sampled just before): the lag's p95 and
+        `busiest_load`, the most any pool was busy over it. Not from a pool full (load 1: a queue
+        that grows has no p95 to learn from)."""
+        if not self._connected.whole:
             return
         if (p95 := self.lag.shared_p95()) is None:
             return  # fewer than LATE_SESSIONS sessions sent audio
